@@ -1,0 +1,83 @@
+"""CacheSpec: the plain data a model family returns to say what state each layer owns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import LayerCache
+from .chunked import ChunkedCache
+from .kv import KVCache
+from .modes import NATIVE, layer_modes
+from .recurrent import StateCache
+from .rotating import DEFAULT_SLACK, SlidingWindowCache
+
+FULL, SLIDING, CHUNKED, RECURRENT = "full", "sliding", "chunked", "recurrent"
+ATTENTION_KINDS = (FULL, SLIDING, CHUNKED)
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    kind: str
+    heads: int = 0
+    head_dim: int = 0
+    window: int = 0                                       # sliding
+    chunk: int = 0                                        # chunked
+    fields: tuple[tuple[str, tuple[int, ...]], ...] = ()  # recurrent: (name, shape) pairs
+
+    @property
+    def is_attention(self) -> bool:
+        return self.kind in ATTENTION_KINDS
+
+    def describe(self) -> str:
+        if self.kind == SLIDING:
+            return f"sliding(window={self.window})"
+        if self.kind == CHUNKED:
+            return f"chunked(chunk={self.chunk})"
+        if self.kind == RECURRENT:
+            return "recurrent(" + ", ".join(name for name, _ in self.fields) + ")"
+        return "full"
+
+
+def full(heads: int, head_dim: int) -> CacheSpec:
+    return CacheSpec(FULL, heads, head_dim)
+
+
+def sliding(heads: int, head_dim: int, window: int) -> CacheSpec:
+    return CacheSpec(SLIDING, heads, head_dim, window=window)
+
+
+def chunked(heads: int, head_dim: int, chunk: int) -> CacheSpec:
+    return CacheSpec(CHUNKED, heads, head_dim, chunk=chunk)
+
+
+def recurrent(**fields: tuple[int, ...]) -> CacheSpec:
+    return CacheSpec(RECURRENT, fields=tuple((k, tuple(v)) for k, v in fields.items()))
+
+
+def all_trimmable(specs: list[CacheSpec]) -> bool:
+    """True when every layer can be truncated to any earlier length (only full attention can)."""
+    return all(s.kind == FULL for s in specs)
+
+
+def default_modes(specs: list[CacheSpec], mode: str = NATIVE, boundary_layers: int = 0) -> list[str]:
+    return layer_modes([s.is_attention for s in specs], mode, boundary_layers)
+
+
+def make_caches(specs: list[CacheSpec], dtype: torch.dtype = torch.float32, device="cpu",
+                modes: list[str] | None = None, slack: int = DEFAULT_SLACK) -> list[LayerCache]:
+    modes = modes or [NATIVE] * len(specs)
+    caches: list[LayerCache] = []
+    for spec, mode in zip(specs, modes, strict=True):
+        if spec.kind == FULL:
+            caches.append(KVCache(spec.heads, spec.head_dim, dtype, device, mode))
+        elif spec.kind == SLIDING:
+            caches.append(SlidingWindowCache(spec.heads, spec.head_dim, spec.window, slack, dtype, device, mode))
+        elif spec.kind == CHUNKED:
+            caches.append(ChunkedCache(spec.heads, spec.head_dim, spec.chunk, dtype, device, mode))
+        elif spec.kind == RECURRENT:
+            caches.append(StateCache(dict(spec.fields), dtype, device))
+        else:
+            raise ValueError(f"unknown cache kind {spec.kind!r}")
+    return caches

@@ -1,0 +1,143 @@
+"""What every model family shares: the Model interface and small pure helpers (RoPE, norms, attention).
+
+A family file has the same shape every time: ``ModelArgs`` (built from an HF-style config dict),
+attention, MLP, block, model, ``cache_specs()``. Families import these helpers; nothing inherits
+behaviour beyond the ``Model`` interface.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache.specs import CacheSpec
+
+
+@dataclass
+class BaseArgs:
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]):
+        """Build from an HF config dict, ignoring keys the family does not use."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in config.items() if k in names})
+
+
+class Model(nn.Module, ABC):
+    family: ClassVar[str]
+
+    @abstractmethod
+    def cache_specs(self) -> list[CacheSpec]: ...
+
+    @abstractmethod
+    def forward(self, tokens: torch.Tensor, caches: list, logits: str = "last") -> torch.Tensor | None:
+        """Consume ``tokens`` ([T] int64) at the caches' offset. ``logits``: "last" -> [V] for the
+        last token, "all" -> [T, V], "none" -> None (a prefill chunk that is not the last)."""
+
+    @classmethod
+    @abstractmethod
+    def from_checkpoint(cls, config: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> "Model": ...
+
+    @property
+    def vocab_size(self) -> int:
+        return self.args.vocab_size
+
+
+class MissingWeight(KeyError):
+    pass
+
+
+def take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    try:
+        return tensors[name]
+    except KeyError:
+        raise MissingWeight(f"checkpoint has no tensor {name!r}") from None
+
+
+def param(t: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(t.to(dtype).contiguous(), requires_grad=False)
+
+
+# --- RoPE -----------------------------------------------------------------------------------------
+
+class Rope:
+    """Rotary embedding tables, computed as transformers computes them (float32, then cast) and
+    grown geometrically as positions advance."""
+
+    def __init__(self, head_dim: int, base: float, dtype: torch.dtype, device="cpu",
+                 inv_freq: torch.Tensor | None = None, attention_scaling: float = 1.0):
+        if inv_freq is None:
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.inv_freq = inv_freq.to(device)
+        self.scaling = attention_scaling
+        self.dtype, self.device = dtype, device
+        self.cos = self.sin = torch.empty(0, head_dim, dtype=dtype)
+        self._grow(256)
+
+    def _grow(self, n: int) -> None:
+        pos = torch.arange(n, dtype=torch.float32, device=self.device)
+        freqs = pos[:, None] * self.inv_freq[None, :].float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * self.scaling).to(self.dtype)
+        self.sin = (emb.sin() * self.scaling).to(self.dtype)
+
+    def table(self, offset: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if offset + T > self.cos.shape[0]:
+            n = self.cos.shape[0]
+            while n < offset + T:
+                n *= 2
+            self._grow(n)
+        return self.cos[offset:offset + T], self.sin[offset:offset + T]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [heads, T, D]; cos/sin: [T, D]."""
+    return x * cos + rotate_half(x) * sin
+
+
+# --- attention --------------------------------------------------------------------------------------
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              scale: float, softcap: float | None = None) -> torch.Tensor:
+    """q: [Hq, T, D], k/v: [Hk, S, D] (grouped-query allowed), mask: [T, S] bool or None.
+    Returns [T, Hq * D]."""
+    Hq, T, D = q.shape
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
+                                             enable_gqa=k.shape[0] != Hq)[0]
+    else:
+        rep = Hq // k.shape[0]
+        k = k.repeat_interleave(rep, 0) if rep > 1 else k
+        v = v.repeat_interleave(rep, 0) if rep > 1 else v
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
+    return out.transpose(0, 1).reshape(T, Hq * D)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def default_head_dim(hidden: int, heads: int) -> int:
+    return hidden // heads
+
+
+def sqrt(x: float) -> float:
+    return math.sqrt(x)

@@ -1,0 +1,150 @@
+"""Gemma 3 (text): sliding-window attention on local layers, full attention on every
+``sliding_window_pattern``-th layer, QK-norm, sandwich norms, scaled embeddings, GELU-tanh MLP."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache import specs
+from .base import BaseArgs, Model, Rope, apply_rope, attention, gelu_tanh, param, rms_norm, take
+from .rope_config import inv_freq_for, rope_params
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@dataclass
+class ModelArgs(BaseArgs):
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: int = 1
+    head_dim: int = 256
+    rms_norm_eps: float = 1e-6
+    sliding_window: int = 4096
+    layer_types: list | None = None
+    sliding_window_pattern: int = 6
+    query_pre_attn_scalar: float = 256
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
+    hidden_activation: str = "gelu_pytorch_tanh"
+
+    def __post_init__(self):
+        if not self.layer_types:
+            n = self.sliding_window_pattern
+            self.layer_types = [FULL if (i + 1) % n == 0 else SLIDING for i in range(self.num_hidden_layers)]
+
+
+def _norm_weight(t: torch.Tensor, dtype) -> nn.Parameter:
+    # Gemma scales by (1 + w); fold the 1 in once at load time.
+    return param(1.0 + t.float(), dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, p: str, dtype, sliding: bool):
+        super().__init__()
+        self.hq, self.hk, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        self.scale = a.query_pre_attn_scalar ** -0.5
+        self.softcap = a.attn_logit_softcapping
+        self.eps = a.rms_norm_eps
+        self.sliding = sliding
+        self.wqkv = param(torch.cat([take(t, f"{p}.q_proj.weight"), take(t, f"{p}.k_proj.weight"),
+                                     take(t, f"{p}.v_proj.weight")]), dtype)
+        self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
+        self.q_norm = _norm_weight(take(t, f"{p}.q_norm.weight"), dtype)
+        self.k_norm = _norm_weight(take(t, f"{p}.k_norm.weight"), dtype)
+
+    def forward(self, x, cache, cos, sin):
+        T = x.shape[0]
+        qkv = F.linear(x, self.wqkv).view(T, self.hq + 2 * self.hk, self.d).transpose(0, 1)
+        q = apply_rope(rms_norm(qkv[: self.hq], self.q_norm, self.eps), cos, sin)
+        k = apply_rope(rms_norm(qkv[self.hq: self.hq + self.hk], self.k_norm, self.eps), cos, sin)
+        keys, values, mask = cache.update_and_fetch(k, qkv[self.hq + self.hk:])
+        return F.linear(attention(q, keys, values, mask, self.scale, self.softcap), self.wo)
+
+
+class MLP(nn.Module):
+    def __init__(self, t: dict, p: str, dtype):
+        super().__init__()
+        self.wgu = param(torch.cat([take(t, f"{p}.gate_proj.weight"), take(t, f"{p}.up_proj.weight")]), dtype)
+        self.wdown = param(take(t, f"{p}.down_proj.weight"), dtype)
+
+    def forward(self, x):
+        g, u = F.linear(x, self.wgu).chunk(2, dim=-1)
+        return F.linear(gelu_tanh(g) * u, self.wdown)
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
+        super().__init__()
+        p = f"model.layers.{i}"
+        self.eps = a.rms_norm_eps
+        self.sliding = a.layer_types[i] == SLIDING
+        self.ln_in = _norm_weight(take(t, f"{p}.input_layernorm.weight"), dtype)
+        self.ln_post_attn = _norm_weight(take(t, f"{p}.post_attention_layernorm.weight"), dtype)
+        self.ln_pre_ff = _norm_weight(take(t, f"{p}.pre_feedforward_layernorm.weight"), dtype)
+        self.ln_post_ff = _norm_weight(take(t, f"{p}.post_feedforward_layernorm.weight"), dtype)
+        self.attn = Attention(a, t, f"{p}.self_attn", dtype, self.sliding)
+        self.mlp = MLP(t, f"{p}.mlp", dtype)
+
+    def forward(self, x, cache, cos, sin):
+        h = self.attn.forward(rms_norm(x, self.ln_in, self.eps), cache, cos, sin)
+        x = x + rms_norm(h, self.ln_post_attn, self.eps)
+        h = self.mlp.forward(rms_norm(x, self.ln_pre_ff, self.eps))
+        return x + rms_norm(h, self.ln_post_ff, self.eps)
+
+
+class Gemma3Model(Model):
+    family = "gemma3"
+
+    def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
+        super().__init__()
+        self.args, self.dtype = args, dtype
+        self.embed = param(take(tensors, "model.embed_tokens.weight"), dtype)
+        self.embed_scale = torch.tensor(args.hidden_size ** 0.5).to(dtype)
+        self.layers = nn.ModuleList(Block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
+        self.norm = _norm_weight(take(tensors, "model.norm.weight"), dtype)
+        head = tensors.get("lm_head.weight")
+        self.lm_head = self.embed if head is None else param(head, dtype)
+        self.rope_global = self._rope(config, FULL, default_theta=1_000_000.0)
+        self.rope_local = self._rope(config, SLIDING, default_theta=config.get("rope_local_base_freq", 10_000.0))
+
+    def _rope(self, config: dict, layer_type: str, default_theta: float) -> Rope:
+        params = rope_params(config, layer_type)
+        if "rope_parameters" not in config or layer_type not in (config.get("rope_parameters") or {}):
+            if layer_type == SLIDING:
+                params = {"rope_theta": default_theta, "rope_type": "default"}
+        inv_freq, scaling = inv_freq_for(params, self.args.head_dim)
+        return Rope(self.args.head_dim, 0.0, self.dtype, inv_freq=inv_freq, attention_scaling=scaling)
+
+    @classmethod
+    def from_checkpoint(cls, config, tensors, dtype):
+        return cls(ModelArgs.from_dict(config), config, tensors, dtype)
+
+    def cache_specs(self):
+        a = self.args
+        return [specs.sliding(a.num_key_value_heads, a.head_dim, a.sliding_window) if lt == SLIDING
+                else specs.full(a.num_key_value_heads, a.head_dim) for lt in a.layer_types]
+
+    def forward(self, tokens, caches, logits="last"):
+        T = tokens.shape[0]
+        offset = caches[0].offset
+        rope_g, rope_l = self.rope_global.table(offset, T), self.rope_local.table(offset, T)
+        x = F.embedding(tokens, self.embed) * self.embed_scale
+        for layer, cache in zip(self.layers, caches):
+            cos, sin = rope_l if layer.sliding else rope_g
+            x = layer.forward(x, cache, cos, sin)
+        if logits == "none":
+            return None
+        if logits == "last":
+            x = x[-1:]
+        out = F.linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
+        cap = self.args.final_logit_softcapping
+        if cap is not None:
+            out = torch.tanh(out / cap) * cap
+        return out[0] if logits == "last" else out

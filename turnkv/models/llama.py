@@ -1,0 +1,117 @@
+"""Llama (SmolLM2 and friends): full attention on every layer, fused QKV and gate/up projections."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache import specs
+from .base import BaseArgs, Model, Rope, apply_rope, attention, param, rms_norm, take
+from .rope_config import inv_freq_for, rope_params
+
+
+@dataclass
+class ModelArgs(BaseArgs):
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
+        super().__init__()
+        self.hq, self.hk, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        self.scale = self.d ** -0.5
+        self.wqkv = param(torch.cat([take(t, f"{p}.q_proj.weight"), take(t, f"{p}.k_proj.weight"),
+                                     take(t, f"{p}.v_proj.weight")]), dtype)
+        self.bqkv = (param(torch.cat([take(t, f"{p}.q_proj.bias"), take(t, f"{p}.k_proj.bias"),
+                                      take(t, f"{p}.v_proj.bias")]), dtype) if a.attention_bias else None)
+        self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
+        self.bo = param(take(t, f"{p}.o_proj.bias"), dtype) if a.attention_bias else None
+
+    def forward(self, x, cache, cos, sin):
+        T = x.shape[0]
+        qkv = F.linear(x, self.wqkv, self.bqkv).view(T, self.hq + 2 * self.hk, self.d).transpose(0, 1)
+        qk = apply_rope(qkv[: self.hq + self.hk], cos, sin)
+        keys, values, mask = cache.update_and_fetch(qk[self.hq:], qkv[self.hq + self.hk:])
+        return F.linear(attention(qk[: self.hq], keys, values, mask, self.scale), self.wo, self.bo)
+
+
+class MLP(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
+        super().__init__()
+        self.wgu = param(torch.cat([take(t, f"{p}.gate_proj.weight"), take(t, f"{p}.up_proj.weight")]), dtype)
+        self.wdown = param(take(t, f"{p}.down_proj.weight"), dtype)
+        self.bgu = (param(torch.cat([take(t, f"{p}.gate_proj.bias"), take(t, f"{p}.up_proj.bias")]), dtype)
+                    if a.mlp_bias else None)
+        self.bdown = param(take(t, f"{p}.down_proj.bias"), dtype) if a.mlp_bias else None
+
+    def forward(self, x):
+        g, u = F.linear(x, self.wgu, self.bgu).chunk(2, dim=-1)
+        return F.linear(F.silu(g) * u, self.wdown, self.bdown)
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
+        super().__init__()
+        p = f"model.layers.{i}"
+        self.eps = a.rms_norm_eps
+        self.ln_attn = param(take(t, f"{p}.input_layernorm.weight"), dtype)
+        self.ln_mlp = param(take(t, f"{p}.post_attention_layernorm.weight"), dtype)
+        self.attn = Attention(a, t, f"{p}.self_attn", dtype)
+        self.mlp = MLP(a, t, f"{p}.mlp", dtype)
+
+    def forward(self, x, cache, cos, sin):
+        x = x + self.attn.forward(rms_norm(x, self.ln_attn, self.eps), cache, cos, sin)
+        return x + self.mlp.forward(rms_norm(x, self.ln_mlp, self.eps))
+
+
+class LlamaModel(Model):
+    family = "llama"
+
+    def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
+        super().__init__()
+        self.args, self.dtype = args, dtype
+        self.embed = param(take(tensors, "model.embed_tokens.weight"), dtype)
+        self.layers = nn.ModuleList(Block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
+        self.norm = param(take(tensors, "model.norm.weight"), dtype)
+        head = tensors.get("lm_head.weight")
+        self.lm_head = self.embed if head is None or args.tie_word_embeddings else param(head, dtype)
+        inv_freq, scaling = inv_freq_for(rope_params(config), args.head_dim)
+        self.rope = Rope(args.head_dim, 0.0, dtype, inv_freq=inv_freq, attention_scaling=scaling)
+
+    @classmethod
+    def from_checkpoint(cls, config, tensors, dtype):
+        return cls(ModelArgs.from_dict(config), config, tensors, dtype)
+
+    def cache_specs(self):
+        a = self.args
+        return [specs.full(a.num_key_value_heads, a.head_dim) for _ in range(a.num_hidden_layers)]
+
+    def forward(self, tokens, caches, logits="last"):
+        T = tokens.shape[0]
+        cos, sin = self.rope.table(caches[0].offset, T)
+        x = F.embedding(tokens, self.embed)
+        for layer, cache in zip(self.layers, caches):
+            x = layer.forward(x, cache, cos, sin)
+        if logits == "none":
+            return None
+        if logits == "last":
+            x = x[-1:]
+        out = F.linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
+        return out[0] if logits == "last" else out

@@ -1,0 +1,48 @@
+"""Read RoPE settings from an HF config dict (transformers 4.x ``rope_theta``/``rope_scaling`` or
+5.x ``rope_parameters``, possibly per layer type)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def rope_params(config: dict[str, Any], layer_type: str | None = None) -> dict[str, Any]:
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and layer_type is not None and layer_type in params:
+        params = params[layer_type]
+    out: dict[str, Any] = {}
+    if isinstance(params, dict) and "rope_theta" in params:
+        out.update(params)
+    else:
+        scaling = config.get("rope_scaling") or {}
+        out.update(scaling)
+        out["rope_theta"] = config.get("rope_theta", 10000.0)
+    out.setdefault("rope_type", out.get("type", "default") or "default")
+    return out
+
+
+def inv_freq_for(params: dict[str, Any], head_dim: int, partial_rotary_factor: float = 1.0) -> tuple[torch.Tensor, float]:
+    """inv_freq and attention scaling as transformers' rope init functions compute them."""
+    dim = int(head_dim * partial_rotary_factor)
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    kind = params.get("rope_type", "default")
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / float(params["factor"]), 1.0
+    if kind == "llama3":
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        old = float(params["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old / low, old / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    raise ValueError(f"unsupported rope_type {kind!r}")
