@@ -127,6 +127,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return out.transpose(0, 1).reshape(T, Hq * D)
 
 
+def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+    """Every projection goes through here, so weight formats (float, bf16, weight-only int8) can
+    change in one place."""
+    return F.linear(x, w, b)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
-from .base import BaseArgs, Model, Rope, apply_rope, attention, gelu_tanh, param, rms_norm, take
+from .base import BaseArgs, Model, Rope, apply_rope, attention, linear, gelu_tanh, param, rms_norm, take
 from .rope_config import inv_freq_for, rope_params
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -61,11 +61,11 @@ class Attention(nn.Module):
 
     def forward(self, x, cache, cos, sin):
         T = x.shape[0]
-        qkv = F.linear(x, self.wqkv).view(T, self.hq + 2 * self.hk, self.d).transpose(0, 1)
+        qkv = linear(x, self.wqkv).view(T, self.hq + 2 * self.hk, self.d).transpose(0, 1)
         q = apply_rope(rms_norm(qkv[: self.hq], self.q_norm, self.eps), cos, sin)
         k = apply_rope(rms_norm(qkv[self.hq: self.hq + self.hk], self.k_norm, self.eps), cos, sin)
         keys, values, mask = cache.update_and_fetch(k, qkv[self.hq + self.hk:])
-        return F.linear(attention(q, keys, values, mask, self.scale, self.softcap), self.wo)
+        return linear(attention(q, keys, values, mask, self.scale, self.softcap), self.wo)
 
 
 class MLP(nn.Module):
@@ -75,8 +75,8 @@ class MLP(nn.Module):
         self.wdown = param(take(t, f"{p}.down_proj.weight"), dtype)
 
     def forward(self, x):
-        g, u = F.linear(x, self.wgu).chunk(2, dim=-1)
-        return F.linear(gelu_tanh(g) * u, self.wdown)
+        g, u = linear(x, self.wgu).chunk(2, dim=-1)
+        return linear(gelu_tanh(g) * u, self.wdown)
 
 
 class Block(nn.Module):
@@ -143,7 +143,7 @@ class Gemma3Model(Model):
             return None
         if logits == "last":
             x = x[-1:]
-        out = F.linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
+        out = linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
         cap = self.args.final_logit_softcapping
         if cap is not None:
             out = torch.tanh(out / cap) * cap

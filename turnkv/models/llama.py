@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
-from .base import BaseArgs, Model, Rope, apply_rope, attention, param, rms_norm, take
+from .base import BaseArgs, Model, Rope, apply_rope, attention, linear, param, rms_norm, take
 from .rope_config import inv_freq_for, rope_params
 
 
@@ -46,10 +46,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cache, cos, sin):
         T = x.shape[0]
-        qkv = F.linear(x, self.wqkv, self.bqkv).view(T, self.hq + 2 * self.hk, self.d).transpose(0, 1)
+        qkv = linear(x, self.wqkv, self.bqkv).view(T, self.hq + 2 * self.hk, self.d).transpose(0, 1)
         qk = apply_rope(qkv[: self.hq + self.hk], cos, sin)
         keys, values, mask = cache.update_and_fetch(qk[self.hq:], qkv[self.hq + self.hk:])
-        return F.linear(attention(qk[: self.hq], keys, values, mask, self.scale), self.wo, self.bo)
+        return linear(attention(qk[: self.hq], keys, values, mask, self.scale), self.wo, self.bo)
 
 
 class MLP(nn.Module):
@@ -62,8 +62,8 @@ class MLP(nn.Module):
         self.bdown = param(take(t, f"{p}.down_proj.bias"), dtype) if a.mlp_bias else None
 
     def forward(self, x):
-        g, u = F.linear(x, self.wgu, self.bgu).chunk(2, dim=-1)
-        return F.linear(F.silu(g) * u, self.wdown, self.bdown)
+        g, u = linear(x, self.wgu, self.bgu).chunk(2, dim=-1)
+        return linear(F.silu(g) * u, self.wdown, self.bdown)
 
 
 class Block(nn.Module):
@@ -113,5 +113,5 @@ class LlamaModel(Model):
             return None
         if logits == "last":
             x = x[-1:]
-        out = F.linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
+        out = linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
         return out[0] if logits == "last" else out
