@@ -117,6 +117,9 @@ class KVCache(LayerCache):
     def reset(self) -> None:
         self.offset = 0
         self.start = 0                       # position held in slot 0
+        # First position whose slot holds this sequence's K/V. A restore that keeps the live slot
+        # layout (to skip copying blocks the buffer already holds) leaves [start, floor) stale.
+        self.floor = 0
         self._frozen: dict[int, StoredPart] = {}   # block index -> part equal to live content
         self._tail: tuple[int, StoredPart] | None = None  # (first position, part) equal to live content
 
@@ -140,6 +143,7 @@ class KVCache(LayerCache):
         if drop > 0:
             self.store.move(drop, n - drop, 0)
             self.start, n = new_start, n - drop
+            self.floor = max(self.floor, new_start)
             self._frozen = {b: p for b, p in self._frozen.items() if b * self.block_size >= new_start}
             if self._tail is not None and self._tail[0] < new_start:
                 self._tail = None
@@ -155,7 +159,7 @@ class KVCache(LayerCache):
         self.store.write(self.used, k, v)
         q0 = self.offset
         self.offset += T
-        first = max(self.start, self.needed_from(q0))
+        first = max(self.floor, self.needed_from(q0))
         keys, values = self.store.read(first - self.start, self.used)
         if T == 1:
             return keys, values, None
@@ -164,7 +168,7 @@ class KVCache(LayerCache):
     # --- snapshots -------------------------------------------------------------
     def snapshot(self) -> KVSnapshot:
         L, B = self.offset, self.block_size
-        s = max(self.start, self._floor_block(self.retain_from(L)))
+        s = max(self.floor, self._floor_block(self.retain_from(L)))
         blocks = []
         for b in range(s // B, L // B):
             part = self._frozen.get(b)
@@ -184,12 +188,21 @@ class KVCache(LayerCache):
         return self.snapshot_type(length=L, mode=self.mode, signature=self.signature(), start=s,
                                   block_size=B, blocks=tuple(blocks), tail=tail, **self._snapshot_extra())
 
+    def _keeps_layout(self, snap: KVSnapshot, length: int) -> bool:
+        """Whether a restore can leave the live slots where they are (and skip the blocks they
+        already hold): same blocks, and the live buffer starts at or before the snapshot without
+        having to grow to reach ``length``."""
+        if snap.block_size != self.block_size or self.store.capacity == 0:
+            return False
+        return snap.start == self.start or (self.start < snap.start and length - self.start <= self.store.capacity)
+
     def _load(self, snap: KVSnapshot, length: int) -> None:
         B, s = snap.block_size, snap.start
-        same_layout = s == self.start and B == self.block_size
-        if self.store.capacity < length - s:
+        same_layout = self._keeps_layout(snap, length)
+        base = self.start if same_layout else s      # position that slot 0 will hold
+        if self.store.capacity < length - base:
             keep = self.used if same_layout else 0
-            self.store.grow(grown_capacity(length - s, self.store.capacity), keep=keep)
+            self.store.grow(grown_capacity(length - base, self.store.capacity), keep=keep)
         frozen: dict[int, StoredPart] = {}
         pos = s
         for part in snap.blocks:
@@ -199,7 +212,7 @@ class KVCache(LayerCache):
             n = min(B, length - pos)
             live_has = (same_layout and self._frozen.get(b) is part and pos + B <= self.offset)
             if not live_has:
-                self.store.load(pos - s, slice_payload(part.tensors, 0, n) if n < B else part.tensors)
+                self.store.load(pos - base, slice_payload(part.tensors, 0, n) if n < B else part.tensors)
             if n == B:
                 frozen[b] = part
             pos += B
@@ -210,15 +223,18 @@ class KVCache(LayerCache):
             live_has = (same_layout and self._tail is not None and self._tail[0] == pos
                         and self._tail[1] is snap.tail and pos + tail_len <= self.offset)
             if not live_has:
-                self.store.load(pos - s, slice_payload(snap.tail.tensors, 0, n))
+                self.store.load(pos - base, slice_payload(snap.tail.tensors, 0, n))
             if n == tail_len:
                 tail_state = (pos, snap.tail)
-        self.start, self.offset = s, length
+        # A snapshot made with another block size brings its block layout with it (``s`` and the
+        # frozen block indices are in its units).
+        self.block_size = B
+        self.start, self.floor, self.offset = base, s, length
         self._frozen, self._tail = frozen, tail_state
 
     # --- live truncation ---------------------------------------------------------
     def can_truncate_to(self, length: int) -> bool:
-        return 0 <= length <= self.offset and self.start <= self.needed_from(length)
+        return 0 <= length <= self.offset and self.floor <= self.needed_from(length)
 
     def truncate(self, length: int) -> None:
         if not self.can_truncate_to(length):

@@ -1,17 +1,37 @@
 """KV storage: where attention caches keep K and V, in the layer's storage mode.
 
-A store is a slot array ``[heads, capacity, head_dim]`` for K and V. Caches decide which token
-sits in which slot; the store only writes, reads (in the compute dtype), moves and exports
-slots. Payloads (what snapshots keep) are dicts of tensors whose dim 1 is the token axis, in
-the stored representation: a quantized snapshot keeps the quantized bytes as they are.
+A store is a slot array ``[heads, capacity, ...]`` for K and V. Caches decide which token sits
+in which slot; the store only writes, reads (in the compute dtype), moves and exports slots.
+Payloads (what snapshots keep) are dicts of tensors whose dim 1 is the token axis, in the stored
+representation: a quantized snapshot keeps the quantized bytes as they are, and loading it back
+is a copy, never a re-quantization.
+
+Quantized modes quantize every token and head on its own (int8: one scale per token and head;
+int4: one scale per group of ``INT4_GROUP`` channels), so a token's stored bytes depend only on
+its own K/V: a prefix stored in chunks, one token at a time or all at once is the same bytes, and
+a snapshot of it equals a cold prefill's. Both are symmetric with float16 scales: per-token
+K/V rows are close to zero-centred, so a zero point buys little accuracy for its bytes, and
+dequantization stays a single multiply (see bench/kv_modes.py for the measured trade-offs).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, ClassVar
+
 import torch
+
+if TYPE_CHECKING:
+    from .specs import CacheSpec
 
 NATIVE = "native"
 MODES = ("native", "bf16", "fp16", "int8", "int4")
+
+SCALE_DTYPE = torch.float16
+INT4_GROUP = 32
+# Scales are clamped into float16's finite, non-zero range so a zero or tiny row never divides by
+# zero; values are quantized against the rounded scale, so the clamp costs no accuracy that matters.
+_SCALE_MIN = 2.0 ** -24
+_SCALE_MAX = 65504.0
 
 
 def grown_capacity(needed: int, current: int, minimum: int = 256) -> int:
@@ -21,66 +41,186 @@ def grown_capacity(needed: int, current: int, minimum: int = 256) -> int:
     return cap
 
 
+# --- codecs (pure functions over [heads, T, head_dim]) ---------------------------------------------
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (q int8 [H, T, D] in -127..127, scale float16 [H, T, 1]); x ~= q * scale."""
+    xf = x.float()
+    scale = (xf.abs().amax(-1, keepdim=True) / 127).clamp_(_SCALE_MIN, _SCALE_MAX).to(SCALE_DTYPE)
+    q = torch.round(xf / scale.float()).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # int8 x float16-representable scale is exact in float32, so float32 reads are exactly q * scale.
+    return torch.mul(q, scale.to(dtype))
+
+
+def int4_group_size(head_dim: int) -> int:
+    """``INT4_GROUP`` channels per scale; the whole head when it is smaller, and the largest
+    divisor below ``INT4_GROUP`` for head sizes that are not a multiple of it (80 -> 20)."""
+    if head_dim % 2:
+        raise ValueError(f"int4 KV needs an even head_dim, got {head_dim}")
+    return next(g for g in range(min(INT4_GROUP, head_dim), 0, -1) if head_dim % g == 0)
+
+
+def quantize_int4(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (packed uint8 [H, T, D/2], scale float16 [H, T, D/group]).
+
+    Each group's value of largest magnitude ``m`` maps to -8 exactly (scale = m / -8, as
+    llama.cpp's Q4_0), so the 16 levels -8..7 are all used. Byte ``j`` holds channel ``j`` in its
+    low nibble and channel ``j + D/2`` in its high nibble, so unpacking is two shifts and a
+    stack with no interleave."""
+    H, T, D = x.shape
+    xg = x.float().unflatten(-1, (D // group, group))
+    m = xg.gather(-1, xg.abs().argmax(-1, keepdim=True))
+    s = m / -8
+    s = torch.where(s.abs() < _SCALE_MIN, _SCALE_MIN, s).clamp_(-_SCALE_MAX, _SCALE_MAX).to(SCALE_DTYPE)
+    q = torch.round(xg / s.float()).clamp_(-8, 7).to(torch.int8).flatten(-2)
+    lo, hi = q[..., : D // 2], q[..., D // 2:]
+    packed = (lo & 15) | (hi << 4)
+    return packed.view(torch.uint8), s.squeeze(-1)
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    p = packed.view(torch.int8)
+    # arithmetic shifts on int8 sign-extend the nibbles back to -8..7
+    q = torch.stack(((p << 4) >> 4, p >> 4), dim=-2)            # [H, S, 2, D/2] == [H, S, D]
+    H, S, G = scale.shape
+    out = torch.mul(q.view(H, S, G, -1), scale.to(dtype)[..., None])
+    return out.view(H, S, -1)
+
+
+# --- stores ---------------------------------------------------------------------------------------
+
+_FLOAT_STORAGE = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 class KVStore:
-    """Plain float storage; ``native`` keeps the compute dtype, bf16/fp16 cast on write and read."""
+    """Plain float storage; ``native`` keeps the compute dtype, bf16/fp16 cast on write and read.
+
+    Storage is a dict of named parts (``k``, ``v`` and, for quantized subclasses, their scales),
+    each ``[heads, capacity, width]``; slot bookkeeping (grow, move, export, load, nbytes) is
+    shared, subclasses only say how a token is encoded and decoded."""
+
+    # name suffixes of the tensors one of K or V is stored as ("" = the values themselves)
+    SUFFIXES: ClassVar[tuple[str, ...]] = ("",)
 
     def __init__(self, heads: int, head_dim: int, dtype: torch.dtype, device, mode: str = NATIVE, capacity: int = 0):
         self.heads, self.head_dim = heads, head_dim
         self.dtype, self.device, self.mode = dtype, torch.device(device), mode
-        self.storage_dtype = {"native": dtype, "bf16": torch.bfloat16, "fp16": torch.float16}[mode]
+        self.layout = self._layout()
+        self.parts: dict[str, torch.Tensor] = {}
         self.capacity = 0
-        self.k = self.v = None
         if capacity:
             self.grow(capacity, keep=0)
 
-    def _alloc(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (self.heads, capacity, self.head_dim)
-        return (torch.empty(shape, dtype=self.storage_dtype, device=self.device),
-                torch.empty(shape, dtype=self.storage_dtype, device=self.device))
+    # --- what a subclass defines -------------------------------------------------------------------
+    def _widths(self) -> tuple[tuple[int, torch.dtype], ...]:
+        """(width, dtype) of each stored tensor of K (and of V), aligned with SUFFIXES."""
+        return ((self.head_dim, self.storage_dtype),)
+
+    def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (x,)  # the cast happens in the copy into storage
+
+    def _decode(self, stored: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        x = stored[0]
+        return x if x.dtype == self.dtype else x.to(self.dtype)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return _FLOAT_STORAGE.get(self.mode, self.dtype)
+
+    # --- shared slot machinery ---------------------------------------------------------------------
+    def _layout(self) -> dict[str, tuple[int, torch.dtype]]:
+        return {f"{which}{suffix}": wd for which in ("k", "v") for suffix, wd in zip(self.SUFFIXES, self._widths())}
+
+    @property
+    def k(self) -> torch.Tensor | None:
+        return self.parts.get("k")
+
+    @property
+    def v(self) -> torch.Tensor | None:
+        return self.parts.get("v")
 
     def grow(self, capacity: int, keep: int) -> None:
         if capacity <= self.capacity:
             return
-        k, v = self._alloc(capacity)
+        parts = {name: torch.empty((self.heads, capacity, width), dtype=dt, device=self.device)
+                 for name, (width, dt) in self.layout.items()}
         if keep:
-            k[:, :keep].copy_(self.k[:, :keep])
-            v[:, :keep].copy_(self.v[:, :keep])
-        self.k, self.v, self.capacity = k, v, capacity
+            for name, t in parts.items():
+                t[:, :keep].copy_(self.parts[name][:, :keep])
+        self.parts, self.capacity = parts, capacity
 
     def write(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         n = k.shape[1]
-        self.k[:, slot:slot + n].copy_(k)
-        self.v[:, slot:slot + n].copy_(v)
+        for which, x in (("k", k), ("v", v)):
+            for suffix, t in zip(self.SUFFIXES, self._encode(x)):
+                self.parts[which + suffix][:, slot:slot + n].copy_(t)
 
     def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.k[:, a:b], self.v[:, a:b]
-        if self.storage_dtype != self.dtype:
-            k, v = k.to(self.dtype), v.to(self.dtype)
-        return k, v
+        return tuple(self._decode(tuple(self.parts[which + s][:, a:b] for s in self.SUFFIXES))
+                     for which in ("k", "v"))
 
     def move(self, src: int, n: int, dst: int) -> None:
         if n <= 0 or src == dst:
             return
-        # Overlapping ranges: copy through a temporary (clone) to stay correct.
-        self.k[:, dst:dst + n].copy_(self.k[:, src:src + n].clone())
-        self.v[:, dst:dst + n].copy_(self.v[:, src:src + n].clone())
+        for t in self.parts.values():
+            # Overlapping ranges: copy through a temporary (clone) to stay correct.
+            t[:, dst:dst + n].copy_(t[:, src:src + n].clone())
 
     def export(self, a: int, b: int) -> dict[str, torch.Tensor]:
-        return {"k": self.k[:, a:b].clone(), "v": self.v[:, a:b].clone()}
+        return {name: t[:, a:b].clone() for name, t in self.parts.items()}
 
     def load(self, slot: int, payload: dict[str, torch.Tensor]) -> None:
-        n = payload["k"].shape[1]
-        self.k[:, slot:slot + n].copy_(payload["k"])
-        self.v[:, slot:slot + n].copy_(payload["v"])
+        if payload.keys() != self.parts.keys():
+            raise ValueError(f"{self.mode} KV payload needs parts {sorted(self.parts)}, got {sorted(payload)}")
+        n = payload_len(payload)
+        for name, t in payload.items():
+            self.parts[name][:, slot:slot + n].copy_(t)
 
     @property
     def nbytes(self) -> int:
-        if self.k is None:
-            return 0
-        return 2 * self.k.numel() * self.k.element_size()
+        return sum(t.numel() * t.element_size() for t in self.parts.values())
 
     def bytes_per_token(self) -> int:
-        return 2 * self.heads * self.head_dim * torch.empty((), dtype=self.storage_dtype).element_size()
+        return sum(self.heads * width * torch.empty((), dtype=dt).element_size()
+                   for width, dt in self.layout.values())
+
+
+class Int8Store(KVStore):
+    """int8 values with one float16 scale per token and head (symmetric, absmax / 127)."""
+
+    SUFFIXES = ("", "_scale")
+
+    def _widths(self):
+        return ((self.head_dim, torch.int8), (1, SCALE_DTYPE))
+
+    def _encode(self, x):
+        return quantize_int8(x)
+
+    def _decode(self, stored):
+        return dequantize_int8(stored[0], stored[1], self.dtype)
+
+
+class Int4Store(KVStore):
+    """4-bit values, two per byte, with one float16 scale per token, head and group of channels."""
+
+    SUFFIXES = ("", "_scale")
+
+    def __init__(self, heads: int, head_dim: int, dtype: torch.dtype, device, mode: str = "int4", capacity: int = 0):
+        self.group = int4_group_size(head_dim)
+        super().__init__(heads, head_dim, dtype, device, mode, capacity)
+
+    def _widths(self):
+        return ((self.head_dim // 2, torch.uint8), (self.head_dim // self.group, SCALE_DTYPE))
+
+    def _encode(self, x):
+        return quantize_int4(x, self.group)
+
+    def _decode(self, stored):
+        return dequantize_int4(stored[0], stored[1], self.dtype)
 
 
 def payload_len(payload: dict[str, torch.Tensor]) -> int:
@@ -91,7 +231,8 @@ def slice_payload(payload: dict[str, torch.Tensor], a: int, b: int) -> dict[str,
     return {name: t[:, a:b] for name, t in payload.items()}
 
 
-STORES: dict[str, type[KVStore]] = {"native": KVStore, "bf16": KVStore, "fp16": KVStore}
+STORES: dict[str, type[KVStore]] = {"native": KVStore, "bf16": KVStore, "fp16": KVStore,
+                                    "int8": Int8Store, "int4": Int4Store}
 
 
 def make_store(mode: str, heads: int, head_dim: int, dtype: torch.dtype, device, capacity: int = 0) -> KVStore:
@@ -100,11 +241,37 @@ def make_store(mode: str, heads: int, head_dim: int, dtype: torch.dtype, device,
     return STORES[mode](heads, head_dim, dtype, device, mode=mode, capacity=capacity)
 
 
+# --- the per-layer table ----------------------------------------------------------------------------
+
 def layer_modes(attention_layers: list[bool], mode: str = NATIVE, boundary_layers: int = 0) -> list[str]:
     """Per-layer mode table: ``mode`` on attention layers except the first and last
     ``boundary_layers`` attention layers; ``native`` everywhere else."""
     if mode not in MODES:
         raise ValueError(f"unknown KV cache mode {mode!r}; choose one of {', '.join(MODES)}")
+    if boundary_layers < 0:
+        raise ValueError(f"kv boundary layers must be >= 0, got {boundary_layers}")
     attn_idx = [i for i, a in enumerate(attention_layers) if a]
     kept = set(attn_idx[:boundary_layers]) | set(attn_idx[len(attn_idx) - boundary_layers:] if boundary_layers else [])
     return [mode if (a and i not in kept) else NATIVE for i, a in enumerate(attention_layers)]
+
+
+def describe_modes(table: list[str], specs: list[CacheSpec] | None = None) -> str:
+    """One line for the startup banner and stats, e.g. "int8 on 26 of 30 attention layers".
+
+    With ``specs`` only attention layers are counted (recurrent layers are always native);
+    without, every entry of the table is taken for an attention layer."""
+    if specs is not None and len(specs) != len(table):
+        raise ValueError(f"mode table has {len(table)} entries for {len(specs)} layers")
+    modes = [m for i, m in enumerate(table) if specs is None or specs[i].is_attention]
+    if not modes:
+        return "native (no attention layers)"
+    counts = [(m, modes.count(m)) for m in MODES if m != NATIVE and m in modes]
+    if not counts:
+        return f"native on all {len(modes)} attention layers"
+    return ", ".join(f"{m} on {c}" for m, c in counts) + f" of {len(modes)} attention layers"
+
+
+def effective_mode(table: list[str]) -> str:
+    """The one non-native mode a table applies ("native" when none, "mixed" when several)."""
+    quantized = {m for m in table if m != NATIVE}
+    return quantized.pop() if len(quantized) == 1 else ("mixed" if quantized else NATIVE)

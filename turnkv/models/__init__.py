@@ -9,6 +9,12 @@ ARCHITECTURES: dict[str, str] = {
     "llama": "llama:LlamaModel",
     "gemma3_text": "gemma3:Gemma3Model",
     "gemma3": "gemma3:Gemma3Model",
+    "llama4_text": "llama4:Llama4Model",
+    "lfm2": "lfm2:Lfm2Model",
+    "granitemoehybrid": "granitemoehybrid:GraniteMoeHybridModel",
+    "mamba2": "mamba2:Mamba2Model",
+    "qwen3_next": "qwen3_next:Qwen3NextModel",
+    "recurrent_gemma": "recurrent_gemma:RecurrentGemmaModel",
 }
 
 

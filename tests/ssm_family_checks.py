@@ -1,0 +1,151 @@
+"""Checks shared by the recurrent-family tests (mamba2, qwen3_next, recurrent_gemma): a tiny random
+transformers model saved with save_pretrained, loaded back through turnkv's own loader, compared
+with transformers logit for logit, and snapshot/restore exactness at model level."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from turnkv.cache.base import DIVERGED_UNTRIMMABLE, SnapshotMismatch
+from turnkv.cache.specs import RECURRENT, make_caches
+from turnkv.loading import load_checkpoint
+from turnkv.models import family_class
+
+PARITY_TOL = 1e-4
+REUSE_TOL = 1e-5
+
+
+@contextlib.contextmanager
+def single_thread():
+    """Tiny models are op-overhead bound; on a loaded 2-core machine OpenMP worker threads make
+    every small op 10-50x slower, so these tests run their module single-threaded."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def perturb_vectors(model: torch.nn.Module, seed: int = 1, scale: float = 0.1) -> None:
+    """Random init leaves norms at 0/1 and biases at 0, which would hide a wrong (1 + w) or a
+    missing bias; nudge every 1-D parameter so they all matter."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(scale * torch.randn(p.shape, generator=g))
+
+
+def save_and_load(hf_model, tmp_path: Path):
+    """save_pretrained (safetensors) -> turnkv's loader -> our family's model."""
+    hf_model.save_pretrained(tmp_path)
+    ckpt = load_checkpoint(tmp_path, dtype=torch.float32, progress=False)
+    model = family_class(ckpt.architecture).from_checkpoint(ckpt.config, ckpt.tensors, torch.float32)
+    return model.eval()
+
+
+def fresh(model):
+    return make_caches(model.cache_specs())
+
+
+def hf_logits(hf_model, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(tokens[None], use_cache=False).logits[0].float()
+
+
+def run_chunks(model, caches, tokens: torch.Tensor, chunk: int) -> torch.Tensor:
+    outs = []
+    with torch.no_grad():
+        for s in range(0, tokens.shape[0], chunk):
+            outs.append(model.forward(tokens[s:s + chunk], caches, logits="all"))
+    return torch.cat(outs)
+
+
+def check_parity(model, hf_model, tokens: torch.Tensor, chunk: int = 7, decode: int = 10) -> dict[str, float]:
+    """Max |ours - transformers| for a one-chunk prefill, a many-chunk prefill and token-by-token
+    decode of the last ``decode`` tokens; asserts each is within PARITY_TOL."""
+    ref = hf_logits(hf_model, tokens)
+    T = tokens.shape[0]
+    diffs = {}
+    diffs["one_chunk"] = (run_chunks(model, fresh(model), tokens, T) - ref).abs().max().item()
+    diffs["many_chunks"] = (run_chunks(model, fresh(model), tokens, chunk) - ref).abs().max().item()
+    caches = fresh(model)
+    with torch.no_grad():
+        model.forward(tokens[: T - decode], caches, logits="none")
+        steps = torch.stack([model.forward(tokens[t:t + 1], caches, logits="last") for t in range(T - decode, T)])
+    diffs["decode"] = (steps - ref[T - decode:]).abs().max().item()
+    with torch.no_grad():
+        last = model.forward(tokens, fresh(model), logits="last")
+    diffs["last"] = (last - ref[-1]).abs().max().item()
+    for name, d in diffs.items():
+        assert d < PARITY_TOL, f"{name}: max abs diff {d:.3g} vs transformers"
+    return diffs
+
+
+def greedy(model, prompt: torch.Tensor, n: int) -> list[int]:
+    caches = fresh(model)
+    out = []
+    with torch.no_grad():
+        logits = model.forward(prompt, caches, logits="last")
+        for _ in range(n):
+            tok = int(logits.argmax())
+            out.append(tok)
+            logits = model.forward(torch.tensor([tok]), caches, logits="last")
+    return out
+
+
+def hf_greedy(hf_model, prompt: torch.Tensor, n: int) -> list[int]:
+    hf_model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        seq = hf_model.generate(prompt[None], attention_mask=torch.ones_like(prompt)[None], max_new_tokens=n,
+                                do_sample=False, pad_token_id=0)
+    return seq[0, prompt.shape[0]:].tolist()
+
+
+def check_reuse(model, tokens: torch.Tensor, L: int, chunk: int = 5) -> float:
+    """Feed L tokens, snapshot every layer, keep going; restoring the snapshots into fresh caches and
+    feeding the same continuation must give the cold run's logits. A recurrent snapshot refuses any
+    other length with diverged_untrimmable."""
+    caches = fresh(model)
+    run_chunks(model, caches, tokens[:L], chunk)
+    snaps = [c.snapshot() for c in caches]
+    cold = run_chunks(model, caches, tokens[L:], chunk)
+    warm_caches = fresh(model)
+    for c, s in zip(warm_caches, snaps):
+        c.restore(s)
+    assert all(c.offset == L for c in warm_caches)
+    warm = run_chunks(model, warm_caches, tokens[L:], chunk)
+    diff = (warm - cold).abs().max().item()
+    assert diff <= REUSE_TOL, f"restored run differs from the cold run by {diff:.3g}"
+    # decode-shaped continuation from the same snapshots: still the cold logits
+    step_caches = fresh(model)
+    for c, s in zip(step_caches, snaps):
+        c.restore(s)
+    steps = run_chunks(model, step_caches, tokens[L:L + 4], 1)
+    ref = run_chunks(model, [c for c in _restored(model, snaps)], tokens[L:L + 4], 4)
+    assert (steps - ref).abs().max().item() < PARITY_TOL
+
+    recurrent = [i for i, s in enumerate(model.cache_specs()) if s.kind == RECURRENT]
+    assert recurrent, "family has no recurrent layer"
+    probe = fresh(model)
+    for i in recurrent:
+        for bad in (L - 1, 0, L // 2):
+            try:
+                probe[i].restore(snaps[i], bad)
+            except SnapshotMismatch as e:
+                assert e.reason == DIVERGED_UNTRIMMABLE
+            else:
+                raise AssertionError(f"layer {i}: recurrent snapshot of {L} tokens restored to {bad}")
+            assert not snaps[i].can_restore_to(bad)
+    return diff
+
+
+def _restored(model, snaps):
+    caches = fresh(model)
+    for c, s in zip(caches, snaps):
+        c.restore(s)
+    return caches

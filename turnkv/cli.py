@@ -1,0 +1,190 @@
+"""turnkv command line: serve | chat | generate | models."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+def add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smollm2-135m") -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("-m", "--model", default=default_model,
+                   help="bundled model name (see `turnkv models`), a .gguf file, or an HF folder")
+    g.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="compute dtype (default float32)")
+    g.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    g.add_argument("--max-context", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill chunk (default 512)")
+    c = p.add_argument_group("prompt cache")
+    c.add_argument("--prompt-cache", dest="prompt_cache", action="store_true", default=True,
+                   help="reuse model state across requests (default on)")
+    c.add_argument("--no-prompt-cache", dest="prompt_cache", action="store_false", help="turn the prompt cache off")
+    c.add_argument("--cache-budget-mb", type=float, default=2048.0,
+                   help="byte budget of stored snapshots in MiB (0 disables the cache; default 2048)")
+    c.add_argument("--swa-slack", type=int, default=256,
+                   help="extra tokens kept on sliding-window layers so a reply can be edited/regenerated (default 256)")
+    c.add_argument("--kv-cache-mode", default="native", choices=["native", "bf16", "fp16", "int8", "int4"],
+                   help="storage mode of attention KV (default native = compute dtype)")
+    c.add_argument("--kv-boundary-layers", type=int, default=0,
+                   help="keep the first and last N attention layers native (default 0)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
+    s = p.add_argument_group("sampling")
+    s.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate (default {max_tokens})")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_from(args):
+    from .engine.sampling import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed, stop=list(args.stop))
+
+
+def engine_from(args, progress: bool = True):
+    import torch
+
+    from .engine.generate import Engine
+    from .prompt_cache.store import PromptCache
+
+    budget = int(args.cache_budget_mb * 1024 * 1024) if args.prompt_cache else 0
+    return Engine.load(args.model, dtype=getattr(torch, DTYPES[args.dtype]), progress=progress,
+                       device=args.device, prompt_cache=PromptCache(budget), slack=args.swa_slack,
+                       kv_mode=args.kv_cache_mode, kv_boundary_layers=args.kv_boundary_layers,
+                       prefill_chunk=args.prefill_chunk, max_context=args.max_context)
+
+
+def print_banner(engine, budget_mb: float, enabled: bool) -> None:
+    from .cache.modes import describe_modes
+    print(f"turnkv: {engine.name} ({engine.family}, {len(engine.specs)} layers: {engine.describe_layers()})",
+          file=sys.stderr)
+    print(f"turnkv: KV mode {describe_modes(list(engine.modes), engine.specs)}; prompt cache "
+          f"{'on, budget ' + format(budget_mb, 'g') + ' MiB' if enabled and budget_mb > 0 else 'off'}",
+          file=sys.stderr)
+
+
+def cmd_models(args) -> int:
+    from .registry import list_bundled
+    rows = list_bundled()
+    print(f"{'name':<16} {'installed':<10} {'package':<28} path")
+    for r in rows:
+        print(f"{r['name']:<16} {'yes' if r['installed'] else 'no':<10} {r['package']:<28} {r.get('path') or ''}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    engine = engine_from(args)
+    params = sampling_from(args)
+    if args.raw or not engine.tokenizer.has_chat_template:
+        req = engine.text_request(args.prompt, params)
+    else:
+        req = engine.chat_request([{"role": "user", "content": args.prompt}], params)
+    gen = engine.stream(req)
+    while True:
+        try:
+            ev = next(gen)
+        except StopIteration as stop:
+            result = stop.value
+            break
+        sys.stdout.write(ev.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    print(result.stats.line(result.usage), file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    engine = engine_from(args)
+    print_banner(engine, args.cache_budget_mb, args.prompt_cache)
+    params = sampling_from(args)
+    messages: list[dict] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("Type a message; /reset clears the history, /exit quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if not line.strip():
+            continue
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        messages.append({"role": "user", "content": line})
+        req = engine.chat_request(messages, params)
+        gen = engine.stream(req)
+        try:
+            while True:
+                try:
+                    ev = next(gen)
+                except StopIteration as stop:
+                    result = stop.value
+                    break
+                sys.stdout.write(ev.text)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            gen.close()
+            print("\n[interrupted]", file=sys.stderr)
+            messages.pop()
+            continue
+        sys.stdout.write("\n")
+        print(result.stats.line(result.usage), file=sys.stderr)
+        messages.append({"role": "assistant", "content": result.text})
+
+
+def cmd_serve(args) -> int:
+    from .server.app import serve
+    return serve(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="turnkv", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("models", help="list the bundled models")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("generate", help="generate a reply to one prompt")
+    add_model_args(p)
+    add_sampling_args(p)
+    p.add_argument("-p", "--prompt", required=True)
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive multi-turn chat")
+    add_model_args(p)
+    add_sampling_args(p)
+    p.add_argument("--system", default=None, help="system prompt")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_model_args(p)
+    add_sampling_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require this bearer token")
+    p.set_defaults(func=cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .errors import user_errors
+    try:
+        return int(args.func(args) or 0)
+    except user_errors() as err:
+        print(f"turnkv: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

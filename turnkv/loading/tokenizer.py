@@ -1,0 +1,430 @@
+"""Encode / streaming decode / chat template rendering with message boundaries.
+
+Runs on the `tokenizers` library and jinja2 alone. transformers is used only
+once per model, to convert a GGUF vocabulary (or a folder holding only slow
+tokenizer files) to a tokenizer.json, which is cached under
+`$TURNKV_CACHE_DIR/tokenizers/<fingerprint>/` (default ~/.cache/turnkv).
+Ids, text and chat renderings equal what transformers' tokenizer gives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from bisect import bisect_right
+from dataclasses import dataclass
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterable
+
+import tokenizers
+
+from .errors import ModelLoadError
+
+CACHE_FORMAT = 1
+_MARKER = "turnkv-tokenizer.json"
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# Chat templates end a turn with one of these; generation stops on it.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<turn|>")
+ROLES = ("system", "user", "assistant", "tool")
+TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
+
+
+def cache_root() -> Path:
+    env = os.environ.get("TURNKV_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "turnkv"
+
+
+def shipped_template(name: str) -> str:
+    """A chat template shipped in turnkv/templates/<name>.jinja."""
+    return (TEMPLATES_DIR / f"{name}.jinja").read_text(encoding="utf-8")
+
+
+@dataclass
+class RenderedChat:
+    text: str
+    ids: list[int]
+    # token offsets at the end of the system prompt and of each message that ends
+    # on a token boundary of `ids` (strictly increasing, each <= len(ids))
+    boundaries: list[int]
+
+
+# ------------------------------------------------------------------ messages
+
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(
+                    f"{where}.content[{j}] must be a text part {{\"type\": \"text\", \"text\": \"...\"}}; "
+                    "only text content is supported"
+                )
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise ValueError(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}")
+
+
+def normalize_messages(messages: Any) -> list[dict]:
+    """Validate chat messages; content parts become one string. Raises ValueError."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list of {role, content} objects")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise ValueError(f"{where} must be an object with 'role' and 'content'")
+        role = message.get("role")
+        if role not in ROLES:
+            raise ValueError(f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}")
+        if "content" not in message:
+            raise ValueError(f"{where} has no 'content'")
+        clean = {k: v for k, v in message.items() if v is not None}
+        clean["content"] = _content_text(message["content"], where)
+        out.append(clean)
+    return out
+
+
+# ---------------------------------------------------------------- templates
+
+
+def _compile_template(source: str):
+    # The same sandbox, options and helpers transformers' apply_chat_template uses.
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class _Generation(jinja2.ext.Extension):
+        # {% generation %} marks assistant text for training masks; render its body as is.
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+        def _render(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        special_tokens: dict[str, str] | None = None,
+        chat_template: str | None = None,
+        extra_eos_ids: Iterable[int] = (),
+        clean_up_tokenization_spaces: bool = False,
+        source: Path | None = None,
+    ):
+        self.backend = backend
+        self.source = source
+        self.special_tokens = dict(special_tokens or {})
+        self.chat_template = chat_template
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id: int | None = self.token_to_id(self.special_tokens.get("bos_token"))
+        eos = {self.token_to_id(self.special_tokens.get("eos_token"))} | set(extra_eos_ids)
+        for token in END_OF_TURN_TOKENS:
+            if chat_template and token in chat_template:
+                eos.add(self.token_to_id(token))
+        self.eos_token_ids: set[int] = {i for i in eos if i is not None}
+        # transformers skips this cleanup for BPE models (it would eat real spaces)
+        self._clean_up = clean_up_tokenization_spaces and type(backend.model).__name__ != "BPE"
+
+    # -- construction
+
+    @classmethod
+    def from_folder(
+        cls, folder: str | os.PathLike, *, chat_template: str | None = None, extra_eos_ids: Iterable[int] = ()
+    ) -> "Tokenizer":
+        """Load tokenizer.json (+ tokenizer_config.json, chat template files) from `folder`.
+
+        `chat_template` overrides the folder's template (or supplies one)."""
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:
+            raise ModelLoadError(f"{path}: cannot load tokenizer ({e})") from None
+        config = _read_json(folder / "tokenizer_config.json") or {}
+        special = {}
+        for key in _SPECIAL_TOKEN_KEYS:
+            value = config.get(key)
+            if isinstance(value, dict):
+                value = value.get("content")
+            if isinstance(value, str):
+                special[key] = value
+        template = chat_template or _folder_chat_template(folder, config)
+        return cls(
+            backend,
+            special_tokens=special,
+            chat_template=template,
+            extra_eos_ids=extra_eos_ids,
+            clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
+            source=folder,
+        )
+
+    # -- basics
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.chat_template)
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        text = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return _clean_up_tokenization(text) if self._clean_up else text
+
+    def stream_decoder(self, skip_special_tokens: bool = True) -> "StreamDecoder":
+        return StreamDecoder(self, skip_special_tokens)
+
+    # -- chat
+
+    @cached_property
+    def _template(self):
+        return _compile_template(self.chat_template)
+
+    def render_text(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The chat template's text for already normalized messages; ValueError if it refuses them."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; use the completions endpoint")
+        try:
+            return self._template.render(
+                messages=messages, tools=None, documents=None,
+                add_generation_prompt=add_generation_prompt, **self.special_tokens,
+            )
+        except Exception as e:  # raise_exception() in the template, or a template bug
+            raise ValueError(f"the chat template rejected the messages: {e}") from None
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> RenderedChat:
+        msgs = normalize_messages(messages)
+        text = self.render_text(msgs, add_generation_prompt)
+        encoding = self.backend.encode(text, add_special_tokens=False)
+        ids = encoding.ids
+        offsets = encoding.offsets
+        ends = [end for _, end in offsets]
+        boundaries: list[int] = []
+        prev_chars = 0
+        for i in range(1, len(msgs) + 1):
+            try:
+                prefix = self.render_text(msgs[:i], add_generation_prompt=False)
+            except ValueError:
+                continue
+            n = len(prefix)
+            if not text.startswith(prefix) or n <= prev_chars:
+                continue
+            # The prefix must hold this message (Gemma folds the system prompt into
+            # the first user turn: rendering [system] alone gives just "<bos>").
+            content = msgs[i - 1]["content"].strip()
+            if content and content not in text[prev_chars:n]:
+                continue
+            k = bisect_right(ends, n)
+            if k == 0 or ends[k - 1] != n or (k < len(ids) and offsets[k][0] < n):
+                continue  # a token straddles the end of the message
+            if boundaries and k <= boundaries[-1]:
+                continue
+            boundaries.append(k)
+            prev_chars = n
+        return RenderedChat(text=text, ids=ids, boundaries=boundaries)
+
+
+class StreamDecoder:
+    """Incremental detokenizer: concatenated output equals decode(all ids).
+
+    Decodes a short window (the tokens of the last emitted piece + the pending
+    ones) so SentencePiece leading spaces and multi-token byte-fallback
+    characters come out right; text ending in an incomplete UTF-8 character
+    (U+FFFD) is held back until the character is complete."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # window start: tokens already emitted, kept as context
+        self._read = 0  # tokens whose text has been emitted
+        self._emitted: list[str] = []
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(int(token_id))
+        before = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix :])
+        if len(text) <= len(before) or text.endswith("\ufffd") or not text.startswith(before):
+            return ""
+        piece = text[len(before) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        self._emitted.append(piece)
+        return piece
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the end of generation)."""
+        if self._read == len(self._ids):
+            return ""
+        full = self._decode(self._ids)
+        done = "".join(self._emitted)
+        if full.startswith(done):
+            piece = full[len(done) :]
+        else:  # cannot happen with the decoders we know; emit the window's tail
+            before = self._decode(self._ids[self._prefix : self._read])
+            piece = self._decode(self._ids[self._prefix :])[len(before) :]
+        self._prefix = self._read = len(self._ids)
+        self._emitted = [full]
+        return piece
+
+
+def _clean_up_tokenization(text: str) -> str:
+    # transformers' PreTrainedTokenizerBase.clean_up_tokenization
+    return (
+        text.replace(" .", ".").replace(" ?", "?").replace(" !", "!").replace(" ,", ",")
+        .replace(" ' ", "'").replace(" n't", "n't").replace(" 'm", "'m").replace(" 's", "'s")
+        .replace(" 've", "'ve").replace(" 're", "'re")
+    )
+
+
+def _read_json(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+
+
+def _folder_chat_template(folder: Path, config: dict) -> str | None:
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if template is None:
+        template = (_read_json(folder / "chat_template.json") or {}).get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) and template else None
+
+
+# ------------------------------------------------------ conversion + cache
+
+
+def _converted_folder(fingerprint: str, source: Path, convert) -> Path:
+    """Return a folder holding tokenizer.json for `fingerprint`, converting once."""
+    folder = cache_root() / "tokenizers" / fingerprint
+    marker = _read_json_quiet(folder / _MARKER)
+    if marker and marker.get("format") == CACHE_FORMAT and (folder / "tokenizer.json").is_file():
+        return folder
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{fingerprint[:16]}-", dir=folder.parent))
+    except OSError:  # read-only cache location: convert into a throwaway folder
+        tmp = Path(tempfile.mkdtemp(prefix="turnkv-tokenizer-"))
+        convert(tmp)
+        return tmp
+    try:
+        convert(tmp)
+        (tmp / _MARKER).write_text(json.dumps({"format": CACHE_FORMAT, "source": str(source)}))
+        if folder.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+    except OSError:
+        if (folder / _MARKER).is_file():  # another process won the race
+            shutil.rmtree(tmp, ignore_errors=True)
+            return folder
+        return tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def _read_json_quiet(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _transformers_convert(load_kwargs: dict, what: Path):
+    def convert(out: Path) -> None:
+        try:
+            from transformers import AutoTokenizer
+            from transformers.utils import logging as hf_logging
+
+            verbosity = hf_logging.get_verbosity()
+            hf_logging.set_verbosity_error()
+            try:
+                tok = AutoTokenizer.from_pretrained(local_files_only=True, **load_kwargs)
+            finally:
+                hf_logging.set_verbosity(verbosity)
+            if not getattr(tok, "is_fast", True) or not hasattr(tok, "backend_tokenizer"):
+                raise ValueError(f"got a {type(tok).__name__} without a fast tokenizer")
+            tok.save_pretrained(str(out))
+            if not (out / "tokenizer.json").is_file():
+                tok.backend_tokenizer.save(str(out / "tokenizer.json"))
+        except ModelLoadError:
+            raise
+        except Exception as e:
+            raise ModelLoadError(f"{what}: cannot convert the tokenizer with transformers ({e})") from None
+
+    return convert
+
+
+def load_gguf_tokenizer(
+    path: Path, fingerprint: str, *, chat_template: str | None = None, extra_eos_ids: Iterable[int] = ()
+) -> Tokenizer:
+    """Tokenizer of a GGUF file, converted by transformers once and cached."""
+    path = Path(path).resolve()
+    convert = _transformers_convert({"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}, path)
+    folder = _converted_folder(fingerprint, path, convert)
+    return Tokenizer.from_folder(folder, chat_template=chat_template, extra_eos_ids=extra_eos_ids)
+
+
+_SLOW_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "spiece.model", "tokenizer_config.json")
+
+
+def load_folder_tokenizer(
+    folder: Path, fingerprint: str, *, chat_template: str | None = None, extra_eos_ids: Iterable[int] = ()
+) -> Tokenizer | None:
+    """Tokenizer of an HF folder, or None when the folder has no tokenizer files."""
+    folder = Path(folder)
+    if (folder / "tokenizer.json").is_file():
+        return Tokenizer.from_folder(folder, chat_template=chat_template, extra_eos_ids=extra_eos_ids)
+    if not any((folder / name).is_file() for name in _SLOW_TOKENIZER_FILES[:3]):
+        return None
+    convert = _transformers_convert({"pretrained_model_name_or_path": str(folder)}, folder)
+    converted = _converted_folder(fingerprint, folder, convert)
+    template = chat_template or _folder_chat_template(folder, _read_json(folder / "tokenizer_config.json") or {})
+    return Tokenizer.from_folder(converted, chat_template=template, extra_eos_ids=extra_eos_ids)

@@ -1,0 +1,204 @@
+"""Granite 4 hybrid (GraniteMoeHybrid): Mamba 2 mixer layers and attention layers, each followed by
+a top-k softmax-routed MoE plus a shared SwiGLU MLP; Granite's embedding / residual / attention
+multipliers and logit scaling.
+
+The Mamba 2 mixer is the one in ssm.py (shared with the mamba2 family): its state is the causal-conv
+window (``conv``: the last ``d_conv - 1`` inputs) and the SSM state (``ssm``: [heads, head_dim,
+d_state]); prefill runs the chunked SSD scan from the cached state, decode the one-step recurrence."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache import specs
+from .base import BaseArgs, Model, Rope, apply_rope, attention, linear, param, rms_norm, take
+from .rope_config import inv_freq_for, rope_params
+from .ssm import Mamba2Dims, Mamba2Mixer, mamba2_state_fields, time_step_limit
+
+MAMBA, ATTENTION = "mamba", "attention"
+# config spellings: the hub's Granite 4 files say mamba/attention, transformers writes linear/full
+_LAYER_KINDS = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION, "full_attention": ATTENTION}
+
+
+@dataclass
+class ModelArgs(BaseArgs):
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    intermediate_size: int = 11008
+    shared_intermediate_size: int = 1024
+    num_key_value_heads: int | None = None
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    embedding_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float = 1.0
+    num_local_experts: int = 8
+    num_experts_per_tok: int = 2
+    position_embedding_type: str | None = None
+    layer_types: list | None = None
+    layers_block_type: list | None = None
+    mamba_n_heads: int = 128
+    mamba_n_groups: int = 1
+    mamba_d_state: int = 256
+    mamba_d_head: int | str = "auto"
+    mamba_d_conv: int = 4
+    mamba_expand: int = 2
+    mamba_chunk_size: int = 256
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    time_step_limit: list | tuple | None = None
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        types = self.layer_types or self.layers_block_type or [MAMBA] * self.num_hidden_layers
+        try:
+            self.layer_types = [_LAYER_KINDS[t] for t in types]
+        except KeyError as e:
+            raise ValueError(f"granitemoehybrid: unknown layer type {e.args[0]!r}") from None
+        if self.mamba_d_head == "auto":
+            self.mamba_d_head = self.mamba_intermediate // self.mamba_n_heads
+        if self.hidden_act != "silu":
+            raise ValueError(f"granitemoehybrid: unsupported hidden_act {self.hidden_act!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def mamba_intermediate(self) -> int:
+        return self.mamba_expand * self.hidden_size
+
+    def mamba_dims(self) -> Mamba2Dims:
+        return Mamba2Dims(self.hidden_size, self.mamba_n_heads, self.mamba_d_head, self.mamba_d_state,
+                          self.mamba_n_groups, self.mamba_d_conv, self.mamba_chunk_size, self.rms_norm_eps,
+                          self.mamba_proj_bias, self.mamba_conv_bias, time_step_limit(self.time_step_limit))
+
+
+# --- attention, MoE, MLP ---------------------------------------------------------------------------
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
+        super().__init__()
+        self.hq, self.hk, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        self.scale = a.attention_multiplier
+        self.wqkv = param(torch.cat([take(t, f"{p}.q_proj.weight"), take(t, f"{p}.k_proj.weight"),
+                                     take(t, f"{p}.v_proj.weight")]), dtype)
+        self.bqkv = (param(torch.cat([take(t, f"{p}.q_proj.bias"), take(t, f"{p}.k_proj.bias"),
+                                      take(t, f"{p}.v_proj.bias")]), dtype) if a.attention_bias else None)
+        self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
+        self.bo = param(take(t, f"{p}.o_proj.bias"), dtype) if a.attention_bias else None
+
+    def forward(self, x, cache, rope):
+        T = x.shape[0]
+        qkv = linear(x, self.wqkv, self.bqkv).view(T, self.hq + 2 * self.hk, self.d).transpose(0, 1)
+        qk = qkv[: self.hq + self.hk]
+        if rope is not None:
+            qk = apply_rope(qk, *rope)
+        keys, values, mask = cache.update_and_fetch(qk[self.hq:], qkv[self.hq + self.hk:])
+        return linear(attention(qk[: self.hq], keys, values, mask, self.scale), self.wo, self.bo)
+
+
+def _take_either(t: dict, name: str, alias: str) -> torch.Tensor:
+    # save_pretrained writes the hub's original names; state_dict() has transformers' renamed ones
+    return t[alias] if name not in t and alias in t else take(t, name)
+
+
+class MoE(nn.Module):
+    """Top-k experts by router logit, weighted by the softmax over the chosen logits."""
+
+    def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
+        super().__init__()
+        self.top_k = a.num_experts_per_tok
+        self.router = param(_take_either(t, f"{p}.router.weight", f"{p}.router.layer.weight"), dtype)
+        self.w_gu = param(_take_either(t, f"{p}.experts.gate_up_proj", f"{p}.input_linear.weight"), dtype)
+        self.w_down = param(_take_either(t, f"{p}.experts.down_proj", f"{p}.output_linear.weight"), dtype)
+
+    def forward(self, x):
+        top_v, top_i = linear(x, self.router).float().topk(self.top_k, dim=-1)
+        weights = torch.softmax(top_v, dim=-1).to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in torch.unique(top_i).tolist():
+            tok, slot = torch.where(top_i == e)
+            g, u = linear(x[tok], self.w_gu[e]).chunk(2, dim=-1)
+            out.index_add_(0, tok, linear(F.silu(g) * u, self.w_down[e]) * weights[tok, slot, None])
+        return out
+
+
+class SharedMLP(nn.Module):
+    def __init__(self, t: dict, p: str, dtype):
+        super().__init__()
+        self.wgu = param(take(t, f"{p}.input_linear.weight"), dtype)
+        self.wdown = param(take(t, f"{p}.output_linear.weight"), dtype)
+
+    def forward(self, x):
+        g, u = linear(x, self.wgu).chunk(2, dim=-1)
+        return linear(F.silu(g) * u, self.wdown)
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
+        super().__init__()
+        p = f"model.layers.{i}"
+        self.eps, self.res = a.rms_norm_eps, a.residual_multiplier
+        self.is_mamba = a.layer_types[i] == MAMBA
+        self.ln_in = param(take(t, f"{p}.input_layernorm.weight"), dtype)
+        self.ln_post = param(take(t, f"{p}.post_attention_layernorm.weight"), dtype)
+        self.mixer = Mamba2Mixer(a.mamba_dims(), t, f"{p}.mamba", dtype) if self.is_mamba else Attention(a, t, f"{p}.self_attn", dtype)
+        self.moe = MoE(a, t, f"{p}.block_sparse_moe", dtype) if a.num_local_experts > 0 else None
+        self.shared = SharedMLP(t, f"{p}.shared_mlp", dtype)
+
+    def forward(self, x, cache, rope):
+        h = rms_norm(x, self.ln_in, self.eps)
+        h = self.mixer.forward(h, cache) if self.is_mamba else self.mixer.forward(h, cache, rope)
+        x = x + h * self.res
+        h = rms_norm(x, self.ln_post, self.eps)
+        h = self.shared.forward(h) if self.moe is None else self.moe.forward(h) + self.shared.forward(h)
+        return x + h * self.res
+
+
+class GraniteMoeHybridModel(Model):
+    family = "granitemoehybrid"
+
+    def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
+        super().__init__()
+        self.args, self.dtype = args, dtype
+        self.embed = param(take(tensors, "model.embed_tokens.weight"), dtype)
+        self.layers = nn.ModuleList(Block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
+        self.norm = param(take(tensors, "model.norm.weight"), dtype)
+        head = tensors.get("lm_head.weight")
+        self.lm_head = self.embed if head is None or args.tie_word_embeddings else param(head, dtype)
+        self.rope = None
+        if args.position_embedding_type == "rope":
+            inv_freq, scaling = inv_freq_for(rope_params(config), args.head_dim)
+            self.rope = Rope(args.head_dim, 0.0, dtype, inv_freq=inv_freq, attention_scaling=scaling)
+
+    @classmethod
+    def from_checkpoint(cls, config, tensors, dtype):
+        return cls(ModelArgs.from_dict(config), config, tensors, dtype)
+
+    def cache_specs(self):
+        a = self.args
+        mamba = specs.recurrent(**mamba2_state_fields(a.mamba_dims()))
+        return [mamba if lt == MAMBA else specs.full(a.num_key_value_heads, a.head_dim) for lt in a.layer_types]
+
+    def forward(self, tokens, caches, logits="last"):
+        T = tokens.shape[0]
+        rope = self.rope.table(caches[0].offset, T) if self.rope is not None else None
+        x = F.embedding(tokens, self.embed) * self.args.embedding_multiplier
+        for layer, cache in zip(self.layers, caches):
+            x = layer.forward(x, cache, rope)
+        if logits == "none":
+            return None
+        if logits == "last":
+            x = x[-1:]
+        out = linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head) / self.args.logits_scaling
+        return out[0] if logits == "last" else out

@@ -1,0 +1,151 @@
+"""LFM2: gated short-convolution layers mixed with full-attention layers (QK RMSNorm, RoPE),
+SwiGLU feed-forward on every layer.
+
+A conv layer's state is the last ``L_cache - 1`` gated inputs of its depthwise convolution
+(``conv`` field of a recurrent cache, [L_cache - 1, hidden] as every family in ssm.py keeps it); it
+cannot be rewound, so the model is a hybrid for the prompt cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache import specs
+from .base import BaseArgs, Model, Rope, apply_rope, attention, linear, param, rms_norm, take
+from .rope_config import inv_freq_for, rope_params
+from .ssm import causal_conv1d
+
+CONV, ATTENTION = "conv", "full_attention"
+
+
+@dataclass
+class ModelArgs(BaseArgs):
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    norm_eps: float = 1e-5
+    conv_L_cache: int = 3
+    conv_bias: bool = False
+    full_attn_idxs: list | None = None
+    layer_types: list | None = None
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        if self.layer_types is None:
+            idxs = self.full_attn_idxs if self.full_attn_idxs is not None else range(self.num_hidden_layers)
+            self.layer_types = [ATTENTION if i in idxs else CONV for i in range(self.num_hidden_layers)]
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+class ShortConv(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
+        super().__init__()
+        self.w_in = param(take(t, f"{p}.in_proj.weight"), dtype)
+        self.w_conv = param(take(t, f"{p}.conv.weight").squeeze(1), dtype)
+        self.w_out = param(take(t, f"{p}.out_proj.weight"), dtype)
+        bias = a.conv_bias
+        self.b_in = param(take(t, f"{p}.in_proj.bias"), dtype) if bias else None
+        self.b_conv = param(take(t, f"{p}.conv.bias"), dtype) if bias else None
+        self.b_out = param(take(t, f"{p}.out_proj.bias"), dtype) if bias else None
+
+    def forward(self, x, cache):
+        b, c, h = linear(x, self.w_in, self.b_in).chunk(3, dim=-1)
+        y, conv_state = causal_conv1d(b * h, cache.state["conv"], self.w_conv, self.b_conv)
+        cache.set("conv", conv_state)
+        cache.advance(x.shape[0])
+        return linear(c * y, self.w_out, self.b_out)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
+        super().__init__()
+        self.hq, self.hk, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        self.scale = self.d ** -0.5
+        self.eps = a.norm_eps
+        self.wqkv = param(torch.cat([take(t, f"{p}.q_proj.weight"), take(t, f"{p}.k_proj.weight"),
+                                     take(t, f"{p}.v_proj.weight")]), dtype)
+        self.wo = param(take(t, f"{p}.out_proj.weight"), dtype)
+        self.q_norm = param(take(t, f"{p}.q_layernorm.weight"), dtype)
+        self.k_norm = param(take(t, f"{p}.k_layernorm.weight"), dtype)
+
+    def forward(self, x, cache, cos, sin):
+        T = x.shape[0]
+        qkv = linear(x, self.wqkv).view(T, self.hq + 2 * self.hk, self.d).transpose(0, 1)
+        q = apply_rope(rms_norm(qkv[: self.hq], self.q_norm, self.eps), cos, sin)
+        k = apply_rope(rms_norm(qkv[self.hq: self.hq + self.hk], self.k_norm, self.eps), cos, sin)
+        keys, values, mask = cache.update_and_fetch(k, qkv[self.hq + self.hk:])
+        return linear(attention(q, keys, values, mask, self.scale), self.wo)
+
+
+class MLP(nn.Module):
+    def __init__(self, t: dict, p: str, dtype):
+        super().__init__()
+        self.wgu = param(torch.cat([take(t, f"{p}.w1.weight"), take(t, f"{p}.w3.weight")]), dtype)
+        self.wdown = param(take(t, f"{p}.w2.weight"), dtype)
+
+    def forward(self, x):
+        g, u = linear(x, self.wgu).chunk(2, dim=-1)
+        return linear(F.silu(g) * u, self.wdown)
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
+        super().__init__()
+        p = f"model.layers.{i}"
+        self.eps = a.norm_eps
+        self.is_attention = a.layer_types[i] != CONV
+        self.ln_op = param(take(t, f"{p}.operator_norm.weight"), dtype)
+        self.ln_ffn = param(take(t, f"{p}.ffn_norm.weight"), dtype)
+        self.mixer = Attention(a, t, f"{p}.self_attn", dtype) if self.is_attention else ShortConv(a, t, f"{p}.conv", dtype)
+        self.mlp = MLP(t, f"{p}.feed_forward", dtype)
+
+    def forward(self, x, cache, cos, sin):
+        h = rms_norm(x, self.ln_op, self.eps)
+        x = x + (self.mixer.forward(h, cache, cos, sin) if self.is_attention else self.mixer.forward(h, cache))
+        return x + self.mlp.forward(rms_norm(x, self.ln_ffn, self.eps))
+
+
+class Lfm2Model(Model):
+    family = "lfm2"
+
+    def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
+        super().__init__()
+        self.args, self.dtype = args, dtype
+        self.embed = param(take(tensors, "model.embed_tokens.weight"), dtype)
+        self.layers = nn.ModuleList(Block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
+        self.norm = param(take(tensors, "model.embedding_norm.weight"), dtype)
+        head = tensors.get("lm_head.weight")
+        self.lm_head = self.embed if head is None or args.tie_word_embeddings else param(head, dtype)
+        inv_freq, scaling = inv_freq_for(rope_params(config), args.head_dim)
+        self.rope = Rope(args.head_dim, 0.0, dtype, inv_freq=inv_freq, attention_scaling=scaling)
+
+    @classmethod
+    def from_checkpoint(cls, config, tensors, dtype):
+        return cls(ModelArgs.from_dict(config), config, tensors, dtype)
+
+    def cache_specs(self):
+        a = self.args
+        return [specs.recurrent(conv=(a.conv_L_cache - 1, a.hidden_size)) if lt == CONV
+                else specs.full(a.num_key_value_heads, a.head_dim) for lt in a.layer_types]
+
+    def forward(self, tokens, caches, logits="last"):
+        T = tokens.shape[0]
+        cos, sin = self.rope.table(caches[0].offset, T)
+        x = F.embedding(tokens, self.embed)
+        for layer, cache in zip(self.layers, caches):
+            x = layer.forward(x, cache, cos, sin)
+        if logits == "none":
+            return None
+        if logits == "last":
+            x = x[-1:]
+        out = linear(rms_norm(x, self.norm, self.args.norm_eps), self.lm_head)
+        return out[0] if logits == "last" else out

@@ -1,0 +1,208 @@
+"""Llama 4 (text): chunked attention with RoPE on most layers, global NoPE layers with attention
+temperature tuning, L2 QK-norm on the RoPE layers, and a top-k sigmoid-routed MoE with a shared
+expert on every ``interleave_moe_layer_step``-th layer (dense SwiGLU elsewhere)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache import specs
+from .base import BaseArgs, Model, Rope, apply_rope, attention, linear, param, rms_norm, take
+from .rope_config import inv_freq_for, rope_params
+
+CHUNKED, FULL = "chunked_attention", "full_attention"
+
+
+@dataclass
+class ModelArgs(BaseArgs):
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    intermediate_size_mlp: int = 16384
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    num_local_experts: int = 16
+    num_experts_per_tok: int = 1
+    moe_layers: list | None = None
+    interleave_moe_layer_step: int = 1
+    use_qk_norm: bool = True
+    no_rope_layers: list | None = None
+    no_rope_layer_interval: int = 4
+    attention_chunk_size: int | None = 8192
+    layer_types: list | None = None
+    attn_temperature_tuning: bool = True
+    floor_scale: int = 8192
+    attn_scale: float = 0.1
+
+    def __post_init__(self):
+        # Same defaults as transformers' Llama4TextConfig, so a sparse config.json means the same model.
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        n = self.num_hidden_layers
+        if not self.no_rope_layers:  # 1 = the layer uses RoPE (despite the name)
+            self.no_rope_layers = [int((i + 1) % self.no_rope_layer_interval != 0) for i in range(n)]
+        if self.moe_layers is None:
+            step = self.interleave_moe_layer_step
+            self.moe_layers = list(range(step - 1, n, step))
+        if self.layer_types is None:
+            self.layer_types = [CHUNKED if rope and self.attention_chunk_size is not None else FULL
+                                for rope in self.no_rope_layers]
+        if self.hidden_act != "silu":
+            raise ValueError(f"llama4: unsupported hidden_act {self.hidden_act!r}")
+
+
+def interleaved_to_half(w: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """Reorder each head's output rows from Llama 4's interleaved RoPE pairs (0,1),(2,3),... to the
+    half-split layout (i, i + D/2) that ``apply_rope`` rotates. q and k get the same permutation, so
+    q.k and the L2 norm are unchanged, and the rotation becomes the usual one."""
+    rest = w.shape[1:]
+    return w.reshape(heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(heads * head_dim, *rest)
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def temperature_scales(offset: int, T: int, floor_scale: float, attn_scale: float) -> torch.Tensor:
+    """[T, 1] query multipliers of the NoPE layers (arXiv 2501.19399): 1 + attn_scale * log(1 + floor((p + 1) / floor_scale))."""
+    pos = torch.arange(offset, offset + T, dtype=torch.float32)
+    return (torch.log1p(torch.floor((pos + 1.0) / floor_scale)) * attn_scale + 1.0)[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, p: str, dtype, use_rope: bool):
+        super().__init__()
+        self.hq, self.hk, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        self.scale = self.d ** -0.5
+        self.eps = a.rms_norm_eps
+        self.use_rope = use_rope
+        self.qk_norm = a.use_qk_norm and use_rope
+        self.temperature = a.attn_temperature_tuning and not use_rope
+
+        def qk(name, heads):
+            w = take(t, f"{p}.{name}")
+            return interleaved_to_half(w, heads, self.d) if use_rope else w
+
+        self.wqkv = param(torch.cat([qk("q_proj.weight", self.hq), qk("k_proj.weight", self.hk),
+                                     take(t, f"{p}.v_proj.weight")]), dtype)
+        self.bqkv = (param(torch.cat([qk("q_proj.bias", self.hq), qk("k_proj.bias", self.hk),
+                                      take(t, f"{p}.v_proj.bias")]), dtype) if a.attention_bias else None)
+        self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
+        self.bo = param(take(t, f"{p}.o_proj.bias"), dtype) if a.attention_bias else None
+
+    def forward(self, x, cache, cos, sin, temp):
+        T = x.shape[0]
+        qkv = linear(x, self.wqkv, self.bqkv).view(T, self.hq + 2 * self.hk, self.d).transpose(0, 1)
+        qk = qkv[: self.hq + self.hk]
+        if self.use_rope:
+            qk = apply_rope(qk, cos, sin)
+        if self.qk_norm:
+            qk = l2_norm(qk, self.eps)
+        q, k = qk[: self.hq], qk[self.hq:]
+        if self.temperature:
+            q = (q * temp).to(x.dtype)
+        keys, values, mask = cache.update_and_fetch(k, qkv[self.hq + self.hk:])
+        return linear(attention(q, keys, values, mask, self.scale), self.wo, self.bo)
+
+
+class MLP(nn.Module):
+    def __init__(self, t: dict, p: str, dtype):
+        super().__init__()
+        self.wgu = param(torch.cat([take(t, f"{p}.gate_proj.weight"), take(t, f"{p}.up_proj.weight")]), dtype)
+        self.wdown = param(take(t, f"{p}.down_proj.weight"), dtype)
+
+    def forward(self, x):
+        g, u = linear(x, self.wgu).chunk(2, dim=-1)
+        return linear(F.silu(g) * u, self.wdown)
+
+
+class MoE(nn.Module):
+    """Top-k experts chosen on raw router logits; the sigmoid of each chosen logit scales the expert's
+    *input* (transformers feeds every expert ``x * score`` with score 0 for the unchosen, whose output
+    is then exactly 0, so running only the chosen experts is the same sum)."""
+
+    def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
+        super().__init__()
+        self.top_k = a.num_experts_per_tok
+        self.router = param(take(t, f"{p}.router.weight"), dtype)
+        # stored [E, H, 2I] / [E, I, H] for bmm; F.linear wants [out, in]
+        self.w_gu = param(take(t, f"{p}.experts.gate_up_proj").transpose(1, 2), dtype)
+        self.w_down = param(take(t, f"{p}.experts.down_proj").transpose(1, 2), dtype)
+        self.shared = MLP(t, f"{p}.shared_expert", dtype)
+
+    def forward(self, x):
+        top_v, top_i = torch.topk(linear(x, self.router), self.top_k, dim=1)
+        scores = torch.sigmoid(top_v.float()).to(x.dtype)
+        out = self.shared.forward(x)
+        for e in torch.unique(top_i).tolist():
+            tok, slot = torch.where(top_i == e)
+            g, u = linear(x[tok] * scores[tok, slot, None], self.w_gu[e]).chunk(2, dim=-1)
+            out.index_add_(0, tok, linear(F.silu(g) * u, self.w_down[e]))
+        return out
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
+        super().__init__()
+        p = f"model.layers.{i}"
+        self.eps = a.rms_norm_eps
+        self.use_rope = bool(a.no_rope_layers[i])
+        self.ln_attn = param(take(t, f"{p}.input_layernorm.weight"), dtype)
+        self.ln_mlp = param(take(t, f"{p}.post_attention_layernorm.weight"), dtype)
+        self.attn = Attention(a, t, f"{p}.self_attn", dtype, self.use_rope)
+        self.ff = MoE(a, t, f"{p}.feed_forward", dtype) if i in a.moe_layers else MLP(t, f"{p}.feed_forward", dtype)
+
+    def forward(self, x, cache, cos, sin, temp):
+        x = x + self.attn.forward(rms_norm(x, self.ln_attn, self.eps), cache, cos, sin, temp)
+        return x + self.ff.forward(rms_norm(x, self.ln_mlp, self.eps))
+
+
+class Llama4Model(Model):
+    family = "llama4"
+
+    def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
+        super().__init__()
+        self.args, self.dtype = args, dtype
+        self.embed = param(take(tensors, "model.embed_tokens.weight"), dtype)
+        self.layers = nn.ModuleList(Block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
+        self.norm = param(take(tensors, "model.norm.weight"), dtype)
+        head = tensors.get("lm_head.weight")
+        self.lm_head = self.embed if head is None or args.tie_word_embeddings else param(head, dtype)
+        inv_freq, scaling = inv_freq_for(rope_params(config), args.head_dim)
+        self.rope = Rope(args.head_dim, 0.0, dtype, inv_freq=inv_freq, attention_scaling=scaling)
+        self.any_temperature = args.attn_temperature_tuning and not all(args.no_rope_layers)
+
+    @classmethod
+    def from_checkpoint(cls, config, tensors, dtype):
+        return cls(ModelArgs.from_dict(config), config, tensors, dtype)
+
+    def cache_specs(self):
+        a = self.args
+        return [specs.chunked(a.num_key_value_heads, a.head_dim, a.attention_chunk_size) if lt == CHUNKED
+                else specs.full(a.num_key_value_heads, a.head_dim) for lt in a.layer_types]
+
+    def forward(self, tokens, caches, logits="last"):
+        T = tokens.shape[0]
+        offset = caches[0].offset
+        cos, sin = self.rope.table(offset, T)
+        temp = (temperature_scales(offset, T, self.args.floor_scale, self.args.attn_scale).to(self.embed.device)
+                if self.any_temperature else None)
+        x = F.embedding(tokens, self.embed)
+        for layer, cache in zip(self.layers, caches):
+            x = layer.forward(x, cache, cos, sin, temp)
+        if logits == "none":
+            return None
+        if logits == "last":
+            x = x[-1:]
+        out = linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
+        return out[0] if logits == "last" else out

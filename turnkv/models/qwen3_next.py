@@ -1,0 +1,267 @@
+"""Qwen3-Next: gated delta-net linear attention (conv + recurrent state) on most layers, gated full
+attention (output gate, partial rotary, (1 + w) QK-norm) on every ``full_attention_interval``-th
+layer, and a routed MoE with a sigmoid-gated shared expert as the feed-forward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache import specs
+from .base import BaseArgs, Model, Rope, apply_rope, attention, linear, param, rms_norm, take
+from .rope_config import inv_freq_for, rope_params
+from .ssm import causal_conv1d, gated_delta_chunked, gated_delta_step, l2norm
+
+LINEAR, FULL = "linear_attention", "full_attention"
+DELTA_CHUNK = 64  # the chunk transformers' torch path uses; any size gives the same result
+
+
+@dataclass
+class ModelArgs(BaseArgs):
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: int = 2
+    head_dim: int = 256
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    decoder_sparse_step: int = 1
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    num_experts_per_tok: int = 10
+    num_experts: int = 512
+    norm_topk_prob: bool = True
+    mlp_only_layers: list | None = None
+    layer_types: list | None = None
+    full_attention_interval: int = 4
+
+    def __post_init__(self):
+        self.mlp_only_layers = list(self.mlp_only_layers or [])
+        if not self.layer_types:
+            n = self.full_attention_interval
+            self.layer_types = [FULL if (i + 1) % n == 0 else LINEAR for i in range(self.num_hidden_layers)]
+
+    def is_moe(self, i: int) -> bool:
+        return (i not in self.mlp_only_layers and self.num_experts > 0
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+
+def _norm_weight(t: torch.Tensor, dtype) -> nn.Parameter:
+    # Qwen3-Next's RMSNorm scales by (1 + w); fold the 1 in once at load time.
+    return param(1.0 + t.float(), dtype)
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first ``cos.shape[-1]`` dims of each head, the rest passed through."""
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return apply_rope(x, cos, sin)
+    return torch.cat([apply_rope(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
+        super().__init__()
+        self.nk, self.nv = a.linear_num_key_heads, a.linear_num_value_heads
+        self.dk, self.dv = a.linear_key_head_dim, a.linear_value_head_dim
+        self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = a.linear_conv_kernel_dim
+        self.eps = a.rms_norm_eps
+        r = self.nv // self.nk
+        H = a.hidden_size
+        # transformers interleaves q|k|v|z (and b|a) per key-head group; regroup the rows once so one
+        # matmul yields [q_all, k_all, v_all, z_all, b_all, a_all] and q|k|v is a contiguous slice
+        qkvz = take(t, f"{p}.in_proj_qkvz.weight").view(self.nk, 2 * self.dk + 2 * r * self.dv, H)
+        q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=1)
+        b, a_ = take(t, f"{p}.in_proj_ba.weight").view(self.nk, 2 * r, H).split([r, r], dim=1)
+        self.w_in = param(torch.cat([w.reshape(-1, H) for w in (q, k, v, z, b, a_)]), dtype)
+        self.w_conv = param(take(t, f"{p}.conv1d.weight").reshape(self.conv_dim, self.kernel), dtype)
+        self.dt_bias = param(take(t, f"{p}.dt_bias"), torch.float32)
+        self.neg_A = param(-take(t, f"{p}.A_log").float().exp(), torch.float32)
+        self.w_norm = param(take(t, f"{p}.norm.weight"), dtype)
+        self.w_out = param(take(t, f"{p}.out_proj.weight"), dtype)
+
+    def state_fields(self) -> dict[str, tuple[int, ...]]:
+        return {"conv": (self.kernel - 1, self.conv_dim), "recurrent": (self.nv, self.dk, self.dv)}
+
+    def forward(self, x, cache):
+        T = x.shape[0]
+        r = self.nv // self.nk
+        qkv, z, b, a = linear(x, self.w_in).split([self.conv_dim, self.value_dim, self.nv, self.nv], dim=-1)
+        qkv, conv_state = causal_conv1d(qkv, cache.state["conv"], self.w_conv, None)
+        cache.set("conv", conv_state)
+        q, k, v = F.silu(qkv).float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        # one query/key head serves r consecutive value heads
+        q = l2norm(q.view(T, self.nk, self.dk)).repeat_interleave(r, dim=1).transpose(0, 1) * self.dk ** -0.5
+        k = l2norm(k.view(T, self.nk, self.dk)).repeat_interleave(r, dim=1).transpose(0, 1)
+        v = v.view(T, self.nv, self.dv).transpose(0, 1)
+        beta = torch.sigmoid(b.float()).t()                                  # [nv, T]
+        g = (self.neg_A * F.softplus(a.float() + self.dt_bias)).t()         # log decay, [nv, T]
+        state = cache.state["recurrent"]
+        if T == 1:
+            o, state = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+            o = o[:, None]
+        else:
+            o, state = gated_delta_chunked(q, k, v, g, beta, state, DELTA_CHUNK)
+        cache.set("recurrent", state)
+        cache.advance(T)
+        # per-head RMSNorm first, then the SiLU(z) gate
+        o = rms_norm(o.transpose(0, 1).to(x.dtype), self.w_norm, self.eps)
+        o = (o * F.silu(z.view(T, self.nv, self.dv).float())).to(x.dtype)
+        return linear(o.reshape(T, self.value_dim), self.w_out)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
+        super().__init__()
+        self.hq, self.hk, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        self.scale = self.d ** -0.5
+        self.eps = a.rms_norm_eps
+        H = a.hidden_size
+        # q_proj packs [query | gate] per head; regroup as q | k | v | gate for one fused matmul
+        q, gate = take(t, f"{p}.q_proj.weight").view(self.hq, 2, self.d, H).unbind(1)
+        self.wqkvg = param(torch.cat([q.reshape(-1, H), take(t, f"{p}.k_proj.weight"),
+                                      take(t, f"{p}.v_proj.weight"), gate.reshape(-1, H)]), dtype)
+        self.bqkvg = None
+        if a.attention_bias:
+            qb, gb = take(t, f"{p}.q_proj.bias").view(self.hq, 2, self.d).unbind(1)
+            self.bqkvg = param(torch.cat([qb.reshape(-1), take(t, f"{p}.k_proj.bias"),
+                                          take(t, f"{p}.v_proj.bias"), gb.reshape(-1)]), dtype)
+        self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
+        self.bo = param(take(t, f"{p}.o_proj.bias"), dtype) if a.attention_bias else None
+        self.q_norm = _norm_weight(take(t, f"{p}.q_norm.weight"), dtype)
+        self.k_norm = _norm_weight(take(t, f"{p}.k_norm.weight"), dtype)
+
+    def forward(self, x, cache, cos, sin):
+        T = x.shape[0]
+        hq, hk, d = self.hq, self.hk, self.d
+        qkv, gate = linear(x, self.wqkvg, self.bqkvg).split([(hq + 2 * hk) * d, hq * d], dim=-1)
+        qkv = qkv.view(T, hq + 2 * hk, d).transpose(0, 1)
+        q = apply_partial_rope(rms_norm(qkv[:hq], self.q_norm, self.eps), cos, sin)
+        k = apply_partial_rope(rms_norm(qkv[hq:hq + hk], self.k_norm, self.eps), cos, sin)
+        keys, values, mask = cache.update_and_fetch(k, qkv[hq + hk:])
+        out = attention(q, keys, values, mask, self.scale) * torch.sigmoid(gate)
+        return linear(out, self.wo, self.bo)
+
+
+class MLP(nn.Module):
+    def __init__(self, t: dict, p: str, dtype):
+        super().__init__()
+        self.wgu = param(torch.cat([take(t, f"{p}.gate_proj.weight"), take(t, f"{p}.up_proj.weight")]), dtype)
+        self.wdown = param(take(t, f"{p}.down_proj.weight"), dtype)
+
+    def forward(self, x):
+        g, u = linear(x, self.wgu).chunk(2, dim=-1)
+        return linear(F.silu(g) * u, self.wdown)
+
+
+def _expert_weights(t: dict, p: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([E, 2I, H] gate|up, [E, H, I] down) from either transformers' fused in-memory names
+    (``experts.gate_up_proj``) or the per-expert names save_pretrained and the Hub files use."""
+    if f"{p}.experts.gate_up_proj" in t:
+        return t[f"{p}.experts.gate_up_proj"], take(t, f"{p}.experts.down_proj")
+    gu = torch.stack([torch.cat([take(t, f"{p}.experts.{e}.gate_proj.weight"),
+                                 take(t, f"{p}.experts.{e}.up_proj.weight")]) for e in range(n)])
+    down = torch.stack([take(t, f"{p}.experts.{e}.down_proj.weight") for e in range(n)])
+    return gu, down
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
+        super().__init__()
+        self.top_k, self.norm_topk = a.num_experts_per_tok, a.norm_topk_prob
+        self.w_router = param(take(t, f"{p}.gate.weight"), dtype)
+        gu, down = _expert_weights(t, p, a.num_experts)
+        self.w_gu, self.w_down = param(gu, dtype), param(down, dtype)
+        self.shared = MLP(t, f"{p}.shared_expert", dtype)
+        self.w_shared_gate = param(take(t, f"{p}.shared_expert_gate.weight"), dtype)
+
+    def forward(self, x):
+        probs = torch.softmax(linear(x, self.w_router).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)             # [T, k]
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        # visit experts in ascending id like transformers, so the sum order (and rounding) matches
+        for e in torch.unique(experts).tolist():
+            tok, slot = torch.where(experts == e)
+            g, u = linear(x[tok], self.w_gu[e]).chunk(2, dim=-1)
+            h = linear(F.silu(g) * u, self.w_down[e]) * weights[tok, slot, None]
+            out.index_add_(0, tok, h)
+        shared = self.shared.forward(x) * torch.sigmoid(linear(x, self.w_shared_gate))
+        return out + shared
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
+        super().__init__()
+        p = f"model.layers.{i}"
+        self.eps = a.rms_norm_eps
+        self.kind = a.layer_types[i]
+        self.ln_in = _norm_weight(take(t, f"{p}.input_layernorm.weight"), dtype)
+        self.ln_post = _norm_weight(take(t, f"{p}.post_attention_layernorm.weight"), dtype)
+        if self.kind == LINEAR:
+            self.mixer = GatedDeltaNet(a, t, f"{p}.linear_attn", dtype)
+        elif self.kind == FULL:
+            self.mixer = Attention(a, t, f"{p}.self_attn", dtype)
+        else:
+            raise ValueError(f"unknown Qwen3-Next layer type {self.kind!r}")
+        self.mlp = SparseMoE(a, t, f"{p}.mlp", dtype) if a.is_moe(i) else MLP(t, f"{p}.mlp", dtype)
+
+    def forward(self, x, cache, cos, sin):
+        h = rms_norm(x, self.ln_in, self.eps)
+        h = self.mixer.forward(h, cache) if self.kind == LINEAR else self.mixer.forward(h, cache, cos, sin)
+        x = x + h
+        return x + self.mlp.forward(rms_norm(x, self.ln_post, self.eps))
+
+
+class Qwen3NextModel(Model):
+    family = "qwen3_next"
+
+    def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
+        super().__init__()
+        self.args, self.dtype = args, dtype
+        self.embed = param(take(tensors, "model.embed_tokens.weight"), dtype)
+        self.layers = nn.ModuleList(Block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
+        self.norm = _norm_weight(take(tensors, "model.norm.weight"), dtype)
+        head = tensors.get("lm_head.weight")
+        self.lm_head = self.embed if head is None or args.tie_word_embeddings else param(head, dtype)
+        params = rope_params(config)
+        partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
+        inv_freq, scaling = inv_freq_for(params, args.head_dim, partial)
+        self.rope = Rope(args.head_dim, 0.0, dtype, inv_freq=inv_freq, attention_scaling=scaling)
+
+    @classmethod
+    def from_checkpoint(cls, config, tensors, dtype):
+        return cls(ModelArgs.from_dict(config), config, tensors, dtype)
+
+    def cache_specs(self):
+        a = self.args
+        return [specs.recurrent(**layer.mixer.state_fields()) if layer.kind == LINEAR
+                else specs.full(a.num_key_value_heads, a.head_dim) for layer in self.layers]
+
+    def forward(self, tokens, caches, logits="last"):
+        T = tokens.shape[0]
+        cos, sin = self.rope.table(caches[0].offset, T)
+        x = F.embedding(tokens, self.embed)
+        for layer, cache in zip(self.layers, caches):
+            x = layer.forward(x, cache, cos, sin)
+        if logits == "none":
+            return None
+        if logits == "last":
+            x = x[-1:]
+        out = linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
+        return out[0] if logits == "last" else out

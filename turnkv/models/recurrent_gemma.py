@@ -1,0 +1,215 @@
+"""RecurrentGemma (Griffin): RG-LRU recurrent blocks (conv1d state + LRU hidden state) interleaved
+with local sliding-window attention, a biased GeGLU MLP, (1 + w) RMSNorms, sqrt(hidden)-scaled
+embeddings and a tanh soft cap on the logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache import specs
+from .base import BaseArgs, Model, Rope, apply_rope, attention, gelu_tanh, linear, param, rms_norm, take
+from .rope_config import inv_freq_for, rope_params
+from .ssm import causal_conv1d, linear_recurrence
+
+RECURRENT, ATTENTION = "recurrent", "attention"
+
+
+@dataclass
+class ModelArgs(BaseArgs):
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    lru_width: int | None = None
+    attention_window_size: int = 2048
+    conv1d_width: int = 4
+    logits_soft_cap: float = 30.0
+    rms_norm_eps: float = 1e-6
+    block_types: list | None = None
+    attention_bias: bool = False
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.lru_width = self.lru_width or self.hidden_size
+        self.head_dim = self.hidden_size // self.num_attention_heads
+        pattern = list(self.block_types or (RECURRENT, RECURRENT, ATTENTION))
+        self.layer_kinds = [pattern[i % len(pattern)] for i in range(self.num_hidden_layers)]
+
+
+def _norm_weight(t: torch.Tensor, dtype) -> nn.Parameter:
+    # Gemma-style RMSNorm scales by (1 + w); fold the 1 in once at load time.
+    return param(1.0 + t.float(), dtype)
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first ``cos.shape[-1]`` dims of each head, the rest passed through."""
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return apply_rope(x, cos, sin)
+    return torch.cat([apply_rope(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
+
+
+class RGLRU(nn.Module):
+    """Real-gated linear recurrent unit: h_t = a_t * h_{t-1} + sqrt(1 - a_t^2) * (i_t * x_t)."""
+
+    def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
+        super().__init__()
+        self.heads, self.width = a.num_attention_heads, a.lru_width
+        self.block = self.width // self.heads
+        # both gates are block-diagonal per head; one batched matmul computes them together
+        self.w_gates = param(torch.cat([take(t, f"{p}.input_gate_weight"),
+                                        take(t, f"{p}.recurrent_gate_weight")], dim=-1), dtype)
+        self.b_gates = param(torch.cat([take(t, f"{p}.input_gate_bias"),
+                                        take(t, f"{p}.recurrent_gate_bias")], dim=-1), dtype)
+        self.log_a_scale = param(-8.0 * F.softplus(take(t, f"{p}.recurrent_param").float()), torch.float32)
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, W] (conv output), h [W] state. Returns (outputs [T, W] float32, final h)."""
+        T = x.shape[0]
+        xh = x.view(T, self.heads, self.block).transpose(0, 1)                   # [heads, T, block]
+        gates = torch.baddbmm(self.b_gates[:, None, :], xh, self.w_gates)       # [heads, T, 2 * block]
+        gates = torch.sigmoid(gates).transpose(0, 1).reshape(T, self.heads, 2, self.block)
+        input_gate = gates[:, :, 0].reshape(T, self.width)
+        rec_gate = gates[:, :, 1].reshape(T, self.width)
+        log_a = self.log_a_scale * rec_gate.float()
+        multiplier = torch.sqrt(1 - torch.exp(2 * log_a))
+        if offset == 0:
+            # the first token of a sequence resets the recurrence: no decay of (zero) history and
+            # no sqrt(1 - a^2) normalisation
+            multiplier[0] = 1.0
+            h = torch.zeros_like(h)
+        normed = (x * input_gate) * multiplier.to(x.dtype)
+        return linear_recurrence(log_a, normed, h)
+
+
+class RecurrentBlock(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
+        super().__init__()
+        self.width, self.kernel = a.lru_width, a.conv1d_width
+        self.w_yx = param(torch.cat([take(t, f"{p}.linear_y.weight"), take(t, f"{p}.linear_x.weight")]), dtype)
+        self.b_yx = param(torch.cat([take(t, f"{p}.linear_y.bias"), take(t, f"{p}.linear_x.bias")]), dtype)
+        self.w_out = param(take(t, f"{p}.linear_out.weight"), dtype)
+        self.b_out = param(take(t, f"{p}.linear_out.bias"), dtype)
+        self.w_conv = param(take(t, f"{p}.conv_1d.weight").reshape(self.width, self.kernel), dtype)
+        self.b_conv = param(take(t, f"{p}.conv_1d.bias"), dtype)
+        self.rg_lru = RGLRU(a, t, f"{p}.rg_lru", dtype)
+
+    def state_fields(self) -> dict[str, tuple[int, ...]]:
+        return {"conv": (self.kernel - 1, self.width), "rg_lru": (self.width,)}
+
+    def forward(self, x, cache):
+        T = x.shape[0]
+        y, xb = linear(x, self.w_yx, self.b_yx).split([self.width, self.width], dim=-1)
+        xb, conv_state = causal_conv1d(xb, cache.state["conv"], self.w_conv, self.b_conv)
+        cache.set("conv", conv_state)
+        h_all, h = self.rg_lru.forward(xb, cache.state["rg_lru"], cache.offset)
+        cache.set("rg_lru", h)
+        cache.advance(T)
+        return linear(h_all.to(x.dtype) * gelu_tanh(y), self.w_out, self.b_out)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
+        super().__init__()
+        self.hq, self.hk, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        self.scale = self.d ** -0.5
+        self.wqkv = param(torch.cat([take(t, f"{p}.q_proj.weight"), take(t, f"{p}.k_proj.weight"),
+                                     take(t, f"{p}.v_proj.weight")]), dtype)
+        self.bqkv = (param(torch.cat([take(t, f"{p}.q_proj.bias"), take(t, f"{p}.k_proj.bias"),
+                                      take(t, f"{p}.v_proj.bias")]), dtype) if a.attention_bias else None)
+        self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
+        self.bo = param(take(t, f"{p}.o_proj.bias"), dtype)  # o_proj always has a bias
+
+    def forward(self, x, cache, cos, sin):
+        T = x.shape[0]
+        qkv = linear(x, self.wqkv, self.bqkv).view(T, self.hq + 2 * self.hk, self.d).transpose(0, 1)
+        qk = apply_partial_rope(qkv[: self.hq + self.hk], cos, sin)
+        keys, values, mask = cache.update_and_fetch(qk[self.hq:], qkv[self.hq + self.hk:])
+        return linear(attention(qk[: self.hq], keys, values, mask, self.scale), self.wo, self.bo)
+
+
+class MLP(nn.Module):
+    def __init__(self, t: dict, p: str, dtype):
+        super().__init__()
+        self.wgu = param(torch.cat([take(t, f"{p}.gate_proj.weight"), take(t, f"{p}.up_proj.weight")]), dtype)
+        self.bgu = param(torch.cat([take(t, f"{p}.gate_proj.bias"), take(t, f"{p}.up_proj.bias")]), dtype)
+        self.wdown = param(take(t, f"{p}.down_proj.weight"), dtype)
+        self.bdown = param(take(t, f"{p}.down_proj.bias"), dtype)
+
+    def forward(self, x):
+        g, u = linear(x, self.wgu, self.bgu).chunk(2, dim=-1)
+        return linear(gelu_tanh(g) * u, self.wdown, self.bdown)
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
+        super().__init__()
+        p = f"model.layers.{i}"
+        self.eps = a.rms_norm_eps
+        self.kind = a.layer_kinds[i]
+        self.ln_temporal = _norm_weight(take(t, f"{p}.temporal_pre_norm.weight"), dtype)
+        self.ln_channel = _norm_weight(take(t, f"{p}.channel_pre_norm.weight"), dtype)
+        if self.kind == RECURRENT:
+            self.temporal = RecurrentBlock(a, t, f"{p}.temporal_block", dtype)
+        elif self.kind == ATTENTION:
+            self.temporal = Attention(a, t, f"{p}.temporal_block", dtype)
+        else:
+            raise ValueError(f"unknown RecurrentGemma block type {self.kind!r}")
+        self.mlp = MLP(t, f"{p}.mlp_block", dtype)
+
+    def forward(self, x, cache, cos, sin):
+        h = rms_norm(x, self.ln_temporal, self.eps)
+        h = self.temporal.forward(h, cache) if self.kind == RECURRENT else self.temporal.forward(h, cache, cos, sin)
+        x = x + h
+        return x + self.mlp.forward(rms_norm(x, self.ln_channel, self.eps))
+
+
+class RecurrentGemmaModel(Model):
+    family = "recurrent_gemma"
+
+    def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
+        super().__init__()
+        self.args, self.dtype = args, dtype
+        self.embed = param(take(tensors, "model.embed_tokens.weight"), dtype)
+        # transformers keeps the sqrt(hidden) normalizer as a bfloat16 buffer: use the same rounding
+        self.embed_scale = torch.tensor(args.hidden_size ** 0.5, dtype=torch.bfloat16).to(dtype)
+        self.layers = nn.ModuleList(Block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
+        self.norm = _norm_weight(take(tensors, "model.final_norm.weight"), dtype)
+        head = tensors.get("lm_head.weight")
+        self.lm_head = self.embed if head is None or args.tie_word_embeddings else param(head, dtype)
+        params = rope_params(config)
+        partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.5))
+        inv_freq, scaling = inv_freq_for(params, args.head_dim, partial)
+        self.rope = Rope(args.head_dim, 0.0, dtype, inv_freq=inv_freq, attention_scaling=scaling)
+
+    @classmethod
+    def from_checkpoint(cls, config, tensors, dtype):
+        return cls(ModelArgs.from_dict(config), config, tensors, dtype)
+
+    def cache_specs(self):
+        a = self.args
+        return [specs.recurrent(**layer.temporal.state_fields()) if layer.kind == RECURRENT
+                else specs.sliding(a.num_key_value_heads, a.head_dim, a.attention_window_size)
+                for layer in self.layers]
+
+    def forward(self, tokens, caches, logits="last"):
+        T = tokens.shape[0]
+        cos, sin = self.rope.table(caches[0].offset, T)
+        x = F.embedding(tokens, self.embed) * self.embed_scale
+        for layer, cache in zip(self.layers, caches):
+            x = layer.forward(x, cache, cos, sin)
+        if logits == "none":
+            return None
+        if logits == "last":
+            x = x[-1:]
+        out = linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
+        cap = self.args.logits_soft_cap
+        out = torch.tanh(out / cap) * cap
+        return out[0] if logits == "last" else out
