@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+import pytest
 import torch
 
 from turnkv.cache.base import DIVERGED_UNTRIMMABLE, SnapshotMismatch
@@ -114,37 +115,30 @@ def check_reuse(model, tokens: torch.Tensor, L: int, chunk: int = 5) -> float:
     run_chunks(model, caches, tokens[:L], chunk)
     snaps = [c.snapshot() for c in caches]
     cold = run_chunks(model, caches, tokens[L:], chunk)
-    warm_caches = fresh(model)
-    for c, s in zip(warm_caches, snaps):
-        c.restore(s)
+    warm_caches = restored(model, snaps)
     assert all(c.offset == L for c in warm_caches)
     warm = run_chunks(model, warm_caches, tokens[L:], chunk)
     diff = (warm - cold).abs().max().item()
     assert diff <= REUSE_TOL, f"restored run differs from the cold run by {diff:.3g}"
-    # decode-shaped continuation from the same snapshots: still the cold logits
-    step_caches = fresh(model)
-    for c, s in zip(step_caches, snaps):
-        c.restore(s)
-    steps = run_chunks(model, step_caches, tokens[L:L + 4], 1)
-    ref = run_chunks(model, [c for c in _restored(model, snaps)], tokens[L:L + 4], 4)
-    assert (steps - ref).abs().max().item() < PARITY_TOL
+    # a decode-shaped continuation from the same snapshots agrees with a chunked one
+    steps = run_chunks(model, restored(model, snaps), tokens[L:L + 4], 1)
+    chunk4 = run_chunks(model, restored(model, snaps), tokens[L:L + 4], 4)
+    assert (steps - chunk4).abs().max().item() < PARITY_TOL
 
     recurrent = [i for i, s in enumerate(model.cache_specs()) if s.kind == RECURRENT]
     assert recurrent, "family has no recurrent layer"
     probe = fresh(model)
     for i in recurrent:
         for bad in (L - 1, 0, L // 2):
-            try:
+            with pytest.raises(SnapshotMismatch) as err:
                 probe[i].restore(snaps[i], bad)
-            except SnapshotMismatch as e:
-                assert e.reason == DIVERGED_UNTRIMMABLE
-            else:
-                raise AssertionError(f"layer {i}: recurrent snapshot of {L} tokens restored to {bad}")
+            assert err.value.reason == DIVERGED_UNTRIMMABLE
             assert not snaps[i].can_restore_to(bad)
+            assert probe[i].offset == 0  # a refused restore leaves the live cache untouched
     return diff
 
 
-def _restored(model, snaps):
+def restored(model, snaps):
     caches = fresh(model)
     for c, s in zip(caches, snaps):
         c.restore(s)

@@ -17,7 +17,7 @@ def pair(tmp_path_factory):
     torch.manual_seed(0)
     config = Lfm2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=192, block_multiple_of=16,
                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, full_attn_idxs=[1, 3],
-                        conv_L_cache=3, conv_bias=True, initializer_range=0.1,
+                        conv_L_cache=3, conv_bias=True, initializer_range=0.2,
                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
     hf = Lfm2ForCausalLM(config).eval()
     perturb_vectors(hf)

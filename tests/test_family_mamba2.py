@@ -69,3 +69,9 @@ def test_greedy_matches_generate(pair):
 def test_reuse_is_exact(pair):
     model, _ = pair
     check_reuse(model, prompt(60, seed=11), L=37)
+
+
+def test_token_by_token_from_the_first_token(pair):
+    # every token through the single-step paths, starting from empty state
+    model, hf = pair
+    check_parity(model, hf, prompt(12, seed=13), chunk=1, decode=11)

@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-from ssm_family_checks import (check_parity, check_reuse, greedy, hf_greedy, perturb_vectors, save_and_load,
-                               single_thread)
+from ssm_family_checks import (check_parity, check_reuse, fresh, greedy, hf_greedy, perturb_vectors, run_chunks,
+                               save_and_load, single_thread)
 from turnkv.cache.specs import FULL, RECURRENT
 from turnkv.models import ARCHITECTURES, family_class
 from turnkv.models.qwen3_next import Qwen3NextModel
@@ -80,9 +80,14 @@ def test_reuse_is_exact(pair):
 def test_attention_layer_snapshot_still_trims(pair):
     # hybrid: the full-attention layer can be truncated, the delta-net layers cannot
     model, _ = pair
-    from ssm_family_checks import fresh, run_chunks
     caches = fresh(model)
     run_chunks(model, caches, prompt(20), 20)
     snaps = [c.snapshot() for c in caches]
     assert snaps[3].can_restore_to(10)
     assert not any(snaps[i].can_restore_to(10) for i in range(3))
+
+
+def test_token_by_token_from_the_first_token(pair):
+    # every token through the single-step paths, starting from empty state
+    model, hf = pair
+    check_parity(model, hf, prompt(12, seed=13), chunk=1, decode=11)

@@ -174,9 +174,11 @@ class KVStore:
         return {name: t[:, a:b].clone() for name, t in self.parts.items()}
 
     def load(self, slot: int, payload: dict[str, torch.Tensor]) -> None:
-        if payload.keys() != self.parts.keys():
-            raise ValueError(f"{self.mode} KV payload needs parts {sorted(self.parts)}, got {sorted(payload)}")
         n = payload_len(payload)
+        want = {name: ((self.heads, n, width), dt) for name, (width, dt) in self.layout.items()}
+        got = {name: (tuple(t.shape), t.dtype) for name, t in payload.items()}
+        if got != want:
+            raise ValueError(f"{self.mode} KV payload must be {want}, got {got}")
         for name, t in payload.items():
             self.parts[name][:, slot:slot + n].copy_(t)
 

@@ -59,7 +59,9 @@ class Mamba2Model(Model):
     def __init__(self, args: ModelArgs, tensors: dict, dtype: torch.dtype):
         super().__init__()
         self.args, self.dtype = args, dtype
-        self.embed = param(take(tensors, "backbone.embeddings.weight"), dtype)
+        # early conversions named it backbone.embedding (transformers renames it in a load hook)
+        name = "backbone.embedding.weight" if "backbone.embedding.weight" in tensors else "backbone.embeddings.weight"
+        self.embed = param(take(tensors, name), dtype)
         self.layers = nn.ModuleList(Block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
         self.norm = param(take(tensors, "backbone.norm_f.weight"), dtype)
         head = tensors.get("lm_head.weight")

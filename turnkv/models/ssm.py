@@ -246,10 +246,10 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 # --- diagonal linear recurrence (RG-LRU) ---------------------------------------------------------------
 
 def linear_recurrence(log_a: torch.Tensor, x: torch.Tensor, h: torch.Tensor,
-                      chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                      chunk_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """``h_t = exp(log_a_t) * h_{t-1} + x_t`` elementwise. log_a, x [T, W]; h [W].
     Returns (all h_t [T, W], final h [W]); float32. Chunked: within a chunk the recurrence is a
-    [L, L] lower-triangular decay matrix per channel."""
+    [L, L] lower-triangular decay matrix per channel (a small L keeps that [W, L, L] cheap)."""
     log_a, x, h = log_a.float(), x.float(), h.float()
     T = x.shape[0]
     if T == 1:

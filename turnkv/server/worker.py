@@ -11,6 +11,7 @@ served from the HTTP side without waiting for the queue.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from ..engine.generate import GenerationRequest, Result, TokenEvent
 
 OK, CANCELLED, FAILED = "ok", "cancelled", "failed"
+log = logging.getLogger("turnkv.server")
 
 
 @dataclass
@@ -116,6 +118,8 @@ class EngineWorker:
         try:
             result = self._generate(job)
         except BaseException as err:   # noqa: BLE001 - one bad request must not stop the server
+            if not isinstance(err, ValueError):
+                log.exception("generation failed")
             self._report(job, FAILED, None)
             job.post(Failed(err))
             return
