@@ -254,6 +254,69 @@ def test_hf_nested_text_config_is_left_alone(tmp_path):
     assert list(ckpt.tensors) == ["language_model.model.embed_tokens.weight"]
 
 
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # convert_hf_to_gguf.py's LlamaModel.permute, which the loader must undo
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.mark.parametrize("make", [_tiny_llama, _tiny_gemma3], ids=["llama", "gemma3"])
+def test_gguf_written_like_llama_cpp_loads_back(make, tmp_path):
+    """A tiny model written the way llama.cpp converts it (q/k permuted for Llama,
+    norms stored as 1 + w for Gemma, some tensors in F16) loads back to the
+    transformers weights; a GGUF without tokenizer metadata has tokenizer None."""
+    from turnkv.loading import SUPPORTED_GGUF_ARCHITECTURES
+
+    model = make()
+    cfg = model.config
+    arch = "llama" if cfg.model_type == "llama" else "gemma3"
+    layer_names = {v: k for k, v in SUPPORTED_GGUF_ARCHITECTURES[arch].layer_tensors.items()}
+    glob = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    tensors, expected = {}, {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        stem = name.rsplit(".", 1)[0]
+        if stem in glob:
+            gname = glob[stem] + ".weight"
+        else:
+            _, _, layer, rest = stem.split(".", 3)
+            gname = f"blk.{layer}.{layer_names[rest]}.weight"
+        w = t.detach().numpy().astype(np.float32)
+        if arch == "llama" and ".q_proj." in name:
+            w = _permute(w, cfg.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            w = _permute(w, cfg.num_key_value_heads)
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            w = w + 1
+        half = name.endswith("mlp.up_proj.weight")
+        tensors[gname] = w.astype(np.float16) if half else w
+        expected[name] = t.half().float() if half else t
+    meta = {
+        f"{arch}.block_count": cfg.num_hidden_layers, f"{arch}.embedding_length": cfg.hidden_size,
+        f"{arch}.feed_forward_length": cfg.intermediate_size, f"{arch}.context_length": 128,
+        f"{arch}.attention.head_count": cfg.num_attention_heads,
+        f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
+        f"{arch}.attention.layer_norm_rms_epsilon": 1e-6, f"{arch}.vocab_size": cfg.vocab_size,
+    }
+    if arch == "gemma3":
+        meta.update({"gemma3.attention.key_length": cfg.head_dim, "gemma3.attention.sliding_window": 8})
+    path = tmp_path / f"tiny-{arch}.gguf"
+    _write_gguf(path, arch, tensors, **meta)
+    ckpt = load_checkpoint(path, progress=False)
+    assert ckpt.tokenizer is None and ckpt.architecture == cfg.model_type
+    assert set(ckpt.tensors) == set(expected)
+    for name, ref in expected.items():
+        if arch == "gemma3" and name.endswith("norm.weight"):  # (w + 1) - 1 rounds in float32
+            assert torch.allclose(ckpt.tensors[name], ref, atol=1e-6), name
+        else:
+            assert torch.equal(ckpt.tensors[name], ref), name
+    assert ckpt.config["num_key_value_heads"] == cfg.num_key_value_heads
+    assert ckpt.config["tie_word_embeddings"] == cfg.tie_word_embeddings
+    if arch == "gemma3":
+        assert ckpt.config["layer_types"] == cfg.layer_types
+        assert ckpt.config["query_pre_attn_scalar"] == cfg.head_dim
+
+
 # ----------------------------------------------------------------------- errors
 
 

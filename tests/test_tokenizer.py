@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
@@ -94,10 +95,16 @@ def _oracle(request, name: str) -> dict:
     return ref
 
 
+@functools.lru_cache(maxsize=None)
+def _tokenizer(name: str):
+    """One load per model for the whole module (Gemma's 33 MB tokenizer.json takes ~1.5 s)."""
+    _require(name)
+    return load_tokenizer(name)
+
+
 @pytest.fixture(scope="module", params=BUNDLED_NAMES)
 def pair(request):
-    _require(request.param)
-    return request.param, load_tokenizer(request.param), _oracle(request, request.param)
+    return request.param, _tokenizer(request.param), _oracle(request, request.param)
 
 
 # ------------------------------------------------------------ vs transformers
@@ -250,8 +257,7 @@ def test_bad_messages_raise_value_error(pair, messages):
 
 
 def test_template_refusal_is_value_error():
-    _require("gemma3-270m")
-    tok = load_tokenizer("gemma3-270m")
+    tok = _tokenizer("gemma3-270m")
     with pytest.raises(ValueError, match="alternate"):
         tok.render_chat([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
 
@@ -277,8 +283,7 @@ def test_hf_folder_tokenizer(tmp_path):
     """An HF folder with tokenizer files gets its tokenizer (here: SmolLM2's, converted)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    _require("smollm2-135m")
-    source = load_tokenizer("smollm2-135m")
+    source = _tokenizer("smollm2-135m")
     folder = tmp_path / "tiny-with-tokenizer"
     LlamaForCausalLM(LlamaConfig(
         vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

@@ -62,6 +62,8 @@ class Stats:
     restore_ms: float = 0.0
     checkpoints: int = 0
     reuse_from: str = "none"     # "none" | "prefix" | "truncated" | "exact"
+    restored_origin: str = ""    # which stored entry: "checkpoint" | "prompt" | "generation"
+    restored_entry_length: int = 0
 
     def line(self, usage: Usage) -> str:
         return (f"[prompt {usage.prompt_tokens} tok, cached {usage.cached_tokens}, prefilled {self.prefilled_tokens} | "
@@ -276,6 +278,7 @@ class Engine:
             return 0, None
         self.live_tokens = prompt[:hit.usable]
         stats.restore_ms = (time.perf_counter() - t0) * 1000
+        stats.restored_origin, stats.restored_entry_length = hit.origin, hit.entry_length
         stats.reuse_from = "exact" if hit.use_logits else (
             "prefix" if hit.usable == hit.entry_length else "truncated")
         logits = hit.snapshot.logits.clone() if hit.use_logits else None

@@ -35,7 +35,7 @@ class Checkpoint:
     architecture: str  # HF model_type: "llama", "gemma3_text", ...
     config: dict  # config.json-style, transformers' key names
     tensors: dict[str, torch.Tensor]  # transformers' parameter names; no lm_head when tied
-    tokenizer: Tokenizer | None  # None only for HF folders without tokenizer files
+    tokenizer: Tokenizer | None  # None only when the file/folder holds no tokenizer
     source: Path  # the file or folder loaded
     fingerprint: str  # stable hex id of the weights
     name: str  # bundled name or file/folder name
@@ -72,9 +72,11 @@ def _resolve(model: str | os.PathLike) -> _Source:
     raise ModelLoadError(f"{spec}: cannot be loaded")
 
 
-def _gguf_tokenizer(src: _Source, header, fp: str, config: dict) -> Tokenizer:
+def _gguf_tokenizer(src: _Source, header, fp: str, config: dict) -> Tokenizer | None:
     from .tokenizer import load_gguf_tokenizer
 
+    if "tokenizer.ggml.model" not in header.metadata:
+        return None  # weights-only GGUF
     template = src.chat_template
     if template is None and "tokenizer.chat_template" not in header.metadata:
         fallback = _FALLBACK_TEMPLATES.get(header.architecture)
