@@ -92,21 +92,30 @@ def _restored(model, snaps, length=None):
     return caches
 
 
+def run_pieces(model, caches, tokens, bounds):
+    """Prefill ``tokens`` cut at ``bounds`` (so two runs with the same cuts compute identical K/V)."""
+    with torch.no_grad():
+        for s, e in zip(bounds, bounds[1:]):
+            if e > s:
+                model.forward(tokens[s:e], caches, logits="none")
+
+
 def test_reuse_is_exact_including_truncation(pair):
     model, _ = pair
     tokens, L = prompt(120, seed=11), 100
+    cuts = [0, 20, 40, 60, 64, 80, 96, 99, 100]
     caches = fresh(model)
-    run_chunks(model, caches, tokens[:L], 5)
+    run_pieces(model, caches, tokens, cuts)
     snaps = [c.snapshot() for c in caches]
     run_chunks(model, caches, tokens[L:], 5)  # the live caches move on; the snapshots must not
 
-    # The chunked layers' live buffer dropped the block before chunk [96, 112), so the snapshot
-    # holds positions from 64: it restores to any t whose chunk starts at or after 64.
+    # The snapshot of a chunked layer holds positions from the block boundary at or before the
+    # start of its last chunk ([96, 112) -> 64): it restores to any t whose chunk starts at >= 64.
     for t in (L, 99, 96, 80, 64):
-        warm = run_chunks(model, _restored(model, snaps, t), tokens[t:], 5)
+        warm = run_chunks(model, _restored(model, snaps, t), tokens[t:], 120)
         cold_caches = fresh(model)
-        run_chunks(model, cold_caches, tokens[:t], 5)
-        cold = run_chunks(model, cold_caches, tokens[t:], 5)
+        run_pieces(model, cold_caches, tokens, [c for c in cuts if c <= t])
+        cold = run_chunks(model, cold_caches, tokens[t:], 120)
         diff = (warm - cold).abs().max().item()
         assert diff <= REUSE_TOL, f"restore to {t}: differs from the cold run by {diff:.3g}"
         steps = run_chunks(model, _restored(model, snaps, t), tokens[t:t + 3], 1)

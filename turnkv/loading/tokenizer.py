@@ -16,7 +16,6 @@ import tempfile
 from bisect import bisect_right
 from dataclasses import dataclass
 from datetime import datetime
-from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -154,6 +153,12 @@ class Tokenizer:
         self.eos_token_ids: set[int] = {i for i in eos if i is not None}
         # transformers skips this cleanup for BPE models (it would eat real spaces)
         self._clean_up = clean_up_tokenization_spaces and type(backend.model).__name__ != "BPE"
+        self._template = None
+        if chat_template:  # compiled now: a broken template fails at load, not on the first request
+            try:
+                self._template = _compile_template(chat_template)
+            except Exception as e:
+                raise ModelLoadError(f"{source or 'tokenizer'}: the chat template does not compile ({e})") from None
 
     # -- construction
 
@@ -212,13 +217,9 @@ class Tokenizer:
 
     # -- chat
 
-    @cached_property
-    def _template(self):
-        return _compile_template(self.chat_template)
-
     def render_text(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The chat template's text for already normalized messages; ValueError if it refuses them."""
-        if not self.chat_template:
+        if self._template is None:
             raise ValueError("this model has no chat template; use the completions endpoint")
         try:
             return self._template.render(

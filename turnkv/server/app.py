@@ -68,7 +68,9 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, defaults: Sa
     """The request's sampling fields over the server's defaults; RequestError on values no request
     could ever satisfy. A max_tokens that fits the context but not after the prompt is clamped
     (finish_reason "length"), as llama.cpp's server does."""
-    for param, message in req.unsupported():
+    unsupported = req.unsupported()
+    if unsupported:
+        param, message = unsupported[0]
         raise RequestError(message, param=param, code="unsupported_parameter")
     limit = req.token_limit()
     if limit is not None and limit >= max_context:
