@@ -249,7 +249,6 @@ def test_regenerate_last_turn(played, model_type):
 # ------------------------------------------------------- `turnkv serve -m FOLDER` over HTTP
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVE_FAMILIES = ["mamba2", "qwen3_next", "llama4_text"]   # pure recurrent, recurrent hybrid, chunked
 START_TIMEOUT_S = 300
 
 
@@ -301,11 +300,11 @@ class FolderServer:
 
 @pytest.fixture(scope="module")
 def folder_servers(tmp_path_factory):
-    """One `turnkv serve -m FOLDER` per family in SERVE_FAMILIES, started together (each loads a
+    """One `turnkv serve -m FOLDER` per family, all started together (each loads a
     tokenizer-less folder that save_pretrained wrote)."""
     servers: dict[str, FolderServer] = {}
     try:
-        for model_type in SERVE_FAMILIES:
+        for model_type in FAMILIES:
             if module_missing(model_type):
                 continue
             torch.manual_seed(0)
@@ -327,7 +326,7 @@ def completion(server: FolderServer, prompt: list[int]) -> dict:
     return r.json()
 
 
-@pytest.mark.parametrize("model_type", SERVE_FAMILIES)
+@pytest.mark.parametrize("model_type", FAMILIES)
 def test_serve_folder_reuses_across_requests(folder_servers, model_type):
     reason = module_missing(model_type)
     if reason:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache.specs import CacheSpec
+from .weights import PackedWeight
 
 
 @dataclass
@@ -30,6 +31,12 @@ class BaseArgs:
 
 class Model(nn.Module, ABC):
     family: ClassVar[str]
+    # Attribute names of the weights a non-native weight format may pack (see models/weights.py):
+    # only ever used through ``linear`` / ``embedding`` below. Empty = native weights only.
+    # ``head_weights``: the subset used only for lookups or one-row matmuls (embedding, lm_head),
+    # packed without a dense prefill copy.
+    packable_weights: ClassVar[tuple[str, ...]] = ()
+    head_weights: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     def cache_specs(self) -> list[CacheSpec]: ...
@@ -101,8 +108,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [heads, T, D]; cos/sin: [T, D]."""
-    return x * cos + rotate_half(x) * sin
+    """x: [..., T, D] (any leading dims, any strides); cos/sin: [T, D] (or broadcastable).
+    Same math as ``x * cos + rotate_half(x) * sin``, in three kernels and one allocation: the two
+    halves of ``rotate_half(x) * sin`` are accumulated in place (sign folded into addcmul's value)."""
+    half = x.shape[-1] // 2
+    out = x * cos
+    out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1.0)
+    out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+    return out
 
 
 # --- attention --------------------------------------------------------------------------------------
@@ -127,13 +140,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return out.transpose(0, 1).reshape(T, Hq * D)
 
 
-def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
-    """Every projection goes through here, so weight formats (float, bf16, weight-only int8) can
-    change in one place."""
+def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, b: torch.Tensor | None = None) -> torch.Tensor:
+    """Every projection goes through here, so weight formats (float, bf16, weight-only int8; see
+    models/weights.py) change in one place."""
+    if isinstance(w, PackedWeight):
+        out = w.matmul(x)
+        return out if b is None else out + b
     return F.linear(x, w, b)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def embedding(tokens: torch.Tensor, w: torch.Tensor | PackedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """Row lookup in an embedding table that may be packed (a tied lm_head in int8)."""
+    if isinstance(w, PackedWeight):
+        return w.lookup(tokens, dtype)
+    return F.embedding(tokens, w)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
-from .base import BaseArgs, Model, Rope, apply_rope, attention, linear, gelu_tanh, param, rms_norm, take
+from .base import BaseArgs, Model, Rope, apply_rope, attention, embedding, linear, param, rms_norm, take
 from .rope_config import inv_freq_for, rope_params
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -56,16 +55,21 @@ class Attention(nn.Module):
         self.wqkv = param(torch.cat([take(t, f"{p}.q_proj.weight"), take(t, f"{p}.k_proj.weight"),
                                      take(t, f"{p}.v_proj.weight")]), dtype)
         self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
-        self.q_norm = _norm_weight(take(t, f"{p}.q_norm.weight"), dtype)
-        self.k_norm = _norm_weight(take(t, f"{p}.k_norm.weight"), dtype)
+        # q_norm repeated over the query heads and k_norm over the kv heads, [hq + hk, 1, D]: q and k
+        # are normalized (and then rotated) together, one op each instead of two
+        q_norm = take(t, f"{p}.q_norm.weight")[None].expand(self.hq, -1)
+        k_norm = take(t, f"{p}.k_norm.weight")[None].expand(self.hk, -1)
+        self.qk_norm = _norm_weight(torch.cat([q_norm, k_norm])[:, None], dtype)
 
     def forward(self, x, cache, cos, sin):
         T = x.shape[0]
-        qkv = linear(x, self.wqkv).view(T, self.hq + 2 * self.hk, self.d).transpose(0, 1)
-        q = apply_rope(rms_norm(qkv[: self.hq], self.q_norm, self.eps), cos, sin)
-        k = apply_rope(rms_norm(qkv[self.hq: self.hq + self.hk], self.k_norm, self.eps), cos, sin)
-        keys, values, mask = cache.update_and_fetch(k, qkv[self.hq + self.hk:])
-        return linear(attention(q, keys, values, mask, self.scale, self.softcap), self.wo)
+        hq, hk = self.hq, self.hk
+        qkv = linear(x, self.wqkv).view(T, hq + 2 * hk, self.d).transpose(0, 1)
+        # same order as transformers' Gemma3RMSNorm: normalize, then scale by (1 + w)
+        qk = rms_norm(qkv[: hq + hk], None, self.eps).mul_(self.qk_norm)
+        qk = apply_rope(qk, cos, sin)
+        keys, values, mask = cache.update_and_fetch(qk[hq:], qkv[hq + hk:])
+        return linear(attention(qk[:hq], keys, values, mask, self.scale, self.softcap), self.wo)
 
 
 class MLP(nn.Module):
@@ -76,7 +80,8 @@ class MLP(nn.Module):
 
     def forward(self, x):
         g, u = linear(x, self.wgu).chunk(2, dim=-1)
-        return linear(gelu_tanh(g) * u, self.wdown)
+        # in place on the fresh gate/up output: no extra [T, intermediate] allocations
+        return linear(torch.ops.aten.gelu_(g, approximate="tanh").mul_(u), self.wdown)
 
 
 class Block(nn.Module):
@@ -93,14 +98,18 @@ class Block(nn.Module):
         self.mlp = MLP(t, f"{p}.mlp", dtype)
 
     def forward(self, x, cache, cos, sin):
+        # x is the model's own residual buffer (fresh from the embedding): accumulate in place
         h = self.attn.forward(rms_norm(x, self.ln_in, self.eps), cache, cos, sin)
-        x = x + rms_norm(h, self.ln_post_attn, self.eps)
+        x += rms_norm(h, self.ln_post_attn, self.eps)
         h = self.mlp.forward(rms_norm(x, self.ln_pre_ff, self.eps))
-        return x + rms_norm(h, self.ln_post_ff, self.eps)
+        x += rms_norm(h, self.ln_post_ff, self.eps)
+        return x
 
 
 class Gemma3Model(Model):
     family = "gemma3"
+    packable_weights = ("wqkv", "wo", "wgu", "wdown", "embed", "lm_head")
+    head_weights = ("embed", "lm_head")
 
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
         super().__init__()
@@ -135,7 +144,7 @@ class Gemma3Model(Model):
         T = tokens.shape[0]
         offset = caches[0].offset
         rope_g, rope_l = self.rope_global.table(offset, T), self.rope_local.table(offset, T)
-        x = F.embedding(tokens, self.embed) * self.embed_scale
+        x = embedding(tokens, self.embed, self.dtype) * self.embed_scale
         for layer, cache in zip(self.layers, caches):
             cos, sin = rope_l if layer.sliding else rope_g
             x = layer.forward(x, cache, cos, sin)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
-from .base import BaseArgs, Model, Rope, apply_rope, attention, linear, param, rms_norm, take
+from .base import BaseArgs, Model, Rope, apply_rope, attention, embedding, linear, param, rms_norm, take
 from .rope_config import inv_freq_for, rope_params
 
 
@@ -63,7 +63,8 @@ class MLP(nn.Module):
 
     def forward(self, x):
         g, u = linear(x, self.wgu, self.bgu).chunk(2, dim=-1)
-        return linear(F.silu(g) * u, self.wdown, self.bdown)
+        # in place on the fresh gate/up output: no extra [T, intermediate] allocations
+        return linear(F.silu(g, inplace=True).mul_(u), self.wdown, self.bdown)
 
 
 class Block(nn.Module):
@@ -77,12 +78,16 @@ class Block(nn.Module):
         self.mlp = MLP(a, t, f"{p}.mlp", dtype)
 
     def forward(self, x, cache, cos, sin):
-        x = x + self.attn.forward(rms_norm(x, self.ln_attn, self.eps), cache, cos, sin)
-        return x + self.mlp.forward(rms_norm(x, self.ln_mlp, self.eps))
+        # x is the model's own residual buffer (fresh from the embedding): accumulate in place
+        x += self.attn.forward(rms_norm(x, self.ln_attn, self.eps), cache, cos, sin)
+        x += self.mlp.forward(rms_norm(x, self.ln_mlp, self.eps))
+        return x
 
 
 class LlamaModel(Model):
     family = "llama"
+    packable_weights = ("wqkv", "wo", "wgu", "wdown", "embed", "lm_head")
+    head_weights = ("embed", "lm_head")
 
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
         super().__init__()
@@ -106,7 +111,7 @@ class LlamaModel(Model):
     def forward(self, tokens, caches, logits="last"):
         T = tokens.shape[0]
         cos, sin = self.rope.table(caches[0].offset, T)
-        x = F.embedding(tokens, self.embed)
+        x = embedding(tokens, self.embed, self.dtype)
         for layer, cache in zip(self.layers, caches):
             x = layer.forward(x, cache, cos, sin)
         if logits == "none":

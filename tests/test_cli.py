@@ -1,0 +1,72 @@
+"""The command line as a user runs it: real bundled model, real process, no traceback on bad input."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.real
+
+
+def turnkv(*args: str, stdin: str | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "turnkv.cli", *args], input=stdin, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def assert_clean_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    err = proc.stderr.strip().splitlines()[-1]
+    assert err.startswith("turnkv: error:"), err
+    for needle in needles:
+        assert needle in err, err
+
+
+def test_generate_answers_paris():
+    proc = turnkv("generate", "-m", "smollm2-135m", "-p", "What is the capital of France?",
+                  "--max-tokens", "16", "--temperature", "0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Paris" in proc.stdout
+    assert "TTFT" in proc.stderr
+
+
+def test_models_lists_both_bundled():
+    proc = turnkv("models")
+    assert proc.returncode == 0, proc.stderr
+    assert "smollm2-135m" in proc.stdout and "gemma3-270m" in proc.stdout
+
+
+def test_chat_keeps_history_and_reuses_state():
+    proc = turnkv("chat", "-m", "smollm2-135m", "--max-tokens", "12",
+                  stdin="Name a fruit that is yellow.\nAnd one that is red?\n/exit\n")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    stats = [line for line in proc.stderr.splitlines() if line.startswith("[prompt")]
+    assert len(stats) == 2, proc.stderr
+    cached_turn2 = int(stats[1].split("cached ")[1].split(",")[0])
+    assert cached_turn2 > 0, stats
+
+
+def test_missing_model_file(tmp_path):
+    assert_clean_error(turnkv("generate", "-m", str(tmp_path / "nope.gguf"), "-p", "hi"), "nope.gguf")
+
+
+def test_corrupt_gguf(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(os.urandom(4096))
+    assert_clean_error(turnkv("generate", "-m", str(bad), "-p", "hi"), "broken.gguf")
+
+
+def test_unknown_bundled_name():
+    assert_clean_error(turnkv("generate", "-m", "no-such-model", "-p", "hi"), "no-such-model")
+
+
+def test_prompt_longer_than_context():
+    assert_clean_error(turnkv("generate", "-m", "smollm2-135m", "--max-context", "16", "-p", "word " * 50),
+                       "context")
+
+
+def test_bad_sampling_value():
+    assert_clean_error(turnkv("generate", "-m", "smollm2-135m", "-p", "hi", "--top-p", "0"), "top_p")
