@@ -96,6 +96,8 @@ class Server:
         raise RuntimeError(f"server not ready after {timeout} s:\n{self.text()[-3000:]}")
 
     def stop(self) -> None:
+        # the server's log goes to the captured output: pytest shows it when a test failed
+        print(f"--- {self.model} server log (tail) ---\n{self.text()[-4000:]}")
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:

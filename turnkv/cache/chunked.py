@@ -30,6 +30,9 @@ class ChunkedCache(KVCache):
     def needed_from(self, t: int) -> int:
         return (t // self.chunk) * self.chunk
 
+    def needed_from_many(self, qpos: torch.Tensor) -> torch.Tensor:
+        return torch.div(qpos, self.chunk, rounding_mode="floor") * self.chunk
+
     def signature(self) -> tuple:
         return (self.kind, self.heads, self.head_dim, self.chunk, str(self.dtype))
 

@@ -77,12 +77,11 @@ class ChunkedSnapshot(KVSnapshot):
         return -(-self.start // self.chunk) * self.chunk
 
 
-def _prefill_mask(q0: int, T: int, k0: int, S: int, needed_from, device) -> torch.Tensor:
+def _prefill_mask(q0: int, T: int, k0: int, S: int, needed_from_many, device) -> torch.Tensor:
     """Boolean [T, S] mask (True = attend) for queries at q0.. and keys at k0..."""
     qpos = torch.arange(q0, q0 + T, device=device)[:, None]
     kpos = torch.arange(k0, k0 + S, device=device)[None, :]
-    lo = torch.tensor([needed_from(int(q)) for q in range(q0, q0 + T)], device=device)[:, None]
-    return (kpos <= qpos) & (kpos >= lo)
+    return (kpos <= qpos) & (kpos >= needed_from_many(qpos))
 
 
 class KVCache(LayerCache):
@@ -102,6 +101,10 @@ class KVCache(LayerCache):
     def needed_from(self, t: int) -> int:
         """The first position a query at ``t`` attends to."""
         return 0
+
+    def needed_from_many(self, qpos: torch.Tensor) -> torch.Tensor:
+        """``needed_from`` for a tensor of query positions (builds prefill masks in one op)."""
+        return torch.zeros_like(qpos)
 
     def retain_from(self, pos: int) -> int:
         """The first position to keep when the next token is at ``pos`` (may be earlier than needed)."""
@@ -163,7 +166,7 @@ class KVCache(LayerCache):
         keys, values = self.store.read(first - self.start, self.used)
         if T == 1:
             return keys, values, None
-        return keys, values, _prefill_mask(q0, T, first, keys.shape[1], self.needed_from, k.device)
+        return keys, values, _prefill_mask(q0, T, first, keys.shape[1], self.needed_from_many, k.device)
 
     # --- snapshots -------------------------------------------------------------
     def snapshot(self) -> KVSnapshot:

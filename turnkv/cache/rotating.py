@@ -37,6 +37,9 @@ class SlidingWindowCache(KVCache):
     def needed_from(self, t: int) -> int:
         return max(0, t - self.window + 1)
 
+    def needed_from_many(self, qpos: torch.Tensor) -> torch.Tensor:
+        return (qpos - self.window + 1).clamp(min=0)
+
     def retain_from(self, pos: int) -> int:
         return max(0, pos - self.keep)
 

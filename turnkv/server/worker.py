@@ -62,7 +62,6 @@ class JobOutcome:
 
     endpoint: str
     outcome: str                      # OK | CANCELLED | FAILED
-    prompt_tokens: int
     result: Result | None
     queue_s: float
     total_s: float                    # submit -> end, what the client waited
@@ -117,7 +116,7 @@ class EngineWorker:
             return
         try:
             result = self._generate(job)
-        except BaseException as err:   # noqa: BLE001 - one bad request must not stop the server
+        except Exception as err:   # noqa: BLE001 - one bad request must not stop the server
             if not isinstance(err, ValueError):
                 log.exception("generation failed")
             self._report(job, FAILED, None)
@@ -150,7 +149,6 @@ class EngineWorker:
         end = time.perf_counter()
         started = job.started if job.started is not None else end
         try:
-            self.on_done(JobOutcome(job.endpoint, outcome, len(job.request.prompt_ids), result,
-                                    started - job.submitted, end - job.submitted))
+            self.on_done(JobOutcome(job.endpoint, outcome, result, started - job.submitted, end - job.submitted))
         except Exception:   # noqa: BLE001 - metrics must never take the worker down
-            pass
+            log.exception("the job-outcome hook failed")
