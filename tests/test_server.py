@@ -357,9 +357,9 @@ def test_seeded_sampling_repeats(cached):
 
 def test_ten_concurrent_clients(cached, cold):
     prompts = [[{"role": "user", "content": f"Give me one fact about the number {i}."}] for i in range(10)]
-    expected = [chat(cold, p, stream=False, max_tokens=6) for p in prompts]
+    expected = [chat(cold, p, stream=False, max_tokens=4) for p in prompts]
     with ThreadPoolExecutor(max_workers=10) as pool:
-        got = list(pool.map(lambda ip: chat(cached, ip[1], stream=ip[0] % 2 == 0, max_tokens=6),
+        got = list(pool.map(lambda ip: chat(cached, ip[1], stream=ip[0] % 2 == 0, max_tokens=4),
                             enumerate(prompts)))
     for i, (g, e) in enumerate(zip(got, expected)):
         assert (g.text, g.completion_tokens, g.prompt_tokens) == (e.text, e.completion_tokens, e.prompt_tokens), i
