@@ -1,8 +1,8 @@
 """Cross-turn reuse per model family: TTFT of an 8-turn chat with the prompt cache on and off.
 
-For each family a random model of realistic size (transformers builds it with random weights; the
-default is 12 layers, hidden 1024, MoE families with 4 experts so it fits in memory and runs on 2
-cores) plays a chat of random token ids: a ~400-token system prompt, ~60-token user messages and
+For each family a random model of realistic shape (transformers builds it with random weights; the
+default is 12 layers, hidden 512 -- ``--hidden 1024`` for the issue's size, ~2.5x slower -- MoE
+families with 4 experts so it fits in memory and runs on 2 cores) plays a chat of random token ids: a ~400-token system prompt, ~60-token user messages and
 16-32 generated tokens per turn, each turn re-sending the whole history (system, users and the
 model's own replies), with message boundaries as a chat template marks them. Turn by turn the same
 prompt goes to an engine with the prompt cache and to one without (the two runs alternate, so
@@ -148,7 +148,9 @@ class Turn:
     ttft_off_ms: float
     ttft_on_ms: float
     restore_ms: float
-    same: bool
+    same: bool           # identical greedy tokens
+    logit_diff: float    # max |first-token logits on - off| (float rounding: the cached run splits
+                         # the prefill at other points)
 
     @property
     def ratio(self) -> float:
@@ -182,10 +184,9 @@ def play(model, turns: int, seed: int = 0, on_turn: Callable[[int, Turn], None] 
         max_tokens = rng.randrange(REPLY_RANGE[0], REPLY_RANGE[1] + 1)
         b: Result = off.generate(request(history, max_tokens))
         a: Result = on.generate(request(history, max_tokens))
-        same = a.token_ids == b.token_ids and bool(
-            (a.first_logits - b.first_logits).abs().max() <= 1e-4)
         turn = Turn(a.usage.prompt_tokens, a.usage.cached_tokens, b.stats.ttft_ms, a.stats.ttft_ms,
-                    a.stats.restore_ms, same)
+                    a.stats.restore_ms, a.token_ids == b.token_ids,
+                    (a.first_logits - b.first_logits).abs().max().item())
         out.append(turn)
         if on_turn is not None:
             on_turn(t, turn)
@@ -198,18 +199,18 @@ def play(model, turns: int, seed: int = 0, on_turn: Callable[[int, Turn], None] 
 
 def turn_row(t: int, r: Turn) -> str:
     return (f"  {t + 1:>4}  {r.prompt_tokens:>6}  {r.cached_tokens:>6}  {r.ttft_off_ms:>9.0f}  {r.ttft_on_ms:>8.0f}"
-            f"  {r.restore_ms:>7.1f}  {100 * r.ratio:>5.1f}%  {'yes' if r.same else 'NO'}")
+            f"  {r.restore_ms:>7.1f}  {100 * r.ratio:>5.1f}%  {'yes' if r.same else 'NO':>6}  {r.logit_diff:>8.1e}")
 
 
-TURN_HEADER = "  turn  prompt  cached  TTFT off  TTFT on  restore  ratio  exact"
+TURN_HEADER = "  turn  prompt  cached  TTFT off  TTFT on  restore   ratio  tokens  max dlogit"
 
 
 def summary(rows: list[tuple[str, str, int, list[Turn]]]) -> str:
-    lines = [f"{'family':<17} {'layers':<44} {'params':>7} {'T8 off ms':>9} {'T8 on ms':>8} {'ratio':>6}  goal  exact"]
+    lines = [f"{'family':<17} {'layers':<44} {'params':>7} {'T8 off ms':>9} {'T8 on ms':>8} {'ratio':>6}  goal  tokens"]
     for family, layers, params, turns in rows:
         last = turns[-1]
         ok = "ok" if last.ratio <= GOAL else "MISS"
-        exact = "yes" if all(t.same for t in turns) else "NO"
+        exact = "same" if all(t.same for t in turns) else "DIFFER"
         lines.append(f"{family:<17} {layers:<44} {params / 1e6:>6.0f}M {last.ttft_off_ms:>9.0f} "
                      f"{last.ttft_on_ms:>8.0f} {100 * last.ratio:>5.1f}%  {ok:<4}  {exact}")
     return "\n".join(lines)
@@ -220,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--families", default=",".join(BUILDERS),
                    help=f"comma-separated HF model types (default all: {','.join(BUILDERS)})")
     p.add_argument("--layers", type=int, default=12, help="layers per model (default 12)")
-    p.add_argument("--hidden", type=int, default=1024, help="hidden size, a multiple of 128 (default 1024)")
+    # hidden 512 by default (not the issue's 1024): on 2 shared cores the cache-off runs of six
+    # families at 12 x 1024 take well over the 10 minutes this benchmark should stay within
+    p.add_argument("--hidden", type=int, default=512, help="hidden size, a multiple of 128 (default 512)")
     p.add_argument("--turns", type=int, default=8, help="chat turns (default 8)")
     # one thread by default: on a shared, loaded 2-core machine OpenMP workers spinning against
     # other processes make every op several times slower and the timings noisy

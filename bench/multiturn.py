@@ -4,6 +4,7 @@ per turn: prompt tokens, cached tokens, TTFT and decode speed.
     python bench/multiturn.py --url http://127.0.0.1:8000/v1            # turnkv serve
     python bench/multiturn.py --url http://127.0.0.1:8080/v1            # llama.cpp's llama-server
     python bench/multiturn.py --url http://127.0.0.1:8001/v1 --model m  # llama-cpp-python's server
+    python bench/multiturn.py --engine smollm2-135m [--plot ttft.png]    # in-process, cache on vs off
 
 ``--url`` mode speaks the OpenAI API (streaming, ``stream_options.include_usage``) to any
 compatible server, so the same numbers can be put side by side. TTFT is measured here, from the
@@ -149,6 +150,98 @@ def openai_chat(url: str, model: str | None, api_key: str | None, max_tokens: in
     return chat
 
 
+# ------------------------------------------------------------------ --engine: in-process turnkv
+
+
+def engine_chat(engine, max_tokens: int = MAX_TOKENS) -> ChatFn:
+    """A ChatFn running turnkv's engine in this process (no HTTP), timed by the engine itself."""
+    from turnkv.engine.sampling import SamplingParams
+
+    def chat(messages: list[dict]) -> TurnResult:
+        res = engine.generate(engine.chat_request(messages, SamplingParams(max_tokens=max_tokens,
+                                                                           temperature=TEMPERATURE)))
+        return TurnResult(reply=res.text, prompt_tokens=res.usage.prompt_tokens,
+                          cached_tokens=res.usage.cached_tokens, completion_tokens=res.usage.completion_tokens,
+                          ttft_ms=res.stats.ttft_ms, decode_tokens_per_s=res.stats.decode_tokens_per_s or None,
+                          total_ms=res.stats.total_ms)
+
+    return chat
+
+
+def full_kv_bytes(engine, tokens: int) -> int:
+    """KV bytes a cold prefill of ``tokens`` holds if every attention layer kept every token
+    (recurrent layers: their fixed state) - the yardstick for stored bytes."""
+    from turnkv.cache.kv import KVCache
+    from turnkv.cache.recurrent import StateCache
+    total = 0
+    for cache in engine.caches:
+        if isinstance(cache, KVCache):
+            total += cache.store.bytes_per_token() * tokens
+        elif isinstance(cache, StateCache):
+            total += cache.nbytes
+    return total
+
+
+def peak_rss_mib() -> float:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_engine(args) -> int:
+    import torch
+
+    from turnkv.engine.generate import Engine
+    from turnkv.loading import load_checkpoint
+    from turnkv.models import family_class
+    from turnkv.prompt_cache.store import PromptCache
+
+    ckpt = load_checkpoint(args.engine, progress=True)
+    model = family_class(ckpt.architecture).from_checkpoint(ckpt.config, ckpt.tensors, torch.float32)
+    common = dict(fingerprint=ckpt.fingerprint, name=ckpt.name, max_context=8192,
+                  kv_mode=args.kv_cache_mode)
+    runs = {}
+    for label, budget in (("cache on", 1 << 32), ("cache off", 0)):
+        engine = Engine(model, ckpt.tokenizer, prompt_cache=PromptCache(budget), **common)
+        print(f"\n{args.engine}, {label}")
+        print(table_header(), flush=True)
+        results = run_conversation(engine_chat(engine, args.max_tokens), args.turns,
+                                   on_turn=lambda i, r: print(table_row(i, r), flush=True))
+        print(table_summary(results))
+        runs[label] = (engine, results)
+    on_engine, on = runs["cache on"]
+    off = runs["cache off"][1]
+    same = all(a.reply == b.reply for a, b in zip(on, off))
+    last = on[-1]
+    final_tokens = last.prompt_tokens + last.completion_tokens - 1
+    stored = on_engine.prompt_cache.stats()["bytes"]
+    kv = full_kv_bytes(on_engine, final_tokens)
+    print(f"\nreplies identical with cache on and off: {same}")
+    later = on[1:]
+    print(f"turns 2-{len(on)}: min cached share {min(r.cached_tokens / r.prompt_tokens for r in later):.1%} "
+          f"(goal >= 90%)")
+    print(f"turn {len(on)} TTFT: {last.ttft_ms:.0f} ms with cache, {off[-1].ttft_ms:.0f} ms without = "
+          f"{last.ttft_ms / off[-1].ttft_ms:.1%} (goal <= 15%)")
+    print(f"stored bytes {stored / 2**20:.1f} MiB vs KV bytes of the final {final_tokens}-token sequence "
+          f"{kv / 2**20:.1f} MiB = {stored / kv:.2f}x (goal <= 1.25x); peak RSS {peak_rss_mib():.0f} MiB")
+    if args.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        turns = list(range(1, len(on) + 1))
+        plt.figure(figsize=(6, 3.5))
+        plt.plot(turns, [r.ttft_ms for r in off], "o-", label="prompt cache off")
+        plt.plot(turns, [r.ttft_ms for r in on], "o-", label="prompt cache on")
+        plt.xlabel("turn")
+        plt.ylabel("time to first token (ms)")
+        plt.title(f"turnkv, {args.engine}: TTFT per turn")
+        plt.legend()
+        plt.grid(alpha=0.3)
+        plt.tight_layout()
+        plt.savefig(args.plot, dpi=120)
+        print(f"plot written to {args.plot}")
+    return 0 if same else 1
+
+
 # ----------------------------------------------------------------------------------------- main
 
 
@@ -162,11 +255,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=len(USER_TURNS), choices=range(1, len(USER_TURNS) + 1),
                    metavar=f"1..{len(USER_TURNS)}", help=f"turns to run (default {len(USER_TURNS)})")
     p.add_argument("--show-replies", action="store_true", help="print each reply after the table")
+    p.add_argument("--engine", metavar="MODEL", default=None,
+                   help="run turnkv in-process on MODEL (bundled name, .gguf or HF folder), cache on and off")
+    p.add_argument("--kv-cache-mode", default="native", help="--engine: KV storage mode")
+    p.add_argument("--plot", default=None, metavar="PNG", help="--engine: write a TTFT-per-turn plot")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.engine:
+        return run_engine(args)
     if not args.url:
         print("multiturn: give --url URL of an OpenAI-compatible server (e.g. http://127.0.0.1:8000/v1)",
               file=sys.stderr)

@@ -64,31 +64,97 @@ def int4_group_size(head_dim: int) -> int:
     return next(g for g in range(min(INT4_GROUP, head_dim), 0, -1) if head_dim % g == 0)
 
 
-def quantize_int4(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rotation_size(group: int) -> int:
+    """Channels one Hadamard block of the int4 key rotation spans: the largest power of two that
+    divides the scale group (a block must share one scale), so 32 for heads of 64, 128, 256."""
+    r = 1
+    while group % (2 * r) == 0:
+        r *= 2
+    return r
+
+
+_HADAMARD: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def hadamard(n: int, device) -> torch.Tensor:
+    """The +-1 Sylvester Hadamard matrix of order ``n`` (a power of two), float32; H @ H = n I."""
+    key = (n, str(device))
+    if key not in _HADAMARD:
+        h = torch.ones(1, 1)
+        while h.shape[0] < n:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        _HADAMARD[key] = h.to(device)
+    return _HADAMARD[key]
+
+
+def fwht(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x @ hadamard(n) on each block of ``n`` channels, by butterflies: elementwise adds in a fixed
+    order, so a token's result never depends on how many tokens are transformed with it (a matmul
+    may change its summation order with the batch shape)."""
+    shape = x.shape
+    h = 1
+    while h < n:
+        y = x.reshape(-1, n // (2 * h), 2, h)
+        a, b = y[:, :, 0], y[:, :, 1]
+        x = torch.stack((a + b, a - b), dim=2)
+        h *= 2
+    return x.reshape(shape)
+
+
+# Q4_0-style scales are m / -8 for the group's largest-magnitude value m; these fractions of it are
+# tried and the one with the least squared error kept (a little clipping of the extreme value buys
+# finer steps for the rest of the group).
+_INT4_SCALE_FRACTIONS = tuple(1 - 0.025 * i for i in range(16))
+
+
+def quantize_int4(x: torch.Tensor, group: int, rotate: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (packed uint8 [H, T, D/2], scale float16 [H, T, D/group]).
 
-    Each group's value of largest magnitude ``m`` maps to -8 exactly (scale = m / -8, as
-    llama.cpp's Q4_0), so the 16 levels -8..7 are all used. Byte ``j`` holds channel ``j`` in its
-    low nibble and channel ``j + D/2`` in its high nibble, so unpacking is two shifts and a
-    stack with no interleave."""
+    Levels are -8..7 times the group's scale. With ``rotate`` (a power of two), each block of
+    ``rotate`` channels is first multiplied by the orthonormal Hadamard matrix: that spreads an
+    outlier channel (post-RoPE keys have a few) over the block, so it no longer sets a coarse
+    scale for its neighbours, and the scale is searched among ``_INT4_SCALE_FRACTIONS``.
+    Byte ``j`` holds channel ``j`` in its low nibble and channel ``j + D/2`` in its high nibble,
+    so unpacking is two shifts and a stack with no interleave."""
     H, T, D = x.shape
-    xg = x.float().unflatten(-1, (D // group, group))
-    m = xg.gather(-1, xg.abs().argmax(-1, keepdim=True))
-    s = m / -8
+    xf = x.float()
+    if rotate:
+        xf = fwht(xf, rotate) * rotate ** -0.5
+    xg = xf.unflatten(-1, (D // group, group))                            # [H, T, G, g]
+    m = xg.gather(-1, xg.abs().argmax(-1, keepdim=True))                 # [H, T, G, 1]
+    fractions = _INT4_SCALE_FRACTIONS if rotate else (1.0,)
+    s = (m / -8) * torch.tensor(fractions, device=x.device)              # [H, T, G, C]
     s = torch.where(s.abs() < _SCALE_MIN, _SCALE_MIN, s).clamp_(-_SCALE_MAX, _SCALE_MAX).to(SCALE_DTYPE)
-    q = torch.round(xg / s.float()).clamp_(-8, 7).to(torch.int8).flatten(-2)
-    lo, hi = q[..., : D // 2], q[..., D // 2:]
-    packed = (lo & 15) | (hi << 4)
+    sf = s.float()[..., None]                                            # [H, T, G, C, 1]
+    q = torch.round(xg[..., None, :] / sf).clamp_(-8, 7)                 # [H, T, G, C, g]
+    if len(fractions) > 1:
+        best = (q * sf - xg[..., None, :]).square_().sum(-1).argmin(-1, keepdim=True)   # [H, T, G, 1]
+        q = q.gather(-2, best[..., None].expand(H, T, D // group, 1, group))
+        s = s.gather(-1, best)
+    q = q.to(torch.int8).reshape(H, T, D)
+    packed = (q[..., : D // 2] & 15) | (q[..., D // 2:] << 4)
     return packed.view(torch.uint8), s.squeeze(-1)
 
 
-def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [H, S, D/2] -> int8 [H, S, D] in -8..7."""
     p = packed.view(torch.int8)
     # arithmetic shifts on int8 sign-extend the nibbles back to -8..7
-    q = torch.stack(((p << 4) >> 4, p >> 4), dim=-2)            # [H, S, 2, D/2] == [H, S, D]
-    H, S, G = scale.shape
-    out = torch.mul(q.view(H, S, G, -1), scale.to(dtype)[..., None])
-    return out.view(H, S, -1)
+    H, S, half = p.shape
+    return torch.stack(((p << 4) >> 4, p >> 4), dim=-2).view(H, S, 2 * half)
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rotate: int = 0) -> torch.Tensor:
+    q = unpack_int4(packed)
+    H, S, D = q.shape
+    G = scale.shape[-1]
+    if not rotate:
+        return torch.mul(q.view(H, S, G, -1), scale.to(dtype)[..., None]).view(H, S, D)
+    # Undo the rotation on the integers: q @ H is a sum of small integers, exact in float32 in any
+    # order, so this GEMM gives the same bits whatever the shape; one rounding in the scale multiply.
+    y = torch.matmul(q.view(H, S, D // rotate, rotate).float(), hadamard(rotate, q.device))
+    out = y.view(H, S, G, -1) * (scale.float() * rotate ** -0.5)[..., None]
+    return out.view(H, S, D).to(dtype)
 
 
 # --- stores ---------------------------------------------------------------------------------------
@@ -120,10 +186,11 @@ class KVStore:
         """(width, dtype) of each stored tensor of K (and of V), aligned with SUFFIXES."""
         return ((self.head_dim, self.storage_dtype),)
 
-    def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _encode(self, which: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``which`` is "k" or "v"; returns the tensors stored for it, aligned with SUFFIXES."""
         return (x,)  # the cast happens in the copy into storage
 
-    def _decode(self, stored: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def _decode(self, which: str, stored: tuple[torch.Tensor, ...]) -> torch.Tensor:
         x = stored[0]
         return x if x.dtype == self.dtype else x.to(self.dtype)
 
@@ -156,11 +223,11 @@ class KVStore:
     def write(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         n = k.shape[1]
         for which, x in (("k", k), ("v", v)):
-            for suffix, t in zip(self.SUFFIXES, self._encode(x)):
+            for suffix, t in zip(self.SUFFIXES, self._encode(which, x)):
                 self.parts[which + suffix][:, slot:slot + n].copy_(t)
 
     def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(self._decode(tuple(self.parts[which + s][:, a:b] for s in self.SUFFIXES))
+        return tuple(self._decode(which, tuple(self.parts[which + s][:, a:b] for s in self.SUFFIXES))
                      for which in ("k", "v"))
 
     def move(self, src: int, n: int, dst: int) -> None:
@@ -199,30 +266,35 @@ class Int8Store(KVStore):
     def _widths(self):
         return ((self.head_dim, torch.int8), (1, SCALE_DTYPE))
 
-    def _encode(self, x):
+    def _encode(self, which, x):
         return quantize_int8(x)
 
-    def _decode(self, stored):
+    def _decode(self, which, stored):
         return dequantize_int8(stored[0], stored[1], self.dtype)
 
 
 class Int4Store(KVStore):
-    """4-bit values, two per byte, with one float16 scale per token, head and group of channels."""
+    """4-bit values, two per byte, with one float16 scale per token, head and group of channels.
+
+    Keys are stored Hadamard-rotated (blocks of ``rotation`` channels) with a searched scale: their
+    outlier channels are what 4 bits lose most on (values quantize well as they are), and the
+    rotation undoes itself exactly on read. Values use the plain Q4_0 scale."""
 
     SUFFIXES = ("", "_scale")
 
     def __init__(self, heads: int, head_dim: int, dtype: torch.dtype, device, mode: str = "int4", capacity: int = 0):
         self.group = int4_group_size(head_dim)
+        self.rotation = {"k": rotation_size(self.group), "v": 0}
         super().__init__(heads, head_dim, dtype, device, mode, capacity)
 
     def _widths(self):
         return ((self.head_dim // 2, torch.uint8), (self.head_dim // self.group, SCALE_DTYPE))
 
-    def _encode(self, x):
-        return quantize_int4(x, self.group)
+    def _encode(self, which, x):
+        return quantize_int4(x, self.group, self.rotation[which])
 
-    def _decode(self, stored):
-        return dequantize_int4(stored[0], stored[1], self.dtype)
+    def _decode(self, which, stored):
+        return dequantize_int4(stored[0], stored[1], self.dtype, self.rotation[which])
 
 
 def payload_len(payload: dict[str, torch.Tensor]) -> int:

@@ -1,0 +1,120 @@
+"""Process settings the launcher applies before serving: glibc malloc tuning and CPU threads.
+
+Why malloc matters here: glibc hands allocations above its mmap threshold (128 KiB at start,
+raised dynamically up to 32 MiB) straight to ``mmap`` and trims the top of the heap back to the OS
+when more than ``trim_threshold`` is free. Every prefill step allocates multi-megabyte
+activations, and each fresh page then costs a page fault (slow on these VMs: "fresh memory
+pages are slow"). Keeping freed memory in the heap (a high mmap threshold, no trimming, some
+top padding) turns those faults into reuse of warm pages.
+
+Two ways to apply the same settings:
+
+- ``recommended_env()``: the environment variables (``MALLOC_*_`` + thread variables) for the
+  launcher to put in a child process's environment, or to re-exec with (``reexec_with``); glibc
+  reads ``MALLOC_*_`` only at process start.
+- ``configure_process()``: the same malloc settings applied to the running process through
+  ``mallopt(3)`` (glibc only; effective for every later allocation) plus ``torch.set_num_threads``.
+  This is what ``turnkv serve|chat|generate|bench`` should call first thing.
+
+glibc caps ``M_MMAP_THRESHOLD`` at 32 MiB on 64-bit (``HEAP_MAX_SIZE / 2``); larger values are
+silently ignored (env) or rejected (mallopt), so the recommended value is exactly that cap.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+from dataclasses import dataclass
+
+MiB = 1 << 20
+
+# mallopt(3) parameter numbers (glibc malloc.h)
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+
+
+@dataclass(frozen=True)
+class MallocSettings:
+    mmap_threshold: int = 32 * MiB     # allocations below this come from the (reused) heap
+    trim_threshold: int = 1 << 31      # never give freed heap memory back to the OS mid-run
+    top_pad: int = 256 * MiB           # grow the heap in large steps (fewer brk calls)
+
+    def env(self) -> dict[str, str]:
+        return {
+            "MALLOC_MMAP_THRESHOLD_": str(self.mmap_threshold),
+            "MALLOC_TRIM_THRESHOLD_": str(self.trim_threshold),
+            "MALLOC_TOP_PAD_": str(self.top_pad),
+        }
+
+
+RECOMMENDED_MALLOC = MallocSettings()
+
+
+def physical_cores() -> int:
+    """CPUs this process may run on (containers/VMs here expose one thread per core)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def thread_env(threads: int | None = None) -> dict[str, str]:
+    """One compute thread per core for OpenMP (torch intra-op) and MKL."""
+    n = str(threads or physical_cores())
+    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
+
+
+def recommended_env(threads: int | None = None, malloc: MallocSettings = RECOMMENDED_MALLOC) -> dict[str, str]:
+    """Environment variables a launcher should set for a turnkv process."""
+    return {**malloc.env(), **thread_env(threads)}
+
+
+def _libc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "mallopt") else None
+    except OSError:
+        return None
+
+
+def apply_malloc(settings: MallocSettings = RECOMMENDED_MALLOC) -> bool:
+    """Apply ``settings`` to this process with mallopt(3). False where that is not glibc malloc
+    or a value was rejected."""
+    libc = _libc()
+    if libc is None:
+        return False
+    ok = True
+    for param, value in ((_M_MMAP_THRESHOLD, settings.mmap_threshold),
+                         (_M_TRIM_THRESHOLD, settings.trim_threshold),
+                         (_M_TOP_PAD, settings.top_pad)):
+        ok &= bool(libc.mallopt(ctypes.c_int(param), ctypes.c_int(min(value, 2**31 - 1))))
+    return ok
+
+
+@dataclass(frozen=True)
+class ProcessSettings:
+    threads: int
+    malloc_applied: bool
+
+
+def configure_process(threads: int | None = None, malloc: MallocSettings | None = RECOMMENDED_MALLOC) -> ProcessSettings:
+    """Tune the running process: malloc (``None`` leaves it alone) and torch's intra-op threads."""
+    import torch
+
+    n = threads or physical_cores()
+    torch.set_num_threads(n)
+    applied = apply_malloc(malloc) if malloc is not None else False
+    return ProcessSettings(threads=n, malloc_applied=applied)
+
+
+def reexec_with(env: dict[str, str], marker: str = "TURNKV_LAUNCH_ENV") -> None:
+    """Re-exec the current Python command with ``env`` added, once (``marker`` stops a loop).
+    For settings that must be present at process start (none of the recommended ones need it,
+    since ``configure_process`` applies them live, but a launcher may prefer the env route)."""
+    if os.environ.get(marker) == "1":
+        return
+    new_env = {**os.environ, **env, marker: "1"}
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], new_env)
