@@ -75,13 +75,17 @@ def test_round_trip_error_is_bounded(mode, head_dim):
             row_max = x.abs().amax(-1, keepdim=True)
             assert (err <= row_max / 254 * 1.01).all()
             assert err.max() / x.abs().max() < 0.005
-        else:
-            # int4: at most one step (absmax / 8) of the group, usually half a step
+        elif x is v:
+            # int4 values: at most one step (absmax / 8) of the group, usually half a step
             g = int4_group_size(head_dim)
             group_max = x.abs().unflatten(-1, (head_dim // g, g)).amax(-1, keepdim=True)
             assert (err.unflatten(-1, (head_dim // g, g)) <= group_max / 8 * 1.01).all()
-            # the outlier channel of k coarsens its whole group; v has none
-            assert err.mean() / x.abs().mean() < (0.2 if x is k else 0.1)
+            assert err.mean() / x.abs().mean() < 0.1
+        else:
+            # int4 keys are quantized Hadamard-rotated, so the error is spread over each group;
+            # the rotation keeps the outlier channel from coarsening its neighbours
+            assert err.square().mean().sqrt() / x.square().mean().sqrt() < 0.06
+            assert err[..., 4:].mean() / x[..., 4:].abs().mean() < 0.2
 
 
 @pytest.mark.parametrize("mode", MODES)
