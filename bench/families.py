@@ -206,12 +206,12 @@ TURN_HEADER = "  turn  prompt  cached  TTFT off  TTFT on  restore   ratio  token
 
 
 def summary(rows: list[tuple[str, str, int, list[Turn]]]) -> str:
-    lines = [f"{'family':<17} {'layers':<44} {'params':>7} {'T8 off ms':>9} {'T8 on ms':>8} {'ratio':>6}  goal  tokens"]
+    lines = [f"{'family':<17} {'layers':<54} {'params':>7} {'T8 off ms':>9} {'T8 on ms':>8} {'ratio':>6}  goal  tokens"]
     for family, layers, params, turns in rows:
         last = turns[-1]
         ok = "ok" if last.ratio <= GOAL else "MISS"
         exact = "same" if all(t.same for t in turns) else "DIFFER"
-        lines.append(f"{family:<17} {layers:<44} {params / 1e6:>6.0f}M {last.ttft_off_ms:>9.0f} "
+        lines.append(f"{family:<17} {layers:<54} {params / 1e6:>6.0f}M {last.ttft_off_ms:>9.0f} "
                      f"{last.ttft_on_ms:>8.0f} {100 * last.ratio:>5.1f}%  {ok:<4}  {exact}")
     return "\n".join(lines)
 

@@ -40,10 +40,11 @@ def stored_bytes(payload: dict[str, torch.Tensor]) -> dict[str, bytes]:
     return {name: t.contiguous().view(torch.uint8).numpy().tobytes() for name, t in payload.items()}
 
 
-def roundtrip(mode: str, x: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+def roundtrip(mode: str, x: torch.Tensor, which: str = "k", dtype=torch.float32) -> torch.Tensor:
+    """x stored and read back as keys (``which="k"``) or values of a fresh store."""
     s = make_store(mode, x.shape[0], x.shape[2], dtype, "cpu", capacity=x.shape[1])
     s.write(0, x, x)
-    return s.read(0, x.shape[1])[0]
+    return s.read(0, x.shape[1])[0 if which == "k" else 1]
 
 
 # --- stores ------------------------------------------------------------------------------------------
@@ -84,8 +85,8 @@ def test_round_trip_error_is_bounded(mode, head_dim):
         else:
             # int4 keys are quantized Hadamard-rotated, so the error is spread over each group;
             # the rotation keeps the outlier channel from coarsening its neighbours
-            assert err.square().mean().sqrt() / x.square().mean().sqrt() < 0.06
-            assert err[..., 4:].mean() / x[..., 4:].abs().mean() < 0.2
+            assert err.square().mean().sqrt() / x.square().mean().sqrt() < 0.09
+            assert err[..., 4:].mean() / x[..., 4:].abs().mean() < 0.13
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -224,7 +225,7 @@ def test_cache_kinds_work_in_every_mode(kind, mode):
     (quantization is per token, so it commutes with the cache's compaction), through prefill
     chunks, decode steps and the ring wrapping."""
     k, v = kv(2, 90, 32, seed=4)
-    rk, rv = roundtrip(mode, k), roundtrip(mode, v)
+    rk, rv = roundtrip(mode, k, "k"), roundtrip(mode, v, "v")
     for step in (7, 1):
         got = feed(make_cache(kind, mode), k, v, step)
         want = feed(make_cache(kind, NATIVE), rk, rv, step)
