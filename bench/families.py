@@ -206,7 +206,9 @@ TURN_HEADER = "  turn  prompt  cached  TTFT off  TTFT on  restore   ratio  token
 
 
 def summary(rows: list[tuple[str, str, int, list[Turn]]]) -> str:
-    lines = [f"{'family':<17} {'layers':<54} {'params':>7} {'T8 off ms':>9} {'T8 on ms':>8} {'ratio':>6}  goal  tokens"]
+    n = len(rows[0][3]) if rows else 0
+    lines = [f"{'family':<17} {'layers':<54} {'params':>7} {f'T{n} off ms':>9} {f'T{n} on ms':>8} {'ratio':>6}  "
+             f"goal  tokens"]
     for family, layers, params, turns in rows:
         last = turns[-1]
         ok = "ok" if last.ratio <= GOAL else "MISS"

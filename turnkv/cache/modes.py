@@ -73,24 +73,37 @@ def rotation_size(group: int) -> int:
     return r
 
 
-_HADAMARD: dict[tuple[int, str], torch.Tensor] = {}
+def _rotation_signs(n: int) -> list[int]:
+    """A fixed pseudo-random +-1 pattern (a 32-bit LCG's top bit), the same on every machine."""
+    state, signs = 0x6B76, []
+    for _ in range(n):
+        state = (state * 1664525 + 1013904223) % 2**32
+        signs.append(-1 if state >> 31 else 1)
+    return signs
 
 
-def hadamard(n: int, device) -> torch.Tensor:
-    """The +-1 Sylvester Hadamard matrix of order ``n`` (a power of two), float32; H @ H = n I."""
+_ROTATIONS: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def rotation(n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(signs [n], matrix [n, n]) of the key rotation R = diag(signs) @ H / sqrt(n), H the +-1
+    Sylvester Hadamard matrix: ``x @ R`` flips signs then mixes the block; it is undone by
+    ``y @ R.T``, and ``matrix = (diag(signs) @ H).T`` has +-1 entries, so ``q @ matrix`` over small
+    integers is exact in float32."""
     key = (n, str(device))
-    if key not in _HADAMARD:
+    if key not in _ROTATIONS:
         h = torch.ones(1, 1)
         while h.shape[0] < n:
             h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        _HADAMARD[key] = h.to(device)
-    return _HADAMARD[key]
+        signs = torch.tensor(_rotation_signs(n), dtype=torch.float32)
+        _ROTATIONS[key] = (signs.to(device), (signs[:, None] * h).T.contiguous().to(device))
+    return _ROTATIONS[key]
 
 
 def fwht(x: torch.Tensor, n: int) -> torch.Tensor:
-    """x @ hadamard(n) on each block of ``n`` channels, by butterflies: elementwise adds in a fixed
-    order, so a token's result never depends on how many tokens are transformed with it (a matmul
-    may change its summation order with the batch shape)."""
+    """``x @ H`` (unnormalized Hadamard) on each block of ``n`` channels, by butterflies:
+    elementwise adds in a fixed order, so a token's result never depends on how many tokens are
+    transformed with it (a matmul may change its summation order with the batch shape)."""
     shape = x.shape
     h = 1
     while h < n:
@@ -101,37 +114,24 @@ def fwht(x: torch.Tensor, n: int) -> torch.Tensor:
     return x.reshape(shape)
 
 
-# Q4_0-style scales are m / -8 for the group's largest-magnitude value m; these fractions of it are
-# tried and the one with the least squared error kept (a little clipping of the extreme value buys
-# finer steps for the rest of the group).
-_INT4_SCALE_FRACTIONS = tuple(1 - 0.025 * i for i in range(16))
-
-
 def quantize_int4(x: torch.Tensor, group: int, rotate: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (packed uint8 [H, T, D/2], scale float16 [H, T, D/group]).
 
-    Levels are -8..7 times the group's scale. With ``rotate`` (a power of two), each block of
-    ``rotate`` channels is first multiplied by the orthonormal Hadamard matrix: that spreads an
-    outlier channel (post-RoPE keys have a few) over the block, so it no longer sets a coarse
-    scale for its neighbours, and the scale is searched among ``_INT4_SCALE_FRACTIONS``.
-    Byte ``j`` holds channel ``j`` in its low nibble and channel ``j + D/2`` in its high nibble,
-    so unpacking is two shifts and a stack with no interleave."""
+    Each group's value of largest magnitude ``m`` maps to -8 exactly (scale = m / -8, as
+    llama.cpp's Q4_0), so the 16 levels -8..7 are all used. With ``rotate`` (a power of two
+    dividing ``group``), each block of ``rotate`` channels is first rotated (``rotation``): that
+    spreads an outlier channel (post-RoPE keys have a few) over the block, so it no longer sets a
+    coarse scale for its neighbours. Byte ``j`` holds channel ``j`` in its low nibble and channel
+    ``j + D/2`` in its high nibble, so unpacking is two shifts and a stack with no interleave."""
     H, T, D = x.shape
     xf = x.float()
     if rotate:
-        xf = fwht(xf, rotate) * rotate ** -0.5
-    xg = xf.unflatten(-1, (D // group, group))                            # [H, T, G, g]
-    m = xg.gather(-1, xg.abs().argmax(-1, keepdim=True))                 # [H, T, G, 1]
-    fractions = _INT4_SCALE_FRACTIONS if rotate else (1.0,)
-    s = (m / -8) * torch.tensor(fractions, device=x.device)              # [H, T, G, C]
+        signs, _ = rotation(rotate, x.device)
+        xf = fwht((xf.view(H, T, D // rotate, rotate) * signs).view(H, T, D), rotate) * rotate ** -0.5
+    xg = xf.view(H, T, D // group, group)
+    s = xg.gather(-1, xg.abs().argmax(-1, keepdim=True)) / -8
     s = torch.where(s.abs() < _SCALE_MIN, _SCALE_MIN, s).clamp_(-_SCALE_MAX, _SCALE_MAX).to(SCALE_DTYPE)
-    sf = s.float()[..., None]                                            # [H, T, G, C, 1]
-    q = torch.round(xg[..., None, :] / sf).clamp_(-8, 7)                 # [H, T, G, C, g]
-    if len(fractions) > 1:
-        best = (q * sf - xg[..., None, :]).square_().sum(-1).argmin(-1, keepdim=True)   # [H, T, G, 1]
-        q = q.gather(-2, best[..., None].expand(H, T, D // group, 1, group))
-        s = s.gather(-1, best)
-    q = q.to(torch.int8).reshape(H, T, D)
+    q = torch.round(xg / s.float()).clamp_(-8, 7).to(torch.int8).view(H, T, D)
     packed = (q[..., : D // 2] & 15) | (q[..., D // 2:] << 4)
     return packed.view(torch.uint8), s.squeeze(-1)
 
@@ -150,9 +150,9 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtyp
     G = scale.shape[-1]
     if not rotate:
         return torch.mul(q.view(H, S, G, -1), scale.to(dtype)[..., None]).view(H, S, D)
-    # Undo the rotation on the integers: q @ H is a sum of small integers, exact in float32 in any
+    # Undo the rotation on the integers: q @ matrix sums small integers, exact in float32 in any
     # order, so this GEMM gives the same bits whatever the shape; one rounding in the scale multiply.
-    y = torch.matmul(q.view(H, S, D // rotate, rotate).float(), hadamard(rotate, q.device))
+    y = torch.matmul(q.view(H, S, D // rotate, rotate).float(), rotation(rotate, q.device)[1])
     out = y.view(H, S, G, -1) * (scale.float() * rotate ** -0.5)[..., None]
     return out.view(H, S, D).to(dtype)
 
@@ -276,9 +276,9 @@ class Int8Store(KVStore):
 class Int4Store(KVStore):
     """4-bit values, two per byte, with one float16 scale per token, head and group of channels.
 
-    Keys are stored Hadamard-rotated (blocks of ``rotation`` channels) with a searched scale: their
-    outlier channels are what 4 bits lose most on (values quantize well as they are), and the
-    rotation undoes itself exactly on read. Values use the plain Q4_0 scale."""
+    Keys are stored rotated (random signs + Hadamard over blocks of ``rotation["k"]`` channels):
+    their outlier channels are what 4 bits lose most on, while values quantize well as they are
+    (bench/kv_modes.py). The rotation is undone on read, exactly and in the same GEMM as before."""
 
     SUFFIXES = ("", "_scale")
 

@@ -128,12 +128,19 @@ class Engine:
         return ", ".join(f"{n} x {kind}" for kind, n in counts.items())
 
     # --- chat helpers ------------------------------------------------------------------------
+    def _need_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.name} has no tokenizer: send the prompt as token ids "
+                             f"(/v1/completions with a list of integers)")
+
     def chat_request(self, messages: list[dict], params: SamplingParams | None = None,
                      tenant: str = "") -> GenerationRequest:
+        self._need_tokenizer()
         rendered = self.tokenizer.render_chat(messages, add_generation_prompt=True)
         return GenerationRequest(list(rendered.ids), params or SamplingParams(), list(rendered.boundaries), tenant)
 
     def text_request(self, text: str, params: SamplingParams | None = None, tenant: str = "") -> GenerationRequest:
+        self._need_tokenizer()
         return GenerationRequest(self.tokenizer.encode(text), params or SamplingParams(), [], tenant)
 
     # --- generation --------------------------------------------------------------------------
