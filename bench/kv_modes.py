@@ -47,6 +47,7 @@ class Row:
     nll: float
     tokens: int
     decode_tps: float
+    read_ms: float
     seconds: float
 
 
@@ -70,8 +71,10 @@ def chunked_nll(model, caches, ids: torch.Tensor, chunk: int) -> float:
     return total / (ids.shape[0] - 1)
 
 
-def decode_speed(model, caches, ids: torch.Tensor, context: int, steps: int, chunk: int) -> float:
-    """Median single-token steps per second after prefilling ``context`` tokens."""
+def decode_speed(model, caches, ids: torch.Tensor, context: int, steps: int, chunk: int) -> tuple[float, float]:
+    """(median single-token steps per second after prefilling ``context`` tokens, milliseconds one
+    step spends reading K/V out of the stores: every layer's ``read`` over the context, the cost a
+    quantized mode adds to decode; best of 5, so it holds up on a busy machine)."""
     for a in range(0, context, chunk):
         model(ids[a:min(a + chunk, context)], caches, "none")
     times = []
@@ -80,7 +83,14 @@ def decode_speed(model, caches, ids: torch.Tensor, context: int, steps: int, chu
         t = time.perf_counter()
         model(tok, caches, "last")
         times.append(time.perf_counter() - t)
-    return 1.0 / statistics.median(times)
+    reads = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for cache in caches:
+            if isinstance(cache, KVCache):
+                cache.store.read(0, cache.used)
+        reads.append(time.perf_counter() - t)
+    return 1.0 / statistics.median(times), 1000 * min(reads)
 
 
 def run_model(name: str, modes: list[str], args) -> list[Row]:
@@ -98,19 +108,19 @@ def run_model(name: str, modes: list[str], args) -> list[Row]:
     rows = []
     for mode in modes:
         t = time.perf_counter()
-        table = default_modes(specs, mode)
+        table = default_modes(specs, mode, args.boundary_layers)
         with torch.inference_mode():
             caches = make_caches(specs, torch.float32, "cpu", table)
             nll = chunked_nll(model, caches, ids, args.chunk)
             live = sum(s.nbytes for s in attention_stores(caches))
             bpt = sum(s.bytes_per_token() for s in attention_stores(caches))
-            tps = decode_speed(model, make_caches(specs, torch.float32, "cpu", table), ids,
-                               args.decode_context, args.decode_steps, args.chunk)
+            tps, read_ms = decode_speed(model, make_caches(specs, torch.float32, "cpu", table), ids,
+                                        args.decode_context, args.decode_steps, args.chunk)
         rows.append(Row(name, mode, describe_modes(table, specs), bpt, live, nll, ids.shape[0] - 1, tps,
-                        time.perf_counter() - t))
+                        read_ms, time.perf_counter() - t))
         r = rows[-1]
         print(f"#   {mode:<6} nll {r.nll:.4f}  {r.bytes_per_token} B/token  {r.decode_tps:.1f} tok/s  "
-              f"({r.seconds:.0f} s; {r.layers})", flush=True)
+              f"KV read {r.read_ms:.2f} ms/step  ({r.seconds:.0f} s; {r.layers})", flush=True)
     return rows
 
 
@@ -122,7 +132,7 @@ def print_table(rows: list[Row]) -> list[str]:
     """The results table; returns failed goals."""
     print()
     print(f"{'model':<14} {'mode':<6} {'KV B/tok':>9} {'f32/mode':>9} {'16bit/mode':>10} {'live MiB':>9} "
-          f"{'NLL':>8} {'dNLL':>8} {'tok/s':>7} {'vs native':>9}")
+          f"{'NLL':>8} {'dNLL':>8} {'tok/s':>7} {'vs native':>9} {'KV read ms':>10}")
     failures = []
     for model in dict.fromkeys(r.model for r in rows):
         group = {r.mode: r for r in rows if r.model == model}
@@ -134,11 +144,13 @@ def print_table(rows: list[Row]) -> list[str]:
                   f"{ratio(base.bytes_per_token, r.bytes_per_token) if base else '-':>9} "
                   f"{ratio(half.bytes_per_token, r.bytes_per_token) if half else '-':>10} "
                   f"{r.live_bytes / 2**20:>9.2f} {r.nll:>8.4f} {d:>+8.4f} {r.decode_tps:>7.1f} "
-                  f"{ratio(r.decode_tps, base.decode_tps) if base else '-':>9}")
+                  f"{ratio(r.decode_tps, base.decode_tps) if base else '-':>9} {r.read_ms:>10.2f}")
             if r.mode in GOALS and base and d > GOALS[r.mode]:
                 failures.append(f"{model} {r.mode}: NLL +{d:.4f} > {GOALS[r.mode]}")
     print("\nf32/mode and 16bit/mode: how many times less KV memory per token than float32 (native here) "
-          "and than bf16/fp16 storage.\ndNLL: nats/token over native; goals int8 <= 0.01, int4 <= 0.05.")
+          "and than bf16/fp16 storage.\ndNLL: nats/token over native; goals int8 <= 0.01, int4 <= 0.05.\n"
+          "tok/s: median decode step at the decode context; KV read ms: what one such step spends reading "
+          "K/V from the stores (dequantizing, for int8/int4).")
     return failures
 
 
@@ -150,7 +162,9 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk for the NLL pass")
     p.add_argument("--decode-context", type=int, default=1000)
     p.add_argument("--decode-steps", type=int, default=24)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--boundary-layers", type=int, default=0, help="first/last attention layers kept native")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads (0: torch's default; 1 is steadier on a busy machine)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -351,9 +351,6 @@ def test_serve_folder_reuses_across_requests(folder_servers, model_type):
     assert stats["hits"] >= 1 and stats["tokens_reused"] >= len(turn1), stats
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a text prompt on a tokenizer-less model must be an "
-                   "OpenAI-style 400 naming the missing tokenizer; /v1/completions with a string prompt "
-                   "is a 500 (build_completion_request lets text_request's error through)")
 def test_serve_folder_text_prompt_is_a_client_error(folder_servers):
     server = next(iter(folder_servers.values()))
     chat = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})

@@ -102,7 +102,10 @@ def build_chat_request(engine, req: ChatCompletionRequest, params: SamplingParam
 def build_completion_request(engine, req: CompletionRequest, params: SamplingParams,
                              tenant: str) -> GenerationRequest:
     if isinstance(req.prompt, str):
-        gen = engine.text_request(req.prompt, params, tenant)
+        try:
+            gen = engine.text_request(req.prompt, params, tenant)
+        except ValueError as err:
+            raise RequestError(str(err), param="prompt", code="invalid_value") from None
     else:
         gen = GenerationRequest(prompt_ids=list(req.prompt), params=params, boundaries=[], tenant=tenant)
     check(engine, gen, "prompt")
