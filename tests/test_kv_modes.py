@@ -17,9 +17,12 @@ from turnkv.cache.modes import (
     KVStore,
     describe_modes,
     effective_mode,
+    fwht,
     int4_group_size,
     layer_modes,
     make_store,
+    rotation,
+    rotation_size,
 )
 from turnkv.cache.rotating import SlidingWindowCache
 from turnkv.cache.specs import full, make_caches, recurrent, sliding
@@ -148,18 +151,34 @@ def test_quantized_payloads_keep_the_quantized_bytes():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_each_token_is_stored_independently(mode):
-    k, v = kv(3, 37, 64, seed=3)
-    whole = make_store(mode, 3, 64, torch.float32, "cpu", capacity=64)
+    T = 300
+    k, v = kv(3, T, 64, seed=3)
+    whole = make_store(mode, 3, 64, torch.float32, "cpu", capacity=T)
     whole.write(0, k, v)
-    one_by_one = make_store(mode, 3, 64, torch.float32, "cpu", capacity=64)
-    for t in range(37):
+    one_by_one = make_store(mode, 3, 64, torch.float32, "cpu", capacity=T)
+    for t in range(T):
         one_by_one.write(t, k[:, t:t + 1], v[:, t:t + 1])
-    chunks = make_store(mode, 3, 64, torch.float32, "cpu", capacity=64)
-    for a in range(0, 37, 10):
-        chunks.write(a, k[:, a:a + 10], v[:, a:a + 10])
-    ref = stored_bytes(whole.export(0, 37))
-    assert stored_bytes(one_by_one.export(0, 37)) == ref
-    assert stored_bytes(chunks.export(0, 37)) == ref
+    chunks = make_store(mode, 3, 64, torch.float32, "cpu", capacity=T)
+    for a in range(0, T, 37):
+        chunks.write(a, k[:, a:a + 37], v[:, a:a + 37])
+    ref = stored_bytes(whole.export(0, T))
+    assert stored_bytes(one_by_one.export(0, T)) == ref
+    assert stored_bytes(chunks.export(0, T)) == ref
+    # and reads of any range give the same values per token
+    assert torch.equal(whole.read(0, T)[0][:, 100:140], whole.read(100, 140)[0])
+    assert torch.equal(whole.read(0, T)[1][:, 299:], whole.read(299, 300)[1])
+
+
+def test_int4_key_rotation_is_orthogonal_and_exactly_undone():
+    for n in (2, 8, 32):
+        signs, matrix = rotation(n, "cpu")
+        assert set(signs.tolist()) <= {-1.0, 1.0} and set(matrix.unique().tolist()) == {-1.0, 1.0}
+        x = torch.randn(5, n)
+        rotated = fwht(x * signs, n) * n ** -0.5          # how keys are stored
+        assert torch.allclose(rotated @ matrix * n ** -0.5, x, atol=1e-5)
+        r = torch.diag(signs) @ matrix.T / n ** 0.5
+        assert torch.allclose(r @ r.T, torch.eye(n), atol=1e-6)
+    assert [rotation_size(g) for g in (32, 16, 20, 6)] == [32, 16, 4, 2]
 
 
 @pytest.mark.parametrize("head_dim", [64, 256])

@@ -9,9 +9,15 @@ is a copy, never a re-quantization.
 Quantized modes quantize every token and head on its own (int8: one scale per token and head;
 int4: one scale per group of ``INT4_GROUP`` channels), so a token's stored bytes depend only on
 its own K/V: a prefix stored in chunks, one token at a time or all at once is the same bytes, and
-a snapshot of it equals a cold prefill's. Both are symmetric with float16 scales: per-token
-K/V rows are close to zero-centred, so a zero point buys little accuracy for its bytes, and
-dequantization stays a single multiply (see bench/kv_modes.py for the measured trade-offs).
+a snapshot of it equals a cold prefill's. Both are symmetric with float16 scales: per-token K/V
+rows are close to zero-centred, and a zero point would cost bytes (int4 would fall from 3.6x to
+3.2x smaller than bf16) while measuring worse than symmetric once keys are rotated. int4 keys are
+stored rotated (see ``quantize_int4``), which roughly halves their NLL cost; values need no
+rotation (4-bit values alone cost ~0.005 nats/token).
+
+Reads dequantize the whole range every call (a decode step reads the whole context), with no
+dequantized shadow: a float shadow would make a quantized live cache larger than a native one,
+and the KV-read cost it would save is measured by bench/kv_modes.py.
 """
 
 from __future__ import annotations
@@ -153,8 +159,8 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtyp
     # Undo the rotation on the integers: q @ matrix sums small integers, exact in float32 in any
     # order, so this GEMM gives the same bits whatever the shape; one rounding in the scale multiply.
     y = torch.matmul(q.view(H, S, D // rotate, rotate).float(), rotation(rotate, q.device)[1])
-    out = y.view(H, S, G, -1) * (scale.float() * rotate ** -0.5)[..., None]
-    return out.view(H, S, D).to(dtype)
+    y.view(H, S, G, -1).mul_((scale.float() * rotate ** -0.5)[..., None])    # y is ours: no new buffer
+    return y.view(H, S, D).to(dtype)
 
 
 # --- stores ---------------------------------------------------------------------------------------

@@ -31,12 +31,14 @@ class BaseArgs:
 
 class Model(nn.Module, ABC):
     family: ClassVar[str]
-    # Attribute names of the weights a non-native weight format may pack (see models/weights.py):
-    # only ever used through ``linear`` / ``embedding`` below. Empty = native weights only.
-    # ``head_weights``: the subset used only for lookups or one-row matmuls (embedding, lm_head),
-    # packed without a dense prefill copy.
+    # Attribute names of the weights a non-native weight format may pack (models/weights.py).
+    # ``packable_weights``: projections, only ever used through ``linear`` (empty = the family
+    # supports native weights only); ``head_weights``: the lm_head (``linear``, one row in prefill);
+    # ``embedding_weights``: tables only used through ``embedding``. A tied lm_head is the same
+    # Parameter as the embedding under both names.
     packable_weights: ClassVar[tuple[str, ...]] = ()
     head_weights: ClassVar[tuple[str, ...]] = ()
+    embedding_weights: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     def cache_specs(self) -> list[CacheSpec]: ...

@@ -108,8 +108,9 @@ class Block(nn.Module):
 
 class Gemma3Model(Model):
     family = "gemma3"
-    packable_weights = ("wqkv", "wo", "wgu", "wdown", "embed", "lm_head")
-    head_weights = ("embed", "lm_head")
+    packable_weights = ("wqkv", "wo", "wgu", "wdown")
+    head_weights = ("lm_head",)
+    embedding_weights = ("embed",)
 
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
         super().__init__()

@@ -86,8 +86,9 @@ class Block(nn.Module):
 
 class LlamaModel(Model):
     family = "llama"
-    packable_weights = ("wqkv", "wo", "wgu", "wdown", "embed", "lm_head")
-    head_weights = ("embed", "lm_head")
+    packable_weights = ("wqkv", "wo", "wgu", "wdown")
+    head_weights = ("lm_head",)
+    embedding_weights = ("embed",)
 
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
         super().__init__()

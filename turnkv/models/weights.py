@@ -36,25 +36,33 @@ from torch import nn
 # A matmul with at most this many rows uses the int8 kernel; more rows use the dense bf16 GEMM.
 # Measured on AVX-512/AMX: the int8 GEMV wins up to ~6 rows (it is linear in rows).
 INT8_MAX_ROWS = 6
+# The int4 kernel's cost grows more slowly with rows.
+INT4_MAX_ROWS = 16
+INT4_GROUP = 32
 
 
 @dataclass(frozen=True)
 class WeightFormat:
     name: str
+    layers: str | None     # packing of the projection weights (None: native)
+    head: str | None       # of the lm_head (prefill multiplies it by one row only: no dense copy)
+    embedding: str | None  # of the embedding table (row lookups: a format with ``lookup``)
     description: str
     tolerance: str  # the parity contract against the float32 / native reference
 
 
 FORMATS: dict[str, WeightFormat] = {
-    "native": WeightFormat("native", "weights in the compute dtype",
+    "native": WeightFormat("native", None, None, None, "weights in the compute dtype",
                            "float32: max |logit diff| <= 1e-3 vs transformers float32"),
-    "bf16": WeightFormat("bf16", "bfloat16 weights, bfloat16 GEMMs",
-                         "greedy tokens identical on short prompts; logits within ~0.1 x logit scale "
-                         "of float32 (bf16 rounding)"),
-    "int8": WeightFormat("int8", "weight-only int8 (per-row scale); int8 GEMV for decode, "
-                                 "bf16 GEMM on the dequantized weight for prefill",
-                         "greedy tokens identical on short prompts; logits within ~0.15 x logit scale "
-                         "of float32"),
+    "bf16": WeightFormat("bf16", "bf16", "bf16", "bf16", "bfloat16 weights, bfloat16 GEMMs",
+                         "TBD"),
+    "int8": WeightFormat("int8", "int8", "int8", "int8",
+                         "weight-only int8 (per-row scale); int8 GEMV for decode, "
+                         "bf16 GEMM on the dequantized weight for prefill", "TBD"),
+    "int4": WeightFormat("int4", "int4", "int8", "int8",
+                         "weight-only int4 (groups of 32) projections, int8 lm_head and embedding", "TBD"),
+    "int4h4": WeightFormat("int4h4", "int4", "int4", "int8",
+                         "weight-only int4 (groups of 32) projections and lm_head, int8 embedding", "TBD"),
 }
 
 
@@ -111,7 +119,7 @@ class Int8Weight(PackedWeight):
         rows = x.numel() // x.shape[-1]
         xb = x.to(torch.bfloat16)
         if rows <= INT8_MAX_ROWS:
-            flat = xb.reshape(rows, self.in_features)
+            flat = xb.reshape(rows, self.in_features).contiguous()
             out = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scale_bf16)
             return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
         if self.dense is not None:
@@ -131,34 +139,86 @@ class Int8Weight(PackedWeight):
         return rows.to(dtype)
 
 
+def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 per group of ``group`` inputs: w ~= q * scale + lo, q in 0..15.
+    Returns (q int32 [N, K], scale [N, K/group], lo [N, K/group]) in float32.
+    A GGUF Q4_0/Q4_1 block of 32 whose codes span 0..15 is recovered exactly."""
+    N, K = w.shape
+    g = w.float().reshape(N, K // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-10)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32)
+    return q.reshape(N, K), scale, lo
+
+
+class Int4Weight(PackedWeight):
+    """Weight-only int4 in groups of 32 (``aten._weight_int4pack_mm_for_cpu``, bfloat16 activations).
+    No row lookup: the packed layout is the kernel's, so an embedding tied to an int4 lm_head
+    keeps its own int8 copy (see ``apply_format``)."""
+
+    def __init__(self, w: torch.Tensor, dense: bool = True, group: int = INT4_GROUP):
+        super().__init__()
+        self.out_features, self.in_features = w.shape
+        self.group = group
+        q, scale, lo = quantize_int4(w, group)
+        # the kernel dequantizes (q - 8) * scale + zero
+        zero = lo + 8 * scale
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), persistent=False)
+        sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()   # [K/group, N, 2]
+        self.register_buffer("scales_zeros", sz.to(torch.bfloat16), persistent=False)
+        deq = None
+        if dense:
+            deq = (q.reshape(*scale.shape, group).float() * scale[..., None] + lo[..., None])
+            deq = deq.reshape(w.shape).to(torch.bfloat16)
+        self.register_buffer("dense", deq, persistent=False)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        xb = x.to(torch.bfloat16)
+        if rows <= INT4_MAX_ROWS or self.dense is None:
+            flat = xb.reshape(rows, self.in_features).contiguous()
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scales_zeros)
+            return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        return F.linear(xb, self.dense).to(x.dtype)
+
+    def lookup(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        raise TypeError("int4 weights have no row lookup; the embedding keeps an int8 copy")
+
+
 def pack(w: torch.Tensor, fmt: str, dense: bool = True) -> PackedWeight:
     if fmt == "bf16":
         return Bf16Weight(w)
     if fmt == "int8":
         return Int8Weight(w, dense=dense)
+    if fmt == "int4":
+        return Int4Weight(w, dense=dense)
     raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
 
 def apply_format(model: nn.Module, fmt: str) -> nn.Module:
-    """Convert the family's declared projection weights (``model.packable_weights``) in place.
-    Weights shared by several attributes (a tied embedding / lm_head) are packed once."""
-    if fmt not in FORMATS:
+    """Convert the family's declared weights in place (see the module docstring). A Parameter
+    shared by several attributes (a tied embedding / lm_head) is packed once per packing."""
+    spec = FORMATS.get(fmt)
+    if spec is None:
         raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    if fmt == "native":
+    if spec.layers is None:
         return model
-    names = set(type(model).packable_weights)
-    if not names:
-        raise ValueError(f"{type(model).__name__} supports only the native weight format")
-    head_only = set(type(model).head_weights)
-    packed: dict[int, PackedWeight] = {}
+    cls = type(model)
+    if not cls.packable_weights:
+        raise ValueError(f"{cls.__name__} supports only the native weight format")
+    roles = {**{n: (spec.layers, True) for n in cls.packable_weights},
+             **{n: (spec.head, False) for n in cls.head_weights},
+             **{n: (spec.embedding, False) for n in cls.embedding_weights}}
+    packed: dict[tuple[int, str, bool], PackedWeight] = {}
     for module in list(model.modules()):
-        for name in [n for n in list(module._parameters) if n in names]:
+        for name in [n for n in list(module._parameters) if n in roles]:
             p = module._parameters[name]
             if p is None:
                 continue
-            key = id(p)
+            kind, dense = roles[name]
+            key = (id(p), kind, dense)
             if key not in packed:
-                packed[key] = pack(p.data, fmt, dense=name not in head_only)
+                packed[key] = pack(p.data, kind, dense=dense)
             del module._parameters[name]
             setattr(module, name, packed[key])
     return model
