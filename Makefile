@@ -6,7 +6,7 @@ MODEL ?= smollm2-135m
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: setup serve chat test bench clean
+.PHONY: setup serve chat test test-all bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,7 +29,11 @@ serve: setup
 chat: setup
 	$(BIN)/turnkv chat --model $(MODEL)
 
+# the default suite skips tests marked slow (long real-model runs); `make test-all` runs everything
 test: setup
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-all: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: setup

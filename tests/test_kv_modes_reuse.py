@@ -104,6 +104,7 @@ def real_model(request):
 
 
 @pytest.mark.real
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_real_eight_turns_exact_in_mode(real_model, mode):
     model, ckpt = real_model

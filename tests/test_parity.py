@@ -64,6 +64,7 @@ def test_last_logits_and_greedy_tokens_match_transformers(pair):
     assert ours_out == hf_out
 
 
+@pytest.mark.slow
 def test_chunked_prefill_and_decode_agree(pair):
     name, ckpt, ours, hf = pair
     n = 1600 if name == "gemma3-270m" else 700
