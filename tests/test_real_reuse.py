@@ -11,7 +11,7 @@ from turnkv.engine.generate import Engine
 from turnkv.engine.sampling import SamplingParams
 from turnkv.prompt_cache.store import PromptCache
 
-pytestmark = pytest.mark.real
+pytestmark = [pytest.mark.real, pytest.mark.slow]
 
 SYSTEM = (
     "You are a meticulous travel assistant for a small agency that plans walking holidays. "
