@@ -10,7 +10,6 @@ PYTEST_ARGS ?=
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install --upgrade pip
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build
 	$(BIN)/pip install torch==2.13.0
 
