@@ -33,6 +33,25 @@ def test_generate_answers_paris():
     assert "TTFT" in proc.stderr
 
 
+def test_generate_in_a_packed_weight_format_answers_paris():
+    # int4 on SmolLM2's Q4 projections holds the GGUF's own 4-bit blocks; the banner names the format
+    proc = turnkv("generate", "-m", "smollm2-135m", "-p", "What is the capital of France?",
+                  "--max-tokens", "16", "--temperature", "0", "--weights", "auto")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Paris" in proc.stdout
+
+
+def test_weight_format_a_family_cannot_hold(tmp_path):
+    # a tiny Mamba2 folder saved by transformers: the family declares no packable weights
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    config = Mamba2Config(vocab_size=256, hidden_size=64, num_heads=8, head_dim=16, state_size=16, n_groups=2,
+                          num_hidden_layers=2, expand=2, conv_kernel=4, chunk_size=8)
+    folder = tmp_path / "mamba2"
+    Mamba2ForCausalLM(config).save_pretrained(folder)
+    assert_clean_error(turnkv("generate", "-m", str(folder), "-p", "hi", "--weights", "int8"), "int8", "native")
+
+
 def test_models_lists_both_bundled():
     proc = turnkv("models")
     assert proc.returncode == 0, proc.stderr

@@ -6,6 +6,8 @@ import argparse
 import sys
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+# the names of turnkv.models.weights.FORMATS, listed here so `--help` does not import torch
+WEIGHT_FORMATS = ("native", "bf16", "int8", "int4x2", "int4", "auto")
 
 
 def add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smollm2-135m") -> None:
@@ -13,7 +15,12 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smol
     g.add_argument("-m", "--model", default=default_model,
                    help="bundled model name (see `turnkv models`), a .gguf file, or an HF folder")
     g.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="compute dtype (default float32)")
+    g.add_argument("--weights", default="native", choices=list(WEIGHT_FORMATS),
+                   help="weight format: native (= --dtype, exact reference), bf16, int8, int4x2, int4, "
+                        "or auto (int4 where the GGUF's own 4-bit blocks survive, two-pass int4 "
+                        "elsewhere: fastest decode). Default native; see docs/weights.md")
     g.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    g.add_argument("--threads", type=int, default=None, help="CPU compute threads (default: one per core)")
     g.add_argument("--max-context", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill chunk (default 512)")
     c = p.add_argument_group("prompt cache")
@@ -52,17 +59,25 @@ def engine_from(args, progress: bool = True):
     from .engine.generate import Engine
     from .prompt_cache.store import PromptCache
 
+    from .launch import configure_process
+
+    configure_process(args.threads)
     budget = int(args.cache_budget_mb * 1024 * 1024) if args.prompt_cache else 0
-    return Engine.load(args.model, dtype=getattr(torch, DTYPES[args.dtype]), progress=progress,
+    return Engine.load(args.model, dtype=getattr(torch, DTYPES[args.dtype]), weights=args.weights,
+                       progress=progress,
                        device=args.device, prompt_cache=PromptCache(budget), slack=args.swa_slack,
                        kv_mode=args.kv_cache_mode, kv_boundary_layers=args.kv_boundary_layers,
                        prefill_chunk=args.prefill_chunk, max_context=args.max_context)
 
 
 def print_banner(engine, budget_mb: float, enabled: bool) -> None:
+    import torch
+
     from .cache.modes import describe_modes
     print(f"turnkv: {engine.name} ({engine.family}, {len(engine.specs)} layers: {engine.describe_layers()})",
           file=sys.stderr)
+    print(f"turnkv: weights {engine.weights}, compute dtype {str(engine.dtype).removeprefix('torch.')}, "
+          f"{torch.get_num_threads()} threads", file=sys.stderr)
     print(f"turnkv: KV mode {describe_modes(list(engine.modes), engine.specs)}; prompt cache "
           f"{'on, budget ' + format(budget_mb, 'g') + ' MiB' if enabled and budget_mb > 0 else 'off'}",
           file=sys.stderr)

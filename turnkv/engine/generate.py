@@ -103,19 +103,31 @@ class Engine:
         self.prompt_cache = prompt_cache
         self.caches = make_caches(self.specs, self.dtype, self.device, list(self.modes), slack)
         self.live_tokens: list[int] = []
+        self.weights = "native"   # the weight format (set by Engine.load)
 
     # --- construction -----------------------------------------------------------------------
     @classmethod
-    def load(cls, model: str, *, dtype: torch.dtype = torch.float32, progress: bool = True, **kw) -> "Engine":
+    def load(cls, model: str, *, dtype: torch.dtype = torch.float32, weights: str = "native",
+             progress: bool = True, **kw) -> "Engine":
+        """``weights``: a weight format of models/weights.py (packed formats quantize from the
+        float32 checkpoint tensors, whatever the compute dtype)."""
         from ..loading import load_checkpoint
         from ..models import family_class
+        from ..models.weights import check_format, load_model
 
-        ckpt = load_checkpoint(model, dtype=dtype, progress=progress)
-        net = family_class(ckpt.architecture).from_checkpoint(ckpt.config, ckpt.tensors, dtype)
+        check_format(weights)
+        ckpt = load_checkpoint(model, dtype=dtype if weights == "native" else torch.float32, progress=progress)
+        family = family_class(ckpt.architecture)
+        check_format(weights, family)
+        net = load_model(family, ckpt.config, ckpt.tensors, dtype, weights)
         net.eval()
         if kw.get("max_context") is None:
             kw["max_context"] = int(ckpt.config.get("max_position_embeddings") or 8192)
-        return cls(net, ckpt.tokenizer, fingerprint=ckpt.fingerprint, name=ckpt.name, **kw)
+        # packed weights compute different (close) logits: their snapshots are another namespace
+        fingerprint = ckpt.fingerprint if weights == "native" else f"{ckpt.fingerprint}+w:{weights}"
+        engine = cls(net, ckpt.tokenizer, fingerprint=fingerprint, name=ckpt.name, **kw)
+        engine.weights = weights
+        return engine
 
     def namespace(self, tenant: str = "") -> Namespace:
         return Namespace(fingerprint=self.fingerprint, dtype=str(self.dtype), modes=self.modes,

@@ -111,12 +111,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [..., T, D] (any leading dims, any strides); cos/sin: [T, D] (or broadcastable).
-    Same math as ``x * cos + rotate_half(x) * sin``, in three kernels and one allocation: the two
-    halves of ``rotate_half(x) * sin`` are accumulated in place (sign folded into addcmul's value)."""
+    ``x * cos + rotate_half(x) * sin`` with the same roundings (bit-identical to transformers),
+    without materializing ``rotate_half(x)``: the half products are accumulated in place."""
     half = x.shape[-1] // 2
     out = x * cos
-    out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1.0)
-    out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+    out[..., :half] -= x[..., half:] * sin[..., :half]
+    out[..., half:] += x[..., :half] * sin[..., half:]
     return out
 
 
@@ -143,7 +143,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, b: torch.Tensor | None = None) -> torch.Tensor:
-    """Every projection goes through here, so weight formats (float, bf16, weight-only int8; see
+    """Every projection goes through here, so weight formats (bf16, weight-only int8 / int4; see
     models/weights.py) change in one place."""
     if isinstance(w, PackedWeight):
         out = w.matmul(x)
@@ -152,7 +152,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, b: torch.Tensor | No
 
 
 def embedding(tokens: torch.Tensor, w: torch.Tensor | PackedWeight, dtype: torch.dtype) -> torch.Tensor:
-    """Row lookup in an embedding table that may be packed (a tied lm_head in int8)."""
+    """Row lookup in an embedding table that may be packed (the ``bf16`` weight format)."""
     if isinstance(w, PackedWeight):
         return w.lookup(tokens, dtype)
     return F.embedding(tokens, w)

@@ -32,6 +32,7 @@ class ModelArgs(BaseArgs):
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
     hidden_activation: str = "gelu_pytorch_tanh"
+    tie_word_embeddings: bool = True
 
     def __post_init__(self):
         if not self.layer_types:
@@ -120,7 +121,8 @@ class Gemma3Model(Model):
         self.layers = nn.ModuleList(Block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
         self.norm = _norm_weight(take(tensors, "model.norm.weight"), dtype)
         head = tensors.get("lm_head.weight")
-        self.lm_head = self.embed if head is None else param(head, dtype)
+        # tied (transformers ignores a stored lm_head then): one table, packed once by weight formats
+        self.lm_head = self.embed if head is None or args.tie_word_embeddings else param(head, dtype)
         self.rope_global = self._rope(config, FULL, default_theta=1_000_000.0)
         self.rope_local = self._rope(config, SLIDING, default_theta=config.get("rope_local_base_freq", 10_000.0))
 

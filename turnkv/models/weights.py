@@ -1,27 +1,42 @@
 """Weight formats: how a model's projection weights are stored and multiplied, chosen at load.
 
 The compute dtype (``dtype``: activations, norms, RoPE tables, the native KV cache) and the
-weight format are two separate choices:
+weight format (``weights``) are two separate choices, made by ``load_model``:
 
 - ``native``: every weight in the compute dtype, ``F.linear``. With ``dtype=float32`` this is the
-  parity reference (logits within 1e-3 of transformers float32).
-- ``bf16``: projection weights stored in bfloat16 and multiplied in bfloat16 (AMX / AVX-512 BF16
-  GEMMs, several times faster than float32 for prefill); the result is cast back to the compute dtype.
-- ``int8``: weight-only int8, one float scale per output row (symmetric). A matmul with a few rows
-  (decode) runs ``aten._weight_int8pack_mm`` on the int8 bytes, which reads 4x fewer bytes than
-  float32 — decode is memory-bandwidth bound. A matmul with many rows (prefill) runs a bfloat16 GEMM
-  on the dequantized weight, because the int8 kernel's cost grows linearly with the rows. Both paths
-  multiply the same (dequantized int8) weights; they differ only by bfloat16 rounding.
-  The lm_head / tied embedding is int8 too; embedding rows are gathered from it and dequantized.
+  parity reference (bit-identical to transformers float32 on the bundled models).
+- ``bf16``: weights stored in bfloat16 and multiplied in bfloat16 (AMX / AVX-512 BF16 GEMMs,
+  several times faster than float32 for prefill); results are cast back to the compute dtype.
+- ``int8``: weight-only int8, one scale per output row (symmetric). A matmul with a few rows
+  (decode) runs ``aten._weight_int8pack_mm`` on the int8 bytes: decode is memory-bandwidth bound
+  and reads 4x fewer bytes than float32. A matmul with many rows (prefill) runs a bfloat16 GEMM on
+  the dequantized weight (kept beside it), since the int8 kernel's cost grows linearly with rows.
+  Both paths multiply the same dequantized weights, up to bfloat16 rounding.
+- ``int4x2``: two-pass int4 (``Int4Weight(passes=2)``): the weight in int4 per group of 32 inputs
+  (64 for the lm_head),
+  plus its residual in int4 again, run as one ``aten._weight_int4pack_mm_for_cpu`` over [x, x].
+  About the bytes of int8 but a grouped ~8-bit quantizer: on the bundled Gemma its effect on the
+  logits is about that of the bfloat16 rounding of the matmul inputs (per-row int8: ~3x worse),
+  and the int4 kernel streams ~15-25% faster than the int8 one.
+- ``int4``: single-pass int4 projections (8x fewer bytes than float32), int4x2 lm_head.
+- ``auto``: per projection, int4 where the weights already lie on a 4-bit grid — a GGUF Q4_0 /
+  Q4_1 tensor is recovered exactly, so int4 loses nothing — and int4x2 elsewhere; int4x2 lm_head.
 
-Which parameters may be packed is declared by each family (``Model.packable_weights``: attribute
-names such as ``"wqkv"``; ``Model.head_weights``: the embedding / lm_head, only looked up or
-multiplied by one row in prefill, which get no dense copy); a family that declares none supports
-only ``native``. A tied embedding / lm_head (one Parameter under two names) is packed once.
-Every projection goes through ``models.base.linear`` and every lookup through
-``models.base.embedding``, which dispatch on ``PackedWeight``.
+Embedding tables stay in the compute dtype in every format but ``bf16``: a lookup reads only the
+rows of the new tokens, so their size costs memory, not speed (and Gemma's scaled embedding is
+the most quantization-sensitive tensor). A tied lm_head is then packed separately.
 
-Parity (measured by bench/throughput.py's ``--parity`` and documented in the report): see
+The packed kernels take bfloat16 activations: with ``dtype=float32`` the residual stream, norms,
+attention and KV cache stay float32 and only the matmul inputs are rounded to bfloat16.
+
+Which parameters may be packed is declared by each family (``Model.packable_weights``: the
+projections, only used through ``models.base.linear``; ``Model.head_weights``: the lm_head,
+multiplied by one row in prefill, so no dense copy; ``Model.embedding_weights``: tables only used
+through ``models.base.embedding``); a family that declares none supports only ``native``. A
+Parameter shared by two names in the same role is packed once. Quantization always starts from
+the float32 checkpoint tensors, whatever the compute dtype.
+
+Parity tolerances (against transformers float32; bench/throughput.py prints them): see
 ``FORMATS[...].tolerance``.
 """
 
@@ -33,51 +48,67 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# A matmul with at most this many rows uses the int8 kernel; more rows use the dense bf16 GEMM.
-# Measured on AVX-512/AMX: the int8 GEMV wins up to ~6 rows (it is linear in rows).
+# A matmul with at most this many rows uses the packed kernel; more rows use the dense bf16 GEMM.
+# Measured on AVX-512/AMX: the int8 GEMV wins up to ~6 rows (its cost is linear in rows), the
+# int4 one up to ~16.
 INT8_MAX_ROWS = 6
-# The int4 kernel's cost grows more slowly with rows.
 INT4_MAX_ROWS = 16
-INT4_GROUP = 32
+INT4_GROUP = 32          # = GGUF Q4_0/Q4_1 blocks, so those are held exactly
+INT4X2_GROUP = 32        # two-pass projections: groups of 64 cost 1.6x the logit error
+INT4X2_HEAD_GROUP = 64   # two-pass lm_head: 20% faster than 32 (fewer scales); its error stays small
+# Quantize this many rows at a time: temporaries stay small and in cache.
+ROW_BLOCK = 4096
 
 
 @dataclass(frozen=True)
 class WeightFormat:
     name: str
-    layers: str | None     # packing of the projection weights (None: native)
-    head: str | None       # of the lm_head (prefill multiplies it by one row only: no dense copy)
-    embedding: str | None  # of the embedding table (row lookups: a format with ``lookup``)
+    layers: str | None     # packing of the projections (None: native)
+    head: str | None       # of the lm_head
+    embedding: str | None  # of the embedding table (needs row lookups)
     description: str
-    tolerance: str  # the parity contract against the float32 / native reference
+    tolerance: str         # the parity contract, against transformers float32
 
 
 FORMATS: dict[str, WeightFormat] = {
-    "native": WeightFormat("native", None, None, None, "weights in the compute dtype",
-                           "float32: max |logit diff| <= 1e-3 vs transformers float32"),
-    "bf16": WeightFormat("bf16", "bf16", "bf16", "bf16", "bfloat16 weights, bfloat16 GEMMs",
-                         "TBD"),
-    "int8": WeightFormat("int8", "int8", "int8", "int8",
-                         "weight-only int8 (per-row scale); int8 GEMV for decode, "
-                         "bf16 GEMM on the dequantized weight for prefill", "TBD"),
-    "int4": WeightFormat("int4", "int4", "int8", "int8",
-                         "weight-only int4 (groups of 32) projections, int8 lm_head and embedding", "TBD"),
-    "int4h4": WeightFormat("int4h4", "int4", "int4", "int8",
-                         "weight-only int4 (groups of 32) projections and lm_head, int8 embedding", "TBD"),
+    "native": WeightFormat(
+        "native", None, None, None, "weights in the compute dtype",
+        "dtype=float32: max |logit diff| <= 1e-3 vs transformers float32 (measured 0.0)"),
+    "bf16": WeightFormat(
+        "bf16", "bf16", "bf16", "bf16", "bfloat16 weights and GEMMs",
+        "bfloat16 rounding of weights and matmul inputs"),
+    "int8": WeightFormat(
+        "int8", "int8", "int8", None, "weight-only int8 (per-row scales)",
+        "per-row requantization: ~3x the error of int4x2 on the bundled Gemma"),
+    "int4x2": WeightFormat(
+        "int4x2", "int4x2", "int4x2-head", None, "two-pass int4 (~8-bit grouped; lm_head in groups of 64)",
+        "weight error below the bfloat16 rounding of the matmul inputs"),
+    "int4": WeightFormat(
+        "int4", "int4", "int4x2-head", None, "weight-only int4 projections (groups of 32), int4x2 lm_head",
+        "lossless on Q4_0/Q4_1 projections; lossy (greedy drifts) on anything else"),
+    "auto": WeightFormat(
+        "auto", "auto", "int4x2-head", None, "int4 projections where lossless, int4x2 elsewhere",
+        "as int4x2, or better where int4 was lossless (SmolLM2's Q4_1 projections)"),
 }
 
 
 class PackedWeight(nn.Module):
-    """A projection weight in a non-native format. ``linear``/``embedding`` in models.base call
-    ``matmul``/``lookup`` for it instead of ``F.linear``/``F.embedding``."""
+    """A weight in a non-native format. ``models.base.linear`` / ``embedding`` call ``matmul`` /
+    ``lookup`` for it instead of ``F.linear`` / ``F.embedding``."""
 
     out_features: int
     in_features: int
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def lookup(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # pragma: no cover
-        raise NotImplementedError
+    def lookup(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        raise TypeError(f"{type(self).__name__} has no row lookup")
+
+
+def _row_blocks(n: int):
+    for a in range(0, n, ROW_BLOCK):
+        yield a, min(a + ROW_BLOCK, n)
 
 
 class Bf16Weight(PackedWeight):
@@ -95,25 +126,32 @@ class Bf16Weight(PackedWeight):
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8: w ~= q * scale[:, None]. Returns (q int8 [N, K], scale float32 [N])."""
-    w = w.float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q.contiguous(), scale
+    N, K = w.shape
+    q = torch.empty(N, K, dtype=torch.int8)
+    scale = torch.empty(N)
+    for a, b in _row_blocks(N):
+        blk = w[a:b].float()
+        s = blk.abs().amax(dim=1).clamp_(min=1e-12).div_(127.0)
+        q[a:b] = torch.round(blk / s[:, None]).clamp_(-127, 127)
+        scale[a:b] = s
+    return q, scale
 
 
 class Int8Weight(PackedWeight):
     def __init__(self, w: torch.Tensor, dense: bool = True):
-        """``dense``: also keep the dequantized weight in bfloat16 for many-row matmuls (prefill).
-        Without it (an lm_head that prefill only calls for its last row) many-row matmuls
-        dequantize block by block."""
+        """``dense``: keep the dequantized weight in bfloat16 for many-row matmuls (prefill). Without
+        it (an lm_head) a many-row matmul dequantizes block by block."""
         super().__init__()
         self.out_features, self.in_features = w.shape
         q, scale = quantize_int8(w)
         self.register_buffer("q", q, persistent=False)
-        self.register_buffer("scale", scale, persistent=False)            # float32, for lookups
+        self.register_buffer("scale", scale, persistent=False)              # float32: lookups
         self.register_buffer("scale_bf16", scale.to(torch.bfloat16), persistent=False)
-        deq = (q.float() * scale[:, None]).to(torch.bfloat16) if dense else None
-        self.register_buffer("dense", deq, persistent=False)
+        self.register_buffer("dense", self._dequantized() if dense else None, persistent=False)
+
+    def _dequantized(self, a: int = 0, b: int | None = None) -> torch.Tensor:
+        b = self.out_features if b is None else b
+        return (self.q[a:b].float() * self.scale[a:b, None]).to(torch.bfloat16)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -124,14 +162,9 @@ class Int8Weight(PackedWeight):
             return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
         if self.dense is not None:
             return F.linear(xb, self.dense).to(x.dtype)
-        return self._blockwise(xb).to(x.dtype)
-
-    def _blockwise(self, xb: torch.Tensor, block: int = 8192) -> torch.Tensor:
-        out = torch.empty(*xb.shape[:-1], self.out_features, dtype=torch.bfloat16, device=xb.device)
-        for a in range(0, self.out_features, block):
-            b = min(a + block, self.out_features)
-            w = (self.q[a:b].float() * self.scale[a:b, None]).to(torch.bfloat16)
-            out[..., a:b] = F.linear(xb, w)
+        out = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)
+        for a, b in _row_blocks(self.out_features):
+            out[..., a:b] = F.linear(xb, self._dequantized(a, b))
         return out
 
     def lookup(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -141,63 +174,110 @@ class Int8Weight(PackedWeight):
 
 def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric int4 per group of ``group`` inputs: w ~= q * scale + lo, q in 0..15.
-    Returns (q int32 [N, K], scale [N, K/group], lo [N, K/group]) in float32.
-    A GGUF Q4_0/Q4_1 block of 32 whose codes span 0..15 is recovered exactly."""
+    Returns (q int32 [N, K], scale [N, K/group], lo [N, K/group]), float32. A GGUF Q4_0/Q4_1
+    block of 32 whose codes span 0..15 is recovered exactly."""
     N, K = w.shape
-    g = w.float().reshape(N, K // group, group)
-    lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15).clamp(min=1e-10)
-    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32)
-    return q.reshape(N, K), scale, lo
+    q = torch.empty(N, K, dtype=torch.int32)
+    scale = torch.empty(N, K // group)
+    lo = torch.empty(N, K // group)
+    for a, b in _row_blocks(N):
+        g = w[a:b].float().reshape(b - a, K // group, group)
+        mn, mx = g.amin(-1), g.amax(-1)
+        s = (mx - mn).div_(15).clamp_(min=1e-10)
+        q[a:b] = torch.round((g - mn[..., None]).div_(s[..., None])).clamp_(0, 15).reshape(b - a, K)
+        scale[a:b], lo[a:b] = s, mn
+    return q, scale, lo
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    group = q.shape[1] // scale.shape[1]
+    g = q.reshape(*scale.shape, group).float().mul_(scale[..., None]).add_(lo[..., None])
+    return g.reshape(q.shape)
+
+
+def int4_exact(w: torch.Tensor, quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+               rel: float = 1e-3) -> bool:
+    """True when ``w`` already lies on the int4 grid (a GGUF Q4_0/Q4_1 tensor; most Q4_K groups do
+    not): every weight within ``rel`` quantization steps of its dequantized value."""
+    q, scale, lo = quantized
+    group = q.shape[1] // scale.shape[1]
+    for a, b in _row_blocks(q.shape[0]):
+        err = (dequantize_int4(q[a:b], scale[a:b], lo[a:b]) - w[a:b].float()).abs_()
+        if not bool((err.reshape(b - a, -1, group).amax(-1) <= rel * scale[a:b]).all()):
+            return False
+    return True
 
 
 class Int4Weight(PackedWeight):
-    """Weight-only int4 in groups of 32 (``aten._weight_int4pack_mm_for_cpu``, bfloat16 activations).
-    No row lookup: the packed layout is the kernel's, so an embedding tied to an int4 lm_head
-    keeps its own int8 copy (see ``apply_format``)."""
+    """``passes=2``: the weight is quantized to int4, then the residual is quantized to int4 again
+    (same groups) and both codes run as one int4 matmul over [x, x] (K doubled): ~1.1 bytes per
+    weight, the error of a ~8-bit *grouped* quantizer (1.5-2.5x below per-row int8 on the bundled
+    Gemma weights), and the int4 kernel, which streams faster than the int8 one."""
 
-    def __init__(self, w: torch.Tensor, dense: bool = True, group: int = INT4_GROUP):
+    def __init__(self, w: torch.Tensor, dense: bool = True, group: int = INT4_GROUP, passes: int = 1,
+                 quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
         super().__init__()
         self.out_features, self.in_features = w.shape
-        self.group = group
-        q, scale, lo = quantize_int4(w, group)
-        # the kernel dequantizes (q - 8) * scale + zero
-        zero = lo + 8 * scale
+        self.group, self.passes = group, passes
+        q, scale, lo = quantized if quantized is not None else quantize_int4(w, group)
+        deq = dequantize_int4(q, scale, lo)
+        if passes == 2:
+            q2, scale2, lo2 = quantize_int4(w.float() - deq, group)
+            deq += dequantize_int4(q2, scale2, lo2)
+            q, scale, lo = torch.cat([q, q2], 1), torch.cat([scale, scale2], 1), torch.cat([lo, lo2], 1)
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), persistent=False)
-        sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()   # [K/group, N, 2]
+        # the kernel computes (q - 8) * scale + zero; [K/group, N, 2]
+        sz = torch.stack([scale, lo + 8 * scale], dim=-1).transpose(0, 1).contiguous()
         self.register_buffer("scales_zeros", sz.to(torch.bfloat16), persistent=False)
-        deq = None
-        if dense:
-            deq = (q.reshape(*scale.shape, group).float() * scale[..., None] + lo[..., None])
-            deq = deq.reshape(w.shape).to(torch.bfloat16)
-        self.register_buffer("dense", deq, persistent=False)
+        self.register_buffer("dense", deq.to(torch.bfloat16) if dense else None, persistent=False)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         xb = x.to(torch.bfloat16)
         if rows <= INT4_MAX_ROWS or self.dense is None:
-            flat = xb.reshape(rows, self.in_features).contiguous()
+            flat = xb.reshape(rows, self.in_features)
+            flat = torch.cat([flat, flat], 1) if self.passes == 2 else flat.contiguous()
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scales_zeros)
             return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
         return F.linear(xb, self.dense).to(x.dtype)
 
-    def lookup(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        raise TypeError("int4 weights have no row lookup; the embedding keeps an int8 copy")
 
-
-def pack(w: torch.Tensor, fmt: str, dense: bool = True) -> PackedWeight:
-    if fmt == "bf16":
+def pack(w: torch.Tensor, kind: str, dense: bool = True) -> PackedWeight:
+    """``w`` (float32 [N, K]) in the packing ``kind``: bf16, int8, int4, int4x2 (int4x2-head: in
+    groups of 64) or auto (int4 where that is lossless, int4x2 elsewhere). int4 packings need whole
+    groups of 64 along K; other shapes fall back to int8."""
+    if kind == "bf16":
         return Bf16Weight(w)
-    if fmt == "int8":
+    if kind == "int8" or (kind in ("int4", "int4x2", "int4x2-head", "auto") and w.shape[1] % INT4X2_HEAD_GROUP):
         return Int8Weight(w, dense=dense)
-    if fmt == "int4":
+    if kind == "int4x2":
+        return Int4Weight(w, dense=dense, group=INT4X2_GROUP, passes=2)
+    if kind == "int4x2-head":
+        return Int4Weight(w, dense=dense, group=INT4X2_HEAD_GROUP, passes=2)
+    if kind == "int4":
         return Int4Weight(w, dense=dense)
-    raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if kind == "auto":
+        # look at the first rows before quantizing everything
+        if int4_exact(w[:64], quantize_int4(w[:64])):
+            quantized = quantize_int4(w)
+            if int4_exact(w, quantized):
+                return Int4Weight(w, dense=dense, quantized=quantized)
+        return Int4Weight(w, dense=dense, group=INT4X2_GROUP, passes=2)
+    raise ValueError(f"unknown weight packing {kind!r}")
 
 
-def apply_format(model: nn.Module, fmt: str) -> nn.Module:
-    """Convert the family's declared weights in place (see the module docstring). A Parameter
-    shared by several attributes (a tied embedding / lm_head) is packed once per packing."""
+def _roles(cls, spec: WeightFormat) -> dict[str, tuple[str, bool]]:
+    """attribute name -> (packing, keep a dense prefill copy); names left native are absent"""
+    roles = {n: (spec.layers, True) for n in cls.packable_weights}
+    roles.update({n: (spec.head, False) for n in cls.head_weights})
+    roles.update({n: (spec.embedding, False) for n in cls.embedding_weights})
+    return {n: r for n, r in roles.items() if r[0] is not None}
+
+
+def apply_format(model: nn.Module, fmt: str, source: nn.Module | None = None) -> nn.Module:
+    """Replace the family's declared weights of ``model`` by packed ones, in place. ``source``: the
+    same family built in float32 from the same checkpoint, to quantize from (default: ``model``
+    itself)."""
     spec = FORMATS.get(fmt)
     if spec is None:
         raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -206,29 +286,40 @@ def apply_format(model: nn.Module, fmt: str) -> nn.Module:
     cls = type(model)
     if not cls.packable_weights:
         raise ValueError(f"{cls.__name__} supports only the native weight format")
-    roles = {**{n: (spec.layers, True) for n in cls.packable_weights},
-             **{n: (spec.head, False) for n in cls.head_weights},
-             **{n: (spec.embedding, False) for n in cls.embedding_weights}}
+    roles = _roles(cls, spec)
+    source = model if source is None else source
     packed: dict[tuple[int, str, bool], PackedWeight] = {}
-    for module in list(model.modules()):
+    for module, src in zip(list(model.modules()), list(source.modules()), strict=True):
         for name in [n for n in list(module._parameters) if n in roles]:
-            p = module._parameters[name]
-            if p is None:
+            if module._parameters[name] is None:
                 continue
+            p = src._parameters[name]
             kind, dense = roles[name]
             key = (id(p), kind, dense)
             if key not in packed:
-                packed[key] = pack(p.data, kind, dense=dense)
+                packed[key] = pack(p.data.float(), kind, dense=dense)
             del module._parameters[name]
             setattr(module, name, packed[key])
     return model
 
 
+def check_format(fmt: str, cls=None) -> None:
+    """ValueError (one line, for the user) when ``fmt`` is unknown or family ``cls`` cannot hold it."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if cls is not None and FORMATS[fmt].layers is not None and not cls.packable_weights:
+        raise ValueError(f"weight format {fmt!r} is not available for the {cls.family} family "
+                         f"(it supports --weights native only)")
+
+
 def load_model(cls, config: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
                weights: str = "native"):
-    """Build ``cls`` from a checkpoint in the compute ``dtype`` and convert its weights to ``weights``.
-    For non-native formats the family is built in float32 first so quantization sees exact weights."""
-    if weights not in FORMATS:
-        raise ValueError(f"unknown weight format {weights!r}; choose one of {', '.join(FORMATS)}")
+    """Build family ``cls`` from a checkpoint: compute ``dtype``, weight format ``weights``.
+    Packed weights are quantized from a float32 build (free when the tensors are float32:
+    parameters then share their storage), so a bfloat16 compute dtype does not round them first."""
+    check_format(weights, cls)
     model = cls.from_checkpoint(config, tensors, dtype)
-    return apply_format(model, weights)
+    if FORMATS[weights].layers is None:
+        return model
+    source = model if dtype == torch.float32 else cls.from_checkpoint(config, tensors, torch.float32)
+    return apply_format(model, weights, source)
