@@ -196,9 +196,20 @@ class Engine:
         start, logits = self._restore(cache, ns, prompt, stats)
         usage.cached_tokens = start
 
-        # 2. prefill the rest, snapshotting at checkpoints
+        # 2. prefill the rest, snapshotting at checkpoints; the prompt-end snapshot (families that
+        # cannot truncate) waits until the first token has been handed out, so it is not in TTFT
+        prompt_end_pending = False
         if logits is None:
             logits = self._prefill(cache, ns, prompt, start, req.boundaries, stats)
+            prompt_end_pending = cache is not None and wants_prompt_end_snapshot(self.specs)
+        prompt_logits = logits
+
+        def prompt_end_snapshot() -> None:
+            nonlocal prompt_end_pending
+            if prompt_end_pending and len(self.live_tokens) == len(prompt):
+                cache.insert(ns, list(prompt), self._snapshot(prompt_logits), origin="prompt")
+                stats.checkpoints += 1
+            prompt_end_pending = False
         stats.prefilled_tokens = len(prompt) - start
         if cache is not None:
             cache.record_prefill(stats.prefilled_tokens)
@@ -234,6 +245,7 @@ class Engine:
                     finish = "stop"
                     break
                 yield TokenEvent(token, text)
+                prompt_end_snapshot()
                 if len(generated) >= budget:
                     break
                 logits = self._forward([token], "last")
@@ -245,6 +257,8 @@ class Engine:
             self._reset_live()
             raise
         finally:
+            if completed:
+                prompt_end_snapshot()
             if completed and cache is not None and len(self.live_tokens) > 0:
                 snap = self._snapshot(last_logits if len(self.live_tokens) == len(prompt) + len(generated) - 1 else None)
                 cache.insert(ns, list(self.live_tokens), snap, origin="generation")
@@ -317,7 +331,4 @@ class Engine:
             if cache is not None and end < len(prompt):
                 cache.insert(ns, prompt[:end], self._snapshot(None), origin="checkpoint")
                 stats.checkpoints += 1
-        if cache is not None and wants_prompt_end_snapshot(self.specs):
-            cache.insert(ns, list(prompt), self._snapshot(logits), origin="prompt")
-            stats.checkpoints += 1
         return logits
