@@ -122,14 +122,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 # --- attention --------------------------------------------------------------------------------------
 
+def is_plain_causal(mask: torch.Tensor) -> bool:
+    """True when ``mask`` [T, S] is exactly the top-left causal mask (a prefill from an empty cache,
+    or one whose window does not bite yet): attention then runs ``is_causal=True``, which lets the
+    flash kernel skip the blocks above the diagonal instead of computing and masking them."""
+    T, S = mask.shape
+    if T != S or T < 2 or not bool(mask[-1].all()):
+        return False
+    return int(mask.sum()) == T * (T + 1) // 2 and not bool(mask.triu(1).any())
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               scale: float, softcap: float | None = None) -> torch.Tensor:
     """q: [Hq, T, D], k/v: [Hk, S, D] (grouped-query allowed), mask: [T, S] bool or None.
     Returns [T, Hq * D]."""
     Hq, T, D = q.shape
     if softcap is None:
-        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
-                                             enable_gqa=k.shape[0] != Hq)[0]
+        causal = mask is not None and is_plain_causal(mask)
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=None if causal else mask,
+                                             is_causal=causal, scale=scale, enable_gqa=k.shape[0] != Hq)[0]
     else:
         rep = Hq // k.shape[0]
         k = k.repeat_interleave(rep, 0) if rep > 1 else k
