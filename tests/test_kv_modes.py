@@ -25,7 +25,7 @@ from turnkv.cache.modes import (
     rotation_size,
 )
 from turnkv.cache.rotating import SlidingWindowCache
-from turnkv.cache.specs import full, make_caches, recurrent, sliding
+from turnkv.cache.specs import full, make_caches, recurrent
 
 QUANTIZED = ("int8", "int4")
 
@@ -402,7 +402,7 @@ def test_tiny_llama_reused_quantized_prefix_equals_the_cold_run(tiny_llama, mode
 
 @torch.inference_mode()
 def test_tiny_gemma3_sliding_layers_in_quantized_modes():
-    from transformers import Gemma3TextConfig, Gemma3ForCausalLM
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     from turnkv.models.gemma3 import Gemma3Model
 

@@ -134,7 +134,7 @@ def quantize_int4(x: torch.Tensor, group: int, rotate: int = 0) -> tuple[torch.T
     if rotate:
         signs, _ = rotation(rotate, x.device)
         xf = fwht((xf.view(H, T, D // rotate, rotate) * signs).view(H, T, D), rotate) * rotate ** -0.5
-    xg = xf.view(H, T, D // group, group)
+    xg = xf.reshape(H, T, D // group, group)
     s = xg.gather(-1, xg.abs().argmax(-1, keepdim=True)) / -8
     s = torch.where(s.abs() < _SCALE_MIN, _SCALE_MIN, s).clamp_(-_SCALE_MAX, _SCALE_MAX).to(SCALE_DTYPE)
     q = torch.round(xg / s.float()).clamp_(-8, 7).to(torch.int8).view(H, T, D)
