@@ -86,11 +86,32 @@ def test_modes_really_used(tiny_models):
     assert nbytes["int8"] * 3 < nbytes["native"] and nbytes["int4"] * 5 < nbytes["native"]
 
 
-# --- real bundled models: 8 turns per mode, cache on == cache off ---------------------------------
+# --- real bundled models --------------------------------------------------------------------------
+#
+# Why two tests. A stored (restored) snapshot holds exactly the bytes the live cache computed, so the
+# cache itself adds no error in any mode. But with cache on, the prompt is prefilled from the reuse
+# point on, and the previous turn's generated tokens got their K/V from one-row decode steps, while
+# cache off prefills the whole prompt in 512-token chunks. On CPU a row's float result depends (in
+# the last bits) on how many rows are computed with it, so native K/V differ between the two by
+# ~1e-6. Rounding to a storage format turns that into whole-step differences for the values that sit
+# near a rounding boundary, and each layer feeds the next, so over 30 layers cache on and cache off
+# end up about as different as two independent quantizations. Measured over the 8 turns below, the
+# top-2 logit gap of a greedy step moved by up to (smollm2-135m / gemma3-270m): native 2e-5 / 2e-5,
+# fp16 0.009 / 0.013, bf16 0.07 / 0.08, int8 0.31 / 0.82, int4 3.2 / 1.1 nats.
+#
+# So exactness is tested where it is well defined: with one-token prefill steps every token's K/V
+# is computed the same way with cache on and off, and the two runs must agree bit for bit (tokens and
+# logits) in every mode. The production chunked run is tested with a stated tolerance: the greedy
+# tokens are identical except that a turn may part at a step whose cold top-2 gap is below the
+# mode's noise level (``NEAR_TIE``), never at a clear choice.
 
 SYSTEM = "You are a concise assistant. " + " ".join(
     f"Fact {i}: the number {i} squared is {i * i}." for i in range(1, 16))
 USERS = [f"Question {i}: what is {i} plus {i + 3}? Answer in one short sentence." for i in range(1, 9)]
+
+# nats: a greedy step of the cold (cache off) run whose top-2 logit gap is below this may pick the
+# other token with cache on; 1.5-3x the largest gap change measured (see above)
+NEAR_TIE = {"native": 1e-3, "fp16": 0.04, "bf16": 0.25, "int8": 2.0, "int4": 5.0}
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
@@ -103,20 +124,81 @@ def real_model(request):
     return model, ckpt
 
 
+def real_engines(real_model, mode, **kw) -> tuple[Engine, Engine]:
+    model, ckpt = real_model
+    common = dict(fingerprint=ckpt.fingerprint, name=ckpt.name, max_context=4096, kv_mode=mode, **kw)
+    return (Engine(model, ckpt.tokenizer, prompt_cache=PromptCache(1 << 30), **common),
+            Engine(model, ckpt.tokenizer, prompt_cache=PromptCache(0), **common))
+
+
+def record_step_logits(eng: Engine) -> list[torch.Tensor]:
+    """Wraps this engine's forward to keep every next-token logits it computes (test-only)."""
+    seen: list[torch.Tensor] = []
+    forward = eng._forward
+
+    def recording(ids, logits):
+        out = forward(ids, logits)
+        if logits == "last":
+            seen.append(out.detach().float().reshape(-1).clone())
+        return out
+
+    eng._forward = recording
+    return seen
+
+
+def step_logits(res, seen: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The logits each generated token was picked from: the first (possibly restored) one, then the
+    decode steps' (the last ``n - 1`` recorded forwards)."""
+    n = len(res.token_ids)
+    return [res.first_logits.float().reshape(-1)] + (seen[len(seen) - (n - 1):] if n > 1 else [])
+
+
+def top2_gap(logits: torch.Tensor) -> float:
+    top = torch.topk(logits, 2).values
+    return (top[0] - top[1]).item()
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("mode", [pytest.param("int4"), pytest.param("int8", marks=pytest.mark.slow),
+                                  pytest.param("bf16", marks=pytest.mark.slow)])
+def test_real_reuse_bit_exact_with_one_token_steps(real_model, mode):
+    """Cache on == cache off, bit for bit, when no prefill shape differs: every forward is one token."""
+    on, off = real_engines(real_model, mode, prefill_chunk=1)
+    msgs = [{"role": "system", "content": "You are a concise assistant."}]
+    previous = 0
+    for turn, user in enumerate(USERS[:3], start=1):
+        msgs.append({"role": "user", "content": user})
+        a = on.generate(on.chat_request(msgs, SamplingParams(max_tokens=4)))
+        b = off.generate(off.chat_request(msgs, SamplingParams(max_tokens=4)))
+        assert a.token_ids == b.token_ids, (mode, turn, a.text, b.text)
+        assert torch.equal(a.first_logits, b.first_logits), (mode, turn)
+        assert a.usage.cached_tokens >= previous      # the whole previous prompt came from the cache
+        previous = a.usage.prompt_tokens
+        msgs.append({"role": "assistant", "content": a.text})
+
+
 @pytest.mark.real
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", MODES)
-def test_real_eight_turns_exact_in_mode(real_model, mode):
-    model, ckpt = real_model
-    common = dict(fingerprint=ckpt.fingerprint, name=ckpt.name, max_context=4096, kv_mode=mode)
-    on = Engine(model, ckpt.tokenizer, prompt_cache=PromptCache(1 << 30), **common)
-    off = Engine(model, ckpt.tokenizer, prompt_cache=PromptCache(0), **common)
+@pytest.mark.parametrize("mode", ["native"] + MODES)
+def test_real_eight_turns_in_mode(real_model, mode):
+    """Chunked prefill (the default), 8 turns: cache on picks the same greedy tokens as cache off,
+    except that a turn may part at a near-tie of the cold run (see NEAR_TIE); the rest of that turn
+    is then not compared, and the conversation goes on with the cold run's answer."""
+    on, off = real_engines(real_model, mode)
+    seen_on, seen_off = record_step_logits(on), record_step_logits(off)
     msgs = [{"role": "system", "content": SYSTEM}]
+    parted = []
     for turn, user in enumerate(USERS, start=1):
         msgs.append({"role": "user", "content": user})
         a = on.generate(on.chat_request(msgs, SamplingParams(max_tokens=6)))
         b = off.generate(off.chat_request(msgs, SamplingParams(max_tokens=6)))
-        assert a.token_ids == b.token_ids, (mode, turn, a.text, b.text)
         if turn > 1:
             assert a.usage.cached_tokens >= 0.8 * a.usage.prompt_tokens
-        msgs.append({"role": "assistant", "content": a.text})
+        if a.token_ids != b.token_ids:
+            i = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
+                     min(len(a.token_ids), len(b.token_ids)))
+            gap = top2_gap(step_logits(b, seen_off)[i]) if i < len(b.token_ids) else float("inf")
+            assert gap < NEAR_TIE[mode], (mode, turn, i, gap, a.text, b.text)
+            parted.append((turn, i, gap))
+        msgs.append({"role": "assistant", "content": b.text})
+    assert len(parted) <= 2, parted
