@@ -119,7 +119,7 @@ class Engine:
         ckpt = load_checkpoint(model, dtype=dtype if weights == "native" else torch.float32, progress=progress)
         family = family_class(ckpt.architecture)
         check_format(weights, family)
-        net = load_model(family, ckpt.config, ckpt.tensors, dtype, weights)
+        net = load_model(family, ckpt.config, ckpt.tensors, dtype, weights, progress=progress)
         net.eval()
         if kw.get("max_context") is None:
             kw["max_context"] = int(ckpt.config.get("max_position_embeddings") or 8192)

@@ -42,6 +42,7 @@ Parity tolerances (against transformers float32; bench/throughput.py prints them
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -274,7 +275,7 @@ def _roles(cls, spec: WeightFormat) -> dict[str, tuple[str, bool]]:
     return {n: r for n, r in roles.items() if r[0] is not None}
 
 
-def apply_format(model: nn.Module, fmt: str, source: nn.Module | None = None) -> nn.Module:
+def apply_format(model: nn.Module, fmt: str, source: nn.Module | None = None, progress: bool = False) -> nn.Module:
     """Replace the family's declared weights of ``model`` by packed ones, in place. ``source``: the
     same family built in float32 from the same checkpoint, to quantize from (default: ``model``
     itself)."""
@@ -289,7 +290,14 @@ def apply_format(model: nn.Module, fmt: str, source: nn.Module | None = None) ->
     roles = _roles(cls, spec)
     source = model if source is None else source
     packed: dict[tuple[int, str, bool], PackedWeight] = {}
-    for module, src in zip(list(model.modules()), list(source.modules()), strict=True):
+    pairs = list(zip(list(model.modules()), list(source.modules()), strict=True))
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        todo = sum(1 for m, _ in pairs for n in m._parameters if n in roles and m._parameters[n] is not None)
+        bar = tqdm(total=todo, desc=f"Packing weights ({fmt})", unit="matrix", leave=False, file=sys.stderr)
+    for module, src in pairs:
         for name in [n for n in list(module._parameters) if n in roles]:
             if module._parameters[name] is None:
                 continue
@@ -300,6 +308,10 @@ def apply_format(model: nn.Module, fmt: str, source: nn.Module | None = None) ->
                 packed[key] = pack(p.data.float(), kind, dense=dense)
             del module._parameters[name]
             setattr(module, name, packed[key])
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
     return model
 
 
@@ -313,7 +325,7 @@ def check_format(fmt: str, cls=None) -> None:
 
 
 def load_model(cls, config: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-               weights: str = "native"):
+               weights: str = "native", progress: bool = False):
     """Build family ``cls`` from a checkpoint: compute ``dtype``, weight format ``weights``.
     Packed weights are quantized from a float32 build (free when the tensors are float32:
     parameters then share their storage), so a bfloat16 compute dtype does not round them first."""
@@ -322,4 +334,4 @@ def load_model(cls, config: dict, tensors: dict[str, torch.Tensor], dtype: torch
     if FORMATS[weights].layers is None:
         return model
     source = model if dtype == torch.float32 else cls.from_checkpoint(config, tensors, torch.float32)
-    return apply_format(model, weights, source)
+    return apply_format(model, weights, source, progress=progress)
