@@ -88,14 +88,17 @@ def test_packing_replaces_declared_weights_only():
     assert packed.layers[0].mlp.wdown.dense is not None
     # the lm_head is only multiplied by one row in prefill: no dense copy; the (tied) embedding
     # stays a native table
-    assert isinstance(packed.lm_head, Int8Weight) and packed.lm_head.dense is None
+    from turnkv.models.weights import RescoredHead
+
+    assert isinstance(packed.lm_head, RescoredHead)
+    assert isinstance(packed.lm_head.inner, Int8Weight) and packed.lm_head.inner.dense is None
     assert isinstance(packed.embed, torch.nn.Parameter)
     assert isinstance(packed.layers[0].ln_in, torch.nn.Parameter)
     bf16 = apply_format(tiny_gemma3()[0], "bf16")
-    assert bf16.embed is bf16.lm_head   # tied and in the same packing: packed once
+    assert bf16.lm_head.inner is bf16.embed   # tied and in the same packing: packed once
     int4 = apply_format(tiny_llama()[0], "int4")
     assert isinstance(int4.layers[0].mlp.wgu, Int4Weight) and int4.layers[0].mlp.wgu.passes == 1
-    assert isinstance(int4.lm_head, Int4Weight) and int4.lm_head.passes == 2
+    assert isinstance(int4.lm_head.inner, Int4Weight) and int4.lm_head.inner.passes == 2
 
 
 def test_auto_uses_int4_only_where_lossless():
@@ -198,13 +201,13 @@ BF16_PATH_TOL = 0.02
 
 
 @pytest.mark.parametrize("family", sorted(BUILDERS))
-@pytest.mark.parametrize("weights", ["bf16", "int8", "auto"])
+@pytest.mark.parametrize("weights", ["bf16", "int8", "int4x2", "auto"])
 def test_reuse_matches_the_cold_run_in_a_packed_format(family, weights):
     """An 8-turn chat with the prompt cache against the cold run, in a packed format. Both play the
     same history (the cold run's replies), so every turn is compared. Greedy tokens must be equal,
     except at a step where the cold run itself is a near-tie at bfloat16 precision (top-2 gap below
-    BF16_PATH_TOL of the logit scale) and the reused run picked the runner-up; reused first-token
-    logits stay within that tolerance. (Native float32 is held to exact tokens: test_engine_reuse.)"""
+    BF16_PATH_TOL of the logit scale) and the reused run picked the runner-up; first-token logits
+    stay within that tolerance. (Native float32 is held to identical tokens: test_engine_reuse.)"""
     import random
 
     from tests.tiny import engine, request
@@ -215,7 +218,7 @@ def test_reuse_matches_the_cold_run_in_a_packed_format(family, weights):
     system = [rng.randrange(3, 256) for _ in range(40)]
     users = [[rng.randrange(3, 256) for _ in range(rng.choice((3, 12, 25)))] for _ in range(8)]
     on, off = engine(model, chunk=8), engine(model, budget=0, chunk=8)
-    history, exact = [system], 0
+    history, exact, prev_prompt = [system], 0, 0
     for turn, user in enumerate(users):
         history.append(user)
         a, b = on.generate(request(history, 5)), off.generate(request(history, 5))
@@ -235,3 +238,34 @@ def test_reuse_matches_the_cold_run_in_a_packed_format(family, weights):
             assert a.token_ids[k] in top2.indices.tolist(), (turn, k)
         history.append(b.token_ids[:-1])
     assert exact >= 6, exact
+
+
+def test_dense_path_agrees_with_the_kernels():
+    """Many rows (dense bfloat16 GEMM on the kernel's weights) and one row at a time (the packed
+    kernel) agree to bfloat16 rounding."""
+    torch.manual_seed(0)
+    w = torch.randn(512, 256) * 0.05
+    x = torch.randn(24, 256)
+    for p in (Int8Weight(w), Int4Weight(w), Int4Weight(w, passes=2)):
+        many = linear(x, p)
+        ones = torch.cat([linear(x[i:i + 1], p) for i in range(len(x))])
+        assert (many - ones).abs().max().item() <= 2 ** -6 * ones.abs().max().item(), type(p).__name__
+
+
+def test_rescored_head_gives_float32_top_logits():
+    """A packed lm_head's kernel output is bfloat16 (logits in steps of 2^-8); the top candidates
+    are recomputed in float32 from the unquantized table, so greedy picks are not decided by ties."""
+    from turnkv.models.weights import RESCORE_TOP, RescoredHead
+
+    model, hf = tiny_llama()
+    packed = build(model, hf, torch.float32, "int4x2")
+    assert isinstance(packed.lm_head, RescoredHead)
+    x = torch.randn(3, 64)
+    exact = x @ hf.lm_head.weight.detach().t()
+    got = linear(x, packed.lm_head)
+    top = exact.topk(RESCORE_TOP // 4, dim=-1).indices
+    assert torch.allclose(got.gather(1, top), exact.gather(1, top), atol=1e-5)
+    assert not torch.allclose(got, exact, atol=1e-5)        # the tail keeps the packed values
+    assert torch.equal(got.argmax(-1), exact.argmax(-1))
+    many = linear(torch.randn(40, 64), packed.lm_head)       # many rows: the float32 table
+    assert many.dtype == torch.float32 and many.shape == (40, 256)

@@ -10,8 +10,9 @@ weight format (``weights``) are two separate choices, made by ``load_model``:
 - ``int8``: weight-only int8, one scale per output row (symmetric). A matmul with a few rows
   (decode) runs ``aten._weight_int8pack_mm`` on the int8 bytes: decode is memory-bandwidth bound
   and reads 4x fewer bytes than float32. A matmul with many rows (prefill) runs a bfloat16 GEMM on
-  the dequantized weight (kept beside it), since the int8 kernel's cost grows linearly with rows.
-  Both paths multiply the same dequantized weights, up to bfloat16 rounding.
+  the kernel's dequantized weight (kept beside it in bfloat16), since the int8 kernel's cost grows
+  linearly with rows. Both paths agree to bfloat16 rounding. Scales are bfloat16 values (what the
+  kernel takes), and the codes are rounded against them.
 - ``int4x2``: two-pass int4 (``Int4Weight(passes=2)``): the weight in int4 per group of 32 inputs
   (64 for the lm_head),
   plus its residual in int4 again, run as one ``aten._weight_int4pack_mm_for_cpu`` over [x, x].
@@ -20,7 +21,18 @@ weight format (``weights``) are two separate choices, made by ``load_model``:
   and the int4 kernel streams ~15-25% faster than the int8 one.
 - ``int4``: single-pass int4 projections (8x fewer bytes than float32), int4x2 lm_head.
 - ``auto``: per projection, int4 where the weights already lie on a 4-bit grid — a GGUF Q4_0 /
-  Q4_1 tensor is recovered exactly, so int4 loses nothing — and int4x2 elsewhere; int4x2 lm_head.
+  Q4_1 tensor's codes are recovered exactly (its scales up to their bfloat16 rounding) — and
+  int4x2 elsewhere; int4x2 lm_head.
+
+Every packed lm_head is a ``RescoredHead``: the kernel's logits are bfloat16 (steps of 2^-8
+relative, where ties would decide greedy picks), so the top ``RESCORE_TOP`` logits of each row are
+recomputed in float32 from the unquantized table (a tied head's embedding table, which stays in
+memory anyway).
+
+Exactness: bfloat16 activations put two runs of the same tokens whose rows took different paths
+(a long prefill chunk vs decode or a short suffix) ~2^-8 apart, so a reused run matches the cold
+run to that precision, and greedy tokens match except at near-ties of that size; native float32 is
+the format held to float32 noise (docs/weights.md).
 
 Embedding tables stay in the compute dtype in every format but ``bf16``: a lookup reads only the
 rows of the new tokens, so their size costs memory, not speed (and Gemma's scaled embedding is
@@ -49,13 +61,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# A matmul with at most this many rows uses the packed kernel; more rows use the dense bf16 GEMM.
+# A matmul with at most this many rows uses the packed kernel; more rows use the dense GEMM
+# (``_dense_matmul``); both compute the same numbers, so the choice is only about speed.
 # Measured on AVX-512/AMX: the int8 GEMV wins up to ~6 rows (its cost is linear in rows), the
 # int4 one up to ~16.
 INT8_MAX_ROWS = 6
 INT4_MAX_ROWS = 16
 INT4_GROUP = 32          # = GGUF Q4_0/Q4_1 blocks, so those are held exactly
 INT4X2_GROUP = 32        # two-pass projections: groups of 64 cost 1.6x the logit error
+# lm_head: logits recomputed in float32 per row (RescoredHead); above this many rows, all of them
+RESCORE_TOP = 64
+RESCORE_MAX_ROWS = 16
 INT4X2_HEAD_GROUP = 64   # two-pass lm_head: 20% faster than 32 (fewer scales); its error stays small
 # Quantize this many rows at a time: temporaries stay small and in cache.
 ROW_BLOCK = 4096
@@ -126,28 +142,41 @@ class Bf16Weight(PackedWeight):
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8: w ~= q * scale[:, None]. Returns (q int8 [N, K], scale float32 [N])."""
+    """Symmetric per-row int8: w ~= q * scale[:, None]. Returns (q int8 [N, K], scale float32 [N],
+    each scale a bfloat16 value)."""
     N, K = w.shape
     q = torch.empty(N, K, dtype=torch.int8)
     scale = torch.empty(N)
     for a, b in _row_blocks(N):
         blk = w[a:b].float()
-        s = blk.abs().amax(dim=1).clamp_(min=1e-12).div_(127.0)
+        # the scale as the kernel will see it (bfloat16), so the codes are rounded against it
+        s = blk.abs().amax(dim=1).clamp_(min=1e-12).div_(127.0).to(torch.bfloat16).float()
         q[a:b] = torch.round(blk / s[:, None]).clamp_(-127, 127)
         scale[a:b] = s
     return q, scale
 
 
+def _dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The many-row path: a bfloat16 GEMM on the kernel's dequantized weights (rounded to
+    bfloat16; ``w``). It agrees with the packed kernel to bfloat16 rounding, not bit for bit:
+    bfloat16 activations put a cold run and a reused run ~2^-8 apart whichever path a row takes
+    (a float32 GEMM on the exact kernel weights was measured: it reproduces a kernel call bit for
+    bit, yet on a 30-layer model the two runs still end up at the same bfloat16 noise floor, at
+    half the prefill speed)."""
+    return F.linear(x.to(torch.bfloat16), w).to(x.dtype)
+
+
 class Int8Weight(PackedWeight):
     def __init__(self, w: torch.Tensor, dense: bool = True):
-        """``dense``: keep the dequantized weight in bfloat16 for many-row matmuls (prefill). Without
-        it (an lm_head) a many-row matmul dequantizes block by block."""
+        """``dense``: keep the kernel's dequantized weight (bfloat16) for many-row matmuls (prefill).
+        Without it (an lm_head) a many-row matmul dequantizes block by block."""
         super().__init__()
         self.out_features, self.in_features = w.shape
         q, scale = quantize_int8(w)
         self.register_buffer("q", q, persistent=False)
-        self.register_buffer("scale", scale, persistent=False)              # float32: lookups
+        # the kernel takes bfloat16 scales: that rounded scale is the one every path uses
         self.register_buffer("scale_bf16", scale.to(torch.bfloat16), persistent=False)
+        self.register_buffer("scale", self.scale_bf16.float(), persistent=False)
         self.register_buffer("dense", self._dequantized() if dense else None, persistent=False)
 
     def _dequantized(self, a: int = 0, b: int | None = None) -> torch.Tensor:
@@ -156,16 +185,15 @@ class Int8Weight(PackedWeight):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        xb = x.to(torch.bfloat16)
         if rows <= INT8_MAX_ROWS:
-            flat = xb.reshape(rows, self.in_features).contiguous()
+            flat = x.to(torch.bfloat16).reshape(rows, self.in_features).contiguous()
             out = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scale_bf16)
             return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
         if self.dense is not None:
-            return F.linear(xb, self.dense).to(x.dtype)
+            return _dense_matmul(x, self.dense)
         out = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)
         for a, b in _row_blocks(self.out_features):
-            out[..., a:b] = F.linear(xb, self._dequantized(a, b))
+            out[..., a:b] = _dense_matmul(x, self._dequantized(a, b))
         return out
 
     def lookup(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -220,27 +248,65 @@ class Int4Weight(PackedWeight):
         super().__init__()
         self.out_features, self.in_features = w.shape
         self.group, self.passes = group, passes
-        q, scale, lo = quantized if quantized is not None else quantize_int4(w, group)
-        deq = dequantize_int4(q, scale, lo)
-        if passes == 2:
-            q2, scale2, lo2 = quantize_int4(w.float() - deq, group)
-            deq += dequantize_int4(q2, scale2, lo2)
-            q, scale, lo = torch.cat([q, q2], 1), torch.cat([scale, scale2], 1), torch.cat([lo, lo2], 1)
+        # the kernel computes (q - 8) * scale + zero in float32 from bfloat16 scale and zero
+        q, sz = self._kernel_codes(*(quantized if quantized is not None else quantize_int4(w, group)))
+        deq = self._kernel_weights(q, sz)
+        if passes == 2:    # the residual against what the kernel really multiplies by (bf16 scales)
+            q2, sz2 = self._kernel_codes(*quantize_int4(w.float() - deq, group))
+            deq += self._kernel_weights(q2, sz2)
+            q, sz = torch.cat([q, q2], 1), torch.cat([sz, sz2], 1)
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), persistent=False)
-        # the kernel computes (q - 8) * scale + zero; [K/group, N, 2]
-        sz = torch.stack([scale, lo + 8 * scale], dim=-1).transpose(0, 1).contiguous()
-        self.register_buffer("scales_zeros", sz.to(torch.bfloat16), persistent=False)
+        self.register_buffer("scales_zeros", sz.transpose(0, 1).contiguous(), persistent=False)  # [K/g, N, 2]
         self.register_buffer("dense", deq.to(torch.bfloat16) if dense else None, persistent=False)
+
+    @staticmethod
+    def _kernel_codes(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor):
+        """codes and bfloat16 [N, K/g, 2] (scale, zero) as the kernel takes them"""
+        return q, torch.stack([scale, lo + 8 * scale], dim=-1).to(torch.bfloat16)
+
+    def _kernel_weights(self, q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+        """The float32 weights the kernel multiplies by, [N, K]."""
+        N, K, g = self.out_features, self.in_features, self.group
+        s, z = sz[..., 0].float(), sz[..., 1].float()
+        return ((q.float() - 8).view(N, K // g, g) * s[..., None] + z[..., None]).view(N, K)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        xb = x.to(torch.bfloat16)
         if rows <= INT4_MAX_ROWS or self.dense is None:
-            flat = xb.reshape(rows, self.in_features)
+            flat = x.to(torch.bfloat16).reshape(rows, self.in_features)
             flat = torch.cat([flat, flat], 1) if self.passes == 2 else flat.contiguous()
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scales_zeros)
             return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
-        return F.linear(xb, self.dense).to(x.dtype)
+        return _dense_matmul(x, self.dense)
+
+
+class RescoredHead(PackedWeight):
+    """An lm_head whose packed kernel (bfloat16 output: logits in steps of 2^-8 relative, where
+    ties and one-step flips decide greedy picks) only nominates candidates: the ``RESCORE_TOP``
+    highest logits of each row are recomputed in float32 from the unquantized table (for a tied
+    head, the embedding table already in memory). The greedy pick and the head of the
+    distribution are then float32-exact and independent of the path a row took; the tail keeps the
+    packed values. Many rows (``logits="all"``) use the float32 table throughout."""
+
+    def __init__(self, inner: PackedWeight, exact: torch.Tensor):
+        super().__init__()
+        self.inner = inner
+        self.out_features, self.in_features = exact.shape
+        self.register_buffer("exact", exact, persistent=False)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows > RESCORE_MAX_ROWS:
+            return F.linear(x.float(), self.exact).to(x.dtype)
+        logits = self.inner.matmul(x).float().reshape(rows, self.out_features)
+        xf = x.float().reshape(rows, 1, self.in_features)
+        top = logits.topk(min(RESCORE_TOP, self.out_features), dim=-1).indices          # [rows, k]
+        exact = (self.exact[top] @ xf.transpose(1, 2)).squeeze(-1)                      # [rows, k]
+        logits.scatter_(1, top, exact)
+        return logits.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def lookup(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.inner.lookup(tokens, dtype)
 
 
 def pack(w: torch.Tensor, kind: str, dense: bool = True) -> PackedWeight:
@@ -306,6 +372,8 @@ def apply_format(model: nn.Module, fmt: str, source: nn.Module | None = None, pr
             key = (id(p), kind, dense)
             if key not in packed:
                 packed[key] = pack(p.data.float(), kind, dense=dense)
+            if name in cls.head_weights and not isinstance(packed[key], RescoredHead):
+                packed[key] = RescoredHead(packed[key], p.data.float())
             del module._parameters[name]
             setattr(module, name, packed[key])
             if bar is not None:
