@@ -34,12 +34,13 @@ USERS = [
 MAX_TOKENS = 24
 
 
-def load(name: str):
+def load(name: str, weights: str = "native"):
     from turnkv.loading import load_checkpoint
     from turnkv.models import family_class
+    from turnkv.models.weights import load_model
 
     ckpt = load_checkpoint(name, progress=False)
-    model = family_class(ckpt.architecture).from_checkpoint(ckpt.config, ckpt.tensors, torch.float32)
+    model = load_model(family_class(ckpt.architecture), ckpt.config, ckpt.tensors, torch.float32, weights)
     return model, ckpt
 
 
@@ -60,14 +61,18 @@ def play(engine, messages=None):
     return results, messages
 
 
-@pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
+# native float32 is the exactness reference; "auto" (packed int4 weights, bfloat16 matmuls) is
+# held to the same greedy tokens here, with logits within bfloat16 precision (docs/weights.md: a
+# near-tie at that precision could flip a token; none does in this chat)
+@pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m", "smollm2-135m:auto", "gemma3-270m:auto"])
 def real(request):
-    model, ckpt = load(request.param)
-    return request.param, model, ckpt
+    name, _, weights = request.param.partition(":")
+    model, ckpt = load(name, weights or "native")
+    return name, model, ckpt, weights or "native"
 
 
 def test_eight_turn_chat_cache_on_equals_off(real):
-    name, model, ckpt = real
+    name, model, ckpt, weights = real
     on, off = engines(model, ckpt)
     r_on, msgs = play(on)
     r_off, _ = play(off)
@@ -76,7 +81,8 @@ def test_eight_turn_chat_cache_on_equals_off(real):
         assert total > 512 + 256, total        # the rings wrapped well past window + slack
     for turn, (a, b) in enumerate(zip(r_on, r_off), start=1):
         assert a.token_ids == b.token_ids, f"turn {turn}: {a.text!r} != {b.text!r}"
-        assert torch.allclose(a.first_logits, b.first_logits, atol=2e-3), (a.first_logits - b.first_logits).abs().max()
+        atol = 2e-3 if weights == "native" else 0.02 * b.first_logits.abs().max().item()
+        assert torch.allclose(a.first_logits, b.first_logits, atol=atol), (a.first_logits - b.first_logits).abs().max()
         if turn > 1:
             assert a.usage.cached_tokens >= 0.9 * a.usage.prompt_tokens, (turn, a.usage)
     stats = on.prompt_cache.stats()
