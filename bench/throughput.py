@@ -5,7 +5,7 @@
                                [--formats float32:native,bfloat16:native,bfloat16:int8,bfloat16:int4]
 
 For every model it loads the bundled GGUF once with turnkv's loader (float32 tensors), builds one
-turnkv model per format (``dtype:weights``, see turnkv/models/weights.py) and transformers' model
+turnkv model per format (``dtype:weights[:kv-cache-mode]``, see turnkv/models/weights.py) and transformers' model
 (``from_pretrained(dir, gguf_file=..., dtype=float32)``, or ``--hf-load tensors``: the same
 tensors put into ``from_config``, which skips transformers' slow GGUF dequantization). Then, for
 each repetition, every engine in turn:
@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from turnkv.cache.specs import make_caches  # noqa: E402
+from turnkv.cache.specs import default_modes, make_caches  # noqa: E402
 from turnkv.launch import RECOMMENDED_MALLOC, configure_process  # noqa: E402
 from turnkv.loading import load_checkpoint  # noqa: E402
 from turnkv.models import family_class  # noqa: E402
@@ -54,13 +54,16 @@ class Sample:
     load_s: float = 0.0
 
 
-def parse_format(spec: str) -> tuple[torch.dtype, str]:
-    dtype, _, weights = spec.partition(":")
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype], weights or "native"
+def parse_format(spec: str) -> tuple[torch.dtype, str, str]:
+    """``dtype:weights[:kv-mode]``, e.g. ``float32:int4:int8``"""
+    dtype, _, rest = spec.partition(":")
+    weights, _, kv = rest.partition(":")
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype], weights or "native", kv or "native"
 
 
-def run_turnkv(model, dtype: torch.dtype, prompt: torch.Tensor, steps: int):
-    caches = make_caches(model.cache_specs(), dtype=dtype)
+def run_turnkv(model, dtype: torch.dtype, kv: str, prompt: torch.Tensor, steps: int):
+    specs = model.cache_specs()
+    caches = make_caches(specs, dtype=dtype, modes=default_modes(specs, kv))
     t0 = time.perf_counter()
     logits = model(prompt, caches, logits="last")
     t1 = time.perf_counter()
@@ -110,9 +113,9 @@ def bench_model(name: str, args) -> list[tuple]:
     samples: dict[str, Sample] = {}
     cls = family_class(ckpt.architecture)
     for spec in args.formats.split(","):
-        dtype, weights = parse_format(spec)
+        dtype, weights, kv = parse_format(spec)
         t = time.perf_counter()
-        engines[spec] = (load_model(cls, ckpt.config, ckpt.tensors, dtype, weights), dtype)
+        engines[spec] = (load_model(cls, ckpt.config, ckpt.tensors, dtype, weights), dtype, kv)
         samples[spec] = Sample(load_s=time.perf_counter() - t)
     t = time.perf_counter()
     hf = load_transformers(ckpt, args.hf_load)
@@ -124,8 +127,8 @@ def bench_model(name: str, args) -> list[tuple]:
     prompt = torch.randint(100, vocab, (args.prompt_tokens,), generator=gen)
     with torch.inference_mode():
         # warm-up: one short pass each (first-call allocations, oneDNN primitive creation)
-        for spec, (model, dtype) in engines.items():
-            run_turnkv(model, dtype, prompt[:64], 2)
+        for spec, (model, dtype, kv) in engines.items():
+            run_turnkv(model, dtype, kv, prompt[:64], 2)
         run_transformers(hf, prompt[:64], 2)
         for rep in range(args.reps):
             for key in ["transformers", *engines]:
@@ -169,7 +172,8 @@ def print_table(rows: list[tuple], args) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="smollm2-135m,gemma3-270m")
-    ap.add_argument("--formats", default=DEFAULT_FORMATS, help="comma list of dtype:weights")
+    ap.add_argument("--formats", default=DEFAULT_FORMATS,
+                    help="comma list of dtype:weights[:kv-cache-mode], e.g. float32:auto:int8")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=1000)
     ap.add_argument("--decode-tokens", type=int, default=32)

@@ -19,6 +19,7 @@ from turnkv.cache.modes import (
     effective_mode,
     fwht,
     int4_group_size,
+    int4_groups,
     layer_modes,
     make_store,
     rotation,
@@ -81,7 +82,7 @@ def test_round_trip_error_is_bounded(mode, head_dim):
             assert err.max() / x.abs().max() < 0.005
         elif x is v:
             # int4 values: at most one step (absmax / 8) of the group, usually half a step
-            g = int4_group_size(head_dim)
+            g = int4_groups(head_dim)["v"]
             group_max = x.abs().unflatten(-1, (head_dim // g, g)).amax(-1, keepdim=True)
             assert (err.unflatten(-1, (head_dim // g, g)) <= group_max / 8 * 1.01).all()
             assert err.mean() / x.abs().mean() < 0.1
@@ -116,6 +117,12 @@ def test_quantized_rows_of_zeros_and_extremes_stay_finite():
 
 def test_int4_group_size():
     assert [int4_group_size(d) for d in (256, 128, 64, 32, 16, 8, 80)] == [32, 32, 32, 32, 16, 8, 20]
+    # wide heads: finer key groups, coarser value groups, still >= 3.5x smaller than bf16
+    assert int4_groups(256) == {"k": 16, "v": 128} and int4_groups(128) == {"k": 16, "v": 128}
+    assert int4_groups(64) == {"k": 32, "v": 32} and int4_groups(80) == {"k": 20, "v": 20}
+    for d in (64, 128, 256):
+        s = make_store("int4", 1, d, torch.float32, "cpu")
+        assert 2 * d * 2 / s.bytes_per_token() >= 3.5, d
     with pytest.raises(ValueError):
         int4_group_size(63)
 
