@@ -11,7 +11,9 @@ from turnkv.engine.generate import Engine
 from turnkv.engine.sampling import SamplingParams
 from turnkv.prompt_cache.store import PromptCache
 
-pytestmark = [pytest.mark.real, pytest.mark.slow]
+# the native 8-turn chats run in `make test` (~1 min for both models on an idle 2-core machine);
+# the packed-weights variant is `slow` (make test-all)
+pytestmark = [pytest.mark.real]
 
 SYSTEM = (
     "You are a meticulous travel assistant for a small agency that plans walking holidays. "
@@ -61,18 +63,14 @@ def play(engine, messages=None):
     return results, messages
 
 
-# native float32 is the exactness reference; "auto" (packed int4 weights, bfloat16 matmuls) is
-# held to the same greedy tokens here, with logits within bfloat16 precision (docs/weights.md: a
-# near-tie at that precision could flip a token; none does in this chat)
-@pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m", "smollm2-135m:auto", "gemma3-270m:auto"])
+@pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
 def real(request):
-    name, _, weights = request.param.partition(":")
-    model, ckpt = load(name, weights or "native")
-    return name, model, ckpt, weights or "native"
+    model, ckpt = load(request.param)
+    return request.param, model, ckpt
 
 
 def test_eight_turn_chat_cache_on_equals_off(real):
-    name, model, ckpt, weights = real
+    name, model, ckpt = real
     on, off = engines(model, ckpt)
     r_on, msgs = play(on)
     r_off, _ = play(off)
@@ -81,8 +79,7 @@ def test_eight_turn_chat_cache_on_equals_off(real):
         assert total > 512 + 256, total        # the rings wrapped well past window + slack
     for turn, (a, b) in enumerate(zip(r_on, r_off), start=1):
         assert a.token_ids == b.token_ids, f"turn {turn}: {a.text!r} != {b.text!r}"
-        atol = 2e-3 if weights == "native" else 0.02 * b.first_logits.abs().max().item()
-        assert torch.allclose(a.first_logits, b.first_logits, atol=atol), (a.first_logits - b.first_logits).abs().max()
+        assert torch.allclose(a.first_logits, b.first_logits, atol=2e-3), (a.first_logits - b.first_logits).abs().max()
         if turn > 1:
             assert a.usage.cached_tokens >= 0.9 * a.usage.prompt_tokens, (turn, a.usage)
     stats = on.prompt_cache.stats()
@@ -102,3 +99,43 @@ def test_eight_turn_chat_cache_on_equals_off(real):
     a = on.generate(on.chat_request(last, SamplingParams(max_tokens=MAX_TOKENS)))
     assert a.token_ids == r_on[-1].token_ids
     assert a.usage.prompt_tokens - a.usage.cached_tokens <= 1
+
+
+# Packed weights (bfloat16 matmuls): a reused run equals the cold run to bfloat16 precision, not
+# float32 (docs/weights.md). Greedy tokens must match except where the cold run itself is a
+# near-tie at that precision and the reused run took the runner-up.
+PACKED_NEAR_TIE = 0.5    # logits; SmolLM2/Gemma logits reach ~30, where a bfloat16 step is 0.125
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
+def packed(request):
+    model, ckpt = load(request.param, "auto")
+    return request.param, model, ckpt
+
+
+@pytest.mark.slow
+def test_eight_turn_chat_in_packed_weights(packed):
+    from turnkv.engine.generate import GenerationRequest
+
+    name, model, ckpt = packed
+    on, off = engines(model, ckpt)
+    messages = [{"role": "system", "content": SYSTEM}]
+    diverged = 0
+    for turn, user in enumerate(USERS, start=1):
+        messages.append({"role": "user", "content": user})
+        req = on.chat_request(messages, SamplingParams(max_tokens=MAX_TOKENS))
+        a, b = on.generate(req), off.generate(req)
+        scale = b.first_logits.abs().max().item()
+        assert (a.first_logits - b.first_logits).abs().max().item() < 0.03 * scale, turn
+        if turn > 1:
+            assert a.usage.cached_tokens >= 0.9 * a.usage.prompt_tokens, (turn, a.usage)
+        k = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if k is not None:   # the cold run's logits where they part: a near-tie, a took the runner-up
+            diverged += 1
+            probe = off.generate(GenerationRequest(req.prompt_ids + b.token_ids[:k], SamplingParams(max_tokens=1)))
+            top2 = probe.first_logits.topk(2)
+            gap = (top2.values[0] - top2.values[1]).item()
+            assert gap < PACKED_NEAR_TIE, (turn, k, gap, a.text, b.text)
+            assert a.token_ids[k] in top2.indices.tolist(), (turn, k)
+        messages.append({"role": "assistant", "content": b.text})   # both continue the cold history
+    assert diverged <= 2, diverged
