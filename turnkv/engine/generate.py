@@ -90,7 +90,8 @@ class Engine:
     def __init__(self, model, tokenizer=None, *, fingerprint: str = "", name: str = "",
                  device="cpu", prompt_cache: PromptCache | None = None, slack: int = DEFAULT_SLACK,
                  kv_mode: str = NATIVE, kv_boundary_layers: int = 0,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_context: int | None = None):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_context: int | None = None,
+                 weights: str = "native"):
         self.model, self.tokenizer = model, tokenizer
         self.name = name or model.family
         self.family, self.fingerprint = model.family, fingerprint or model.family
@@ -103,7 +104,7 @@ class Engine:
         self.prompt_cache = prompt_cache
         self.caches = make_caches(self.specs, self.dtype, self.device, list(self.modes), slack)
         self.live_tokens: list[int] = []
-        self.weights = "native"   # the weight format (set by Engine.load)
+        self.weights = weights    # the weight format the model was loaded in (models/weights.py)
 
     # --- construction -----------------------------------------------------------------------
     @classmethod
@@ -115,19 +116,16 @@ class Engine:
         from ..models import family_class
         from ..models.weights import check_format, load_model
 
-        check_format(weights)
+        check_format(weights)    # before the load; load_model checks the family can hold it
         ckpt = load_checkpoint(model, dtype=dtype if weights == "native" else torch.float32, progress=progress)
-        family = family_class(ckpt.architecture)
-        check_format(weights, family)
-        net = load_model(family, ckpt.config, ckpt.tensors, dtype, weights, progress=progress)
+        net = load_model(family_class(ckpt.architecture), ckpt.config, ckpt.tensors, dtype, weights,
+                         progress=progress)
         net.eval()
         if kw.get("max_context") is None:
             kw["max_context"] = int(ckpt.config.get("max_position_embeddings") or 8192)
         # packed weights compute different (close) logits: their snapshots are another namespace
         fingerprint = ckpt.fingerprint if weights == "native" else f"{ckpt.fingerprint}+w:{weights}"
-        engine = cls(net, ckpt.tokenizer, fingerprint=fingerprint, name=ckpt.name, **kw)
-        engine.weights = weights
-        return engine
+        return cls(net, ckpt.tokenizer, fingerprint=fingerprint, name=ckpt.name, weights=weights, **kw)
 
     def namespace(self, tenant: str = "") -> Namespace:
         return Namespace(fingerprint=self.fingerprint, dtype=str(self.dtype), modes=self.modes,

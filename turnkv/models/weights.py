@@ -345,14 +345,11 @@ def apply_format(model: nn.Module, fmt: str, source: nn.Module | None = None, pr
     """Replace the family's declared weights of ``model`` by packed ones, in place. ``source``: the
     same family built in float32 from the same checkpoint, to quantize from (default: ``model``
     itself)."""
-    spec = FORMATS.get(fmt)
-    if spec is None:
-        raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    cls = type(model)
+    check_format(fmt, cls)
+    spec = FORMATS[fmt]
     if spec.layers is None:
         return model
-    cls = type(model)
-    if not cls.packable_weights:
-        raise ValueError(f"{cls.__name__} supports only the native weight format")
     roles = _roles(cls, spec)
     source = model if source is None else source
     packed: dict[tuple[int, str, bool], PackedWeight] = {}

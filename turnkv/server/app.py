@@ -374,7 +374,7 @@ def cache_stats_json(engine, stats: dict, enabled: bool) -> dict:
         **stats,
         "model": engine.name,
         "prompt_cache_enabled": enabled,
-        "weights": getattr(engine, "weights", "native"),
+        "weights": engine.weights,
         "dtype": str(engine.dtype).removeprefix("torch."),
         "kv_cache_mode": engine.kv_mode,
         "kv_cache_mode_effective": list(engine.modes),
