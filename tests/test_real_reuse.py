@@ -139,3 +139,48 @@ def test_eight_turn_chat_in_packed_weights(packed):
             assert a.token_ids[k] in top2.indices.tolist(), (turn, k)
         messages.append({"role": "assistant", "content": b.text})   # both continue the cold history
     assert diverged <= 2, diverged
+
+
+def test_int4_head_nominates_the_true_argmax(real):
+    """The int4 formats' lm_head is single-pass int4 and only nominates RESCORE_TOP candidates for
+    the float32 rescoring: over ~700 positions of a real chat, the float32 argmax must rank well
+    inside them (a margin of 4x), and the rescored head's pick must be the float32 pick."""
+    from turnkv.models.base import linear
+    from turnkv.models.weights import INT4_HEAD_GROUP, RESCORE_TOP, Int4Weight, PackedWeight, RescoredHead
+
+    name, model, ckpt = real
+    table = model.lm_head.detach()
+    seen = []
+
+    class Probe(PackedWeight):      # records the head's inputs, multiplies by the float32 table
+        def matmul(self, x):
+            seen.append(x.detach().clone())
+            return x @ table.t()
+
+    engine = engines(model, ckpt)[1]
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": " ".join(USERS)}]
+    ids = torch.tensor(engine.chat_request(messages, SamplingParams(max_tokens=1)).prompt_ids)
+    from turnkv.cache.specs import make_caches
+
+    saved = model._parameters.pop("lm_head")
+    model.lm_head = Probe()
+    try:
+        with torch.inference_mode():
+            model(ids, make_caches(model.cache_specs()), logits="all")
+    finally:
+        del model._modules["lm_head"]
+        model.lm_head = saved
+    x = torch.cat(seen)
+    assert x.shape[0] == len(ids) >= 600
+    exact = x @ table.t()
+    best = exact.argmax(-1)
+    head = RescoredHead(Int4Weight(table, dense=False, group=INT4_HEAD_GROUP), table)
+    ranks, picks = [], []
+    for i in range(0, len(x), 8):
+        rows = x[i:i + 8]
+        approx = head.inner.matmul(rows).float()
+        ranks.append((approx > approx.gather(1, best[i:i + 8, None])).sum(1))
+        picks.append(linear(rows, head).argmax(-1))
+    worst = int(torch.cat(ranks).max())
+    assert worst < RESCORE_TOP // 4, (name, worst)
+    assert torch.equal(torch.cat(picks), best)
