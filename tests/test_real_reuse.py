@@ -125,8 +125,11 @@ def test_eight_turn_chat_in_packed_weights(packed):
         messages.append({"role": "user", "content": user})
         req = on.chat_request(messages, SamplingParams(max_tokens=MAX_TOKENS))
         a, b = on.generate(req), off.generate(req)
+        # the head of the distribution (rescored in float32 in both runs; the tail keeps the int4
+        # head's values, and a token near the 256th may be rescored in one run only)
+        top = b.first_logits.topk(64).indices
         scale = b.first_logits.abs().max().item()
-        assert (a.first_logits - b.first_logits).abs().max().item() < 0.03 * scale, turn
+        assert (a.first_logits[top] - b.first_logits[top]).abs().max().item() < 0.03 * scale, turn
         if turn > 1:
             assert a.usage.cached_tokens >= 0.9 * a.usage.prompt_tokens, (turn, a.usage)
         k = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
