@@ -271,3 +271,12 @@ def test_rescored_head_gives_float32_top_logits():
     assert torch.equal(got.argmax(-1), exact.argmax(-1))
     many = linear(torch.randn(40, 64), packed.lm_head)       # many rows: the float32 table
     assert many.dtype == torch.float32 and many.shape == (40, 256)
+    # a bfloat16 compute dtype still gets float32 logits: rounding them back would bring the ties back
+    model16, hf16 = tiny_llama()
+    head16 = build(model16, hf16, torch.bfloat16, "int4x2").lm_head
+    x16 = x.to(torch.bfloat16)
+    got16 = linear(x16, head16)
+    exact16 = x16.float() @ hf16.lm_head.weight.detach().t()
+    top16 = exact16.topk(16, dim=-1).indices
+    assert got16.dtype == torch.float32
+    assert torch.allclose(got16.gather(1, top16), exact16.gather(1, top16), atol=1e-5)

@@ -297,7 +297,9 @@ class RescoredHead(PackedWeight):
     highest logits of each row are recomputed in float32 from the unquantized table (for a tied
     head, the embedding table already in memory). The greedy pick and the head of the
     distribution are then float32-exact and independent of the path a row took; the tail keeps the
-    packed values. Many rows (``logits="all"``) use the float32 table throughout."""
+    packed values. Many rows (``logits="all"``) use the float32 table throughout. The logits are
+    float32 whatever the compute dtype: rounding the rescored values back to bfloat16 would bring
+    the ties back."""
 
     def __init__(self, inner: PackedWeight, exact: torch.Tensor, top: int = RESCORE_TOP):
         super().__init__()
@@ -308,13 +310,13 @@ class RescoredHead(PackedWeight):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if rows > RESCORE_MAX_ROWS:
-            return F.linear(x.float(), self.exact).to(x.dtype)
+            return F.linear(x.float(), self.exact)
         logits = self.inner.matmul(x).float().reshape(rows, self.out_features)
         xf = x.float().reshape(rows, 1, self.in_features)
         top = logits.topk(min(self.top, self.out_features), dim=-1).indices            # [rows, k]
         exact = (self.exact[top] @ xf.transpose(1, 2)).squeeze(-1)                      # [rows, k]
         logits.scatter_(1, top, exact)
-        return logits.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        return logits.view(*x.shape[:-1], self.out_features)
 
     def lookup(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.inner.lookup(tokens, dtype)
