@@ -100,6 +100,9 @@ def test_packing_replaces_declared_weights_only():
     assert isinstance(int4.layers[0].mlp.wgu, Int4Weight) and int4.layers[0].mlp.wgu.passes == 1
     # the int4 head only nominates candidates for the float32 rescoring: single-pass
     assert isinstance(int4.lm_head.inner, Int4Weight) and int4.lm_head.inner.passes == 1
+    # int4x2 keeps its ~8-bit precision in the head's tail too
+    int4x2 = apply_format(tiny_llama()[0], "int4x2")
+    assert isinstance(int4x2.lm_head.inner, Int4Weight) and int4x2.lm_head.inner.passes == 2
 
 
 def test_auto_uses_int4_only_where_lossless():

@@ -13,8 +13,8 @@ weight format (``weights``) are two separate choices, made by ``load_model``:
   the kernel's dequantized weight (kept beside it in bfloat16), since the int8 kernel's cost grows
   linearly with rows. Both paths agree to bfloat16 rounding. Scales are bfloat16 values (what the
   kernel takes), and the codes are rounded against them.
-- ``int4x2``: two-pass int4 (``Int4Weight(passes=2)``): the weight in int4 per group of 32 inputs,
-  plus its residual in int4 again, run as one ``aten._weight_int4pack_mm_for_cpu`` over [x, x].
+- ``int4x2``: two-pass int4 (``Int4Weight(passes=2)``): the weight in int4 per group of 32 inputs
+  (64 for the lm_head), plus its residual in int4 again, run as one ``aten._weight_int4pack_mm_for_cpu`` over [x, x].
   About the bytes of int8 but a grouped ~8-bit quantizer: on the bundled Gemma its effect on the
   logits is about that of the bfloat16 rounding of the matmul inputs (per-row int8: ~3x worse),
   and the int4 kernel streams ~15-25% faster than the int8 one.
@@ -23,9 +23,12 @@ weight format (``weights``) are two separate choices, made by ``load_model``:
   Q4_1 tensor's codes are recovered exactly (its scales up to their bfloat16 rounding) — and
   int4x2 elsewhere.
 
-The int4 formats store the lm_head in single-pass int4 (groups of 32): there it only nominates
-candidates for the float32 rescoring below, and it is the largest matrix of a small model
-(Gemma 3's 262k rows: half of its decode step in two-pass int4).
+``int4`` and ``auto`` store the lm_head in single-pass int4 (groups of 32): there it only
+nominates candidates for the float32 rescoring below, and it is the largest matrix of a small
+model (Gemma 3's 262k rows: half of its decode step in two-pass int4). The logits below the 256
+rescored then carry int4 error, which sampling at temperature 1 sees (docs/weights.md: ~2% total
+variation from the exact distribution, the same order as the ~1-1.7% that auto's projections
+already cause); ``int4x2`` keeps a two-pass head for a tail at its ~8-bit precision.
 
 Every packed lm_head is a ``RescoredHead``: the kernel's logits are bfloat16 (steps of 2^-8
 relative, where ties would decide greedy picks) and quantized, so the top ``RESCORE_TOP`` (256)
@@ -84,6 +87,7 @@ RESCORE_TOP = 256
 RESCORE_MAX_ROWS = 16
 INT4_HEAD_GROUP = 32     # groups of 64: worst rank 59 on SmolLM2, too close to RESCORE_TOP
 INT4_K_ALIGN = 64        # int4 packings need K to be a multiple of this; other shapes use int8
+INT4X2_HEAD_GROUP = 64   # the int4x2 format's two-pass lm_head: 20% faster than 32, error still small
 # Quantize this many rows at a time: temporaries stay small and in cache.
 ROW_BLOCK = 4096
 
@@ -109,7 +113,7 @@ FORMATS: dict[str, WeightFormat] = {
         "int8", "int8", "int8", None, "weight-only int8 (per-row scales)",
         "per-row requantization: ~3x the error of int4x2 on the bundled Gemma"),
     "int4x2": WeightFormat(
-        "int4x2", "int4x2", "int4-head", None, "two-pass int4 (~8-bit grouped); int4 lm_head, top logits rescored",
+        "int4x2", "int4x2", "int4x2-head", None, "two-pass int4 (~8-bit grouped) everywhere, lm_head included",
         "weight error below the bfloat16 rounding of the matmul inputs"),
     "int4": WeightFormat(
         "int4", "int4", "int4-head", None, "weight-only int4 projections (groups of 32); int4 lm_head, top logits rescored",
@@ -324,16 +328,19 @@ class RescoredHead(PackedWeight):
 
 def pack(w: torch.Tensor, kind: str, dense: bool = True) -> PackedWeight:
     """``w`` (float32 [N, K]) in the packing ``kind``: bf16, int8, int4, int4x2, int4-head (the
-    nominating int4 of a RescoredHead) or auto (int4 where that is lossless, int4x2 elsewhere).
+    nominating int4 of a RescoredHead), int4x2-head (two-pass, groups of 64) or auto (int4 where
+    that is lossless, int4x2 elsewhere).
     int4 packings need K to be a multiple of 64; other shapes fall back to int8."""
     if kind == "bf16":
         return Bf16Weight(w)
-    if kind == "int8" or (kind in ("int4", "int4x2", "int4-head", "auto") and w.shape[1] % INT4_K_ALIGN):
+    if kind == "int8" or (kind in ("int4", "int4x2", "int4-head", "int4x2-head", "auto") and w.shape[1] % INT4_K_ALIGN):
         return Int8Weight(w, dense=dense)
     if kind == "int4x2":
         return Int4Weight(w, dense=dense, group=INT4X2_GROUP, passes=2)
     if kind == "int4-head":
         return Int4Weight(w, dense=dense, group=INT4_HEAD_GROUP)
+    if kind == "int4x2-head":
+        return Int4Weight(w, dense=dense, group=INT4X2_HEAD_GROUP, passes=2)
     if kind == "int4":
         return Int4Weight(w, dense=dense)
     if kind == "auto":
