@@ -148,6 +148,7 @@ def test_int4_head_nominates_the_true_argmax(real):
     """The int4 formats' lm_head is single-pass int4 and only nominates RESCORE_TOP candidates for
     the float32 rescoring: over ~700 positions of a real chat, the float32 argmax must rank well
     inside them (a margin of 4x), and the rescored head's pick must be the float32 pick."""
+    from turnkv.cache.specs import make_caches
     from turnkv.models.base import linear
     from turnkv.models.weights import INT4_HEAD_GROUP, RESCORE_TOP, Int4Weight, PackedWeight, RescoredHead
 
@@ -163,8 +164,6 @@ def test_int4_head_nominates_the_true_argmax(real):
     engine = engines(model, ckpt)[1]
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": " ".join(USERS)}]
     ids = torch.tensor(engine.chat_request(messages, SamplingParams(max_tokens=1)).prompt_ids)
-    from turnkv.cache.specs import make_caches
-
     saved = model._parameters.pop("lm_head")
     model.lm_head = Probe()
     try:

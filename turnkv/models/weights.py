@@ -14,7 +14,8 @@ weight format (``weights``) are two separate choices, made by ``load_model``:
   linearly with rows. Both paths agree to bfloat16 rounding. Scales are bfloat16 values (what the
   kernel takes), and the codes are rounded against them.
 - ``int4x2``: two-pass int4 (``Int4Weight(passes=2)``): the weight in int4 per group of 32 inputs
-  (64 for the lm_head), plus its residual in int4 again, run as one ``aten._weight_int4pack_mm_for_cpu`` over [x, x].
+  (64 for the lm_head), plus its residual in int4 again, run as one
+  ``aten._weight_int4pack_mm_for_cpu`` over [x, x].
   About the bytes of int8 but a grouped ~8-bit quantizer: on the bundled Gemma its effect on the
   logits is about that of the bfloat16 rounding of the matmul inputs (per-row int8: ~3x worse),
   and the int4 kernel streams ~15-25% faster than the int8 one.
@@ -34,9 +35,8 @@ Every packed lm_head is a ``RescoredHead``: the kernel's logits are bfloat16 (st
 relative, where ties would decide greedy picks) and quantized, so the top ``RESCORE_TOP`` (256)
 logits of each row are recomputed in float32 from the unquantized table (a tied head's embedding
 table, which stays in memory anyway). The greedy pick is float32-exact whenever the true argmax is
-among the kernel's 256 best (measured: always, the worst rank seen was 18); logits below the
-256th keep the packed values (int4 heads: ~0.3 mean error), which only top-k > 256 / top-p /
-plain temperature sampling of the far tail can see.
+among the kernel's 256 best (the measured margin is at ``RESCORE_TOP``); logits below the 256th
+keep the packed values, which only sampling beyond the top 256 can see.
 
 Exactness: bfloat16 activations put two runs of the same tokens whose rows took different paths
 (a long prefill chunk vs decode or a short suffix) ~2^-8 apart, so a reused run matches the cold
@@ -88,6 +88,7 @@ RESCORE_MAX_ROWS = 16
 INT4_HEAD_GROUP = 32     # groups of 64: worst rank 59 on SmolLM2, too close to RESCORE_TOP
 INT4_K_ALIGN = 64        # int4 packings need K to be a multiple of this; other shapes use int8
 INT4X2_HEAD_GROUP = 64   # the int4x2 format's two-pass lm_head: 20% faster than 32, error still small
+INT4_KINDS = ("int4", "int4x2", "int4-head", "int4x2-head", "auto")   # the packings of pack() on int4
 # Quantize this many rows at a time: temporaries stay small and in cache.
 ROW_BLOCK = 4096
 
@@ -113,13 +114,16 @@ FORMATS: dict[str, WeightFormat] = {
         "int8", "int8", "int8", None, "weight-only int8 (per-row scales)",
         "per-row requantization: ~3x the error of int4x2 on the bundled Gemma"),
     "int4x2": WeightFormat(
-        "int4x2", "int4x2", "int4x2-head", None, "two-pass int4 (~8-bit grouped) everywhere, lm_head included",
+        "int4x2", "int4x2", "int4x2-head", None,
+        "two-pass int4 (~8-bit grouped) everywhere, lm_head included",
         "weight error below the bfloat16 rounding of the matmul inputs"),
     "int4": WeightFormat(
-        "int4", "int4", "int4-head", None, "weight-only int4 projections (groups of 32); int4 lm_head, top logits rescored",
+        "int4", "int4", "int4-head", None,
+        "weight-only int4 projections (groups of 32); int4 lm_head, top logits rescored",
         "lossless on Q4_0/Q4_1 projections; lossy (greedy drifts) on anything else"),
     "auto": WeightFormat(
-        "auto", "auto", "int4-head", None, "int4 projections where lossless, int4x2 elsewhere; int4 lm_head, top logits rescored",
+        "auto", "auto", "int4-head", None,
+        "int4 projections where lossless, int4x2 elsewhere; int4 lm_head, top logits rescored",
         "as int4x2, or better where int4 was lossless (SmolLM2's Q4_1 projections)"),
 }
 
@@ -329,11 +333,11 @@ class RescoredHead(PackedWeight):
 def pack(w: torch.Tensor, kind: str, dense: bool = True) -> PackedWeight:
     """``w`` (float32 [N, K]) in the packing ``kind``: bf16, int8, int4, int4x2, int4-head (the
     nominating int4 of a RescoredHead), int4x2-head (two-pass, groups of 64) or auto (int4 where
-    that is lossless, int4x2 elsewhere).
-    int4 packings need K to be a multiple of 64; other shapes fall back to int8."""
+    that is lossless, int4x2 elsewhere). int4 packings need K to be a multiple of
+    ``INT4_K_ALIGN``; other shapes fall back to int8."""
     if kind == "bf16":
         return Bf16Weight(w)
-    if kind == "int8" or (kind in ("int4", "int4x2", "int4-head", "int4x2-head", "auto") and w.shape[1] % INT4_K_ALIGN):
+    if kind == "int8" or (kind in INT4_KINDS and w.shape[1] % INT4_K_ALIGN):
         return Int8Weight(w, dense=dense)
     if kind == "int4x2":
         return Int4Weight(w, dense=dense, group=INT4X2_GROUP, passes=2)
