@@ -65,7 +65,7 @@ def chunked_nll(model, caches, ids: torch.Tensor, chunk: int) -> float:
     total = 0.0
     for a in range(0, ids.shape[0] - 1, chunk):
         b = min(a + chunk, ids.shape[0] - 1)
-        logits = model(ids[a:b], caches, "all").float()
+        logits = model.step(ids[a:b], caches, "all").float()
         logp = torch.log_softmax(logits, dim=-1)
         total -= logp.gather(-1, ids[a + 1:b + 1, None]).sum().item()
     return total / (ids.shape[0] - 1)
@@ -76,12 +76,12 @@ def decode_speed(model, caches, ids: torch.Tensor, context: int, steps: int, chu
     step spends reading K/V out of the stores: every layer's ``read`` over the context, the cost a
     quantized mode adds to decode; best of 5, so it holds up on a busy machine)."""
     for a in range(0, context, chunk):
-        model(ids[a:min(a + chunk, context)], caches, "none")
+        model.step(ids[a:min(a + chunk, context)], caches, "none")
     times = []
     for i in range(steps):
         tok = ids[context + i:context + i + 1]
         t = time.perf_counter()
-        model(tok, caches, "last")
+        model.step(tok, caches, "last")
         times.append(time.perf_counter() - t)
     reads = []
     for _ in range(5):

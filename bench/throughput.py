@@ -65,12 +65,12 @@ def run_turnkv(model, dtype: torch.dtype, kv: str, prompt: torch.Tensor, steps: 
     specs = model.cache_specs()
     caches = make_caches(specs, dtype=dtype, modes=default_modes(specs, kv))
     t0 = time.perf_counter()
-    logits = model(prompt, caches, logits="last")
+    logits = model.step(prompt, caches, logits="last")
     t1 = time.perf_counter()
     first = logits.float().clone()
     tokens = [int(logits.argmax())]
     for _ in range(steps - 1):
-        logits = model(torch.tensor([tokens[-1]]), caches, logits="last")
+        logits = model.step(torch.tensor([tokens[-1]]), caches, logits="last")
         tokens.append(int(logits.argmax()))
     t2 = time.perf_counter()
     return t1 - t0, t2 - t1, first, tokens

@@ -62,7 +62,7 @@ def run_chunks(model, caches, tokens: torch.Tensor, chunk: int) -> torch.Tensor:
     outs = []
     with torch.no_grad():
         for s in range(0, tokens.shape[0], chunk):
-            outs.append(model.forward(tokens[s:s + chunk], caches, logits="all"))
+            outs.append(model.step(tokens[s:s + chunk], caches, logits="all"))
     return torch.cat(outs)
 
 
@@ -76,11 +76,11 @@ def check_parity(model, hf_model, tokens: torch.Tensor, chunk: int = 7, decode: 
     diffs["many_chunks"] = (run_chunks(model, fresh(model), tokens, chunk) - ref).abs().max().item()
     caches = fresh(model)
     with torch.no_grad():
-        model.forward(tokens[: T - decode], caches, logits="none")
-        steps = torch.stack([model.forward(tokens[t:t + 1], caches, logits="last") for t in range(T - decode, T)])
+        model.step(tokens[: T - decode], caches, logits="none")
+        steps = torch.stack([model.step(tokens[t:t + 1], caches, logits="last") for t in range(T - decode, T)])
     diffs["decode"] = (steps - ref[T - decode:]).abs().max().item()
     with torch.no_grad():
-        last = model.forward(tokens, fresh(model), logits="last")
+        last = model.step(tokens, fresh(model), logits="last")
     diffs["last"] = (last - ref[-1]).abs().max().item()
     for name, d in diffs.items():
         assert d < PARITY_TOL, f"{name}: max abs diff {d:.3g} vs transformers"
@@ -91,11 +91,11 @@ def greedy(model, prompt: torch.Tensor, n: int) -> list[int]:
     caches = fresh(model)
     out = []
     with torch.no_grad():
-        logits = model.forward(prompt, caches, logits="last")
+        logits = model.step(prompt, caches, logits="last")
         for _ in range(n):
             tok = int(logits.argmax())
             out.append(tok)
-            logits = model.forward(torch.tensor([tok]), caches, logits="last")
+            logits = model.step(torch.tensor([tok]), caches, logits="last")
     return out
 
 

@@ -511,7 +511,7 @@ def run(model, caches, tokens: torch.Tensor, chunks: list[int]) -> list[torch.Te
     outs, pos, i = [], 0, 0
     while pos < len(tokens):
         n = min(len(tokens) - pos, chunks[min(i, len(chunks) - 1)])
-        outs.append(model.forward(tokens[pos:pos + n], caches, logits="all"))
+        outs.append(model.step(tokens[pos:pos + n], caches, logits="all"))
         pos, i = pos + n, i + 1
     return outs
 
@@ -526,7 +526,7 @@ def check_model_boundary(model, make, L: int, seed: int):
     snap = take_snapshot(live, fam, fp, modes, logits=last)
     lo = snap.min_restore()
     cold = make()
-    want_last = model.forward(tokens[:L], cold, logits="last")
+    want_last = model.step(tokens[:L], cold, logits="last")
     torch.testing.assert_close(snap.logits, want_last, rtol=0, atol=1e-5)
     for t in sorted({lo, L}):
         new = torch.randint(0, VOCAB, (12,), generator=g)
@@ -536,19 +536,19 @@ def check_model_boundary(model, make, L: int, seed: int):
         restore_snapshot(restored, snap, t, fam, fp, modes)
         got = run(model, restored, cont[t:], [7, 1])
         cold = make()
-        model.forward(cont[:t], cold, logits="none") if t else None
+        model.step(cont[:t], cold, logits="none") if t else None
         want = run(model, cold, cont[t:], [7, 1])
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     if lo > 0:
         victim, twin = make(), make()
         for caches in (victim, twin):
-            model.forward(tokens[:20], caches, logits="none")
+            model.step(tokens[:20], caches, logits="none")
         with pytest.raises(SnapshotMismatch) as err:
             restore_snapshot(victim, snap, lo - 1, fam, fp, modes)
         assert err.value.reason == DIVERGED_UNTRIMMABLE
-        torch.testing.assert_close(model.forward(tokens[20:25], victim, logits="all"),
-                                   model.forward(tokens[20:25], twin, logits="all"), rtol=0, atol=0)
+        torch.testing.assert_close(model.step(tokens[20:25], victim, logits="all"),
+                                   model.step(tokens[20:25], twin, logits="all"), rtol=0, atol=0)
     return lo
 
 

@@ -64,8 +64,8 @@ def test_loads_the_hub_tensor_names(pair, tmp_path):
     sd_model = GraniteMoeHybridModel.from_checkpoint(hf.config.to_dict(), hf.state_dict(), torch.float32)
     tokens = prompt(20)
     with torch.no_grad():
-        ours = pair[0].forward(tokens, fresh(pair[0]), logits="all")
-        assert torch.equal(sd_model.forward(tokens, fresh(sd_model), logits="all"), ours)
+        ours = pair[0].step(tokens, fresh(pair[0]), logits="all")
+        assert torch.equal(sd_model.step(tokens, fresh(sd_model), logits="all"), ours)
 
 
 def test_parity_with_transformers(pair):

@@ -97,7 +97,7 @@ def run_pieces(model, caches, tokens, bounds):
     with torch.no_grad():
         for s, e in zip(bounds, bounds[1:]):
             if e > s:
-                model.forward(tokens[s:e], caches, logits="none")
+                model.step(tokens[s:e], caches, logits="none")
 
 
 def test_reuse_is_exact_including_truncation(pair):

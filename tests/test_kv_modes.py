@@ -364,7 +364,7 @@ def tiny_llama():
 
 
 def run_chunks(model, caches, tokens, chunk):
-    return torch.cat([model(tokens[a:a + chunk], caches, "all") for a in range(0, tokens.shape[0], chunk)])
+    return torch.cat([model.step(tokens[a:a + chunk], caches, "all") for a in range(0, tokens.shape[0], chunk)])
 
 
 @torch.inference_mode()
@@ -391,11 +391,11 @@ def test_tiny_llama_reused_quantized_prefix_equals_the_cold_run(tiny_llama, mode
     modes = [mode] * len(specs)
     tokens = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(1))
     cold = make_caches(specs, modes=modes)
-    model(tokens[:50], cold, "none")
+    model.step(tokens[:50], cold, "none")
     want = run_chunks(model, cold, tokens[50:], 7)
     warm = make_caches(specs, modes=modes)
-    model(tokens[:30], warm, "none")
-    model(tokens[30:50], warm, "none")
+    model.step(tokens[:30], warm, "none")
+    model.step(tokens[30:50], warm, "none")
     snaps = [c.snapshot() for c in warm]
     reused = make_caches(specs, modes=modes)
     for c, s in zip(reused, snaps):

@@ -41,7 +41,7 @@ def ours_logits(model, ids: list[int], chunk: int) -> torch.Tensor:
     out = []
     with torch.inference_mode():
         for a in range(0, len(ids), chunk):
-            out.append(model(torch.tensor(ids[a:a + chunk]), caches, "all"))
+            out.append(model.step(torch.tensor(ids[a:a + chunk]), caches, "all"))
     return torch.cat(out)
 
 
@@ -52,7 +52,7 @@ def test_last_logits_and_greedy_tokens_match_transformers(pair):
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0, -1]
         caches = make_caches(ours.cache_specs(), torch.float32)
-        got = ours(torch.tensor(ids), caches, "last")
+        got = ours.step(torch.tensor(ids), caches, "last")
         assert (got - ref).abs().max().item() < 1e-3
         hf_out = hf.generate(torch.tensor([ids]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
                              pad_token_id=0)[0, len(ids):].tolist()
@@ -60,7 +60,7 @@ def test_last_logits_and_greedy_tokens_match_transformers(pair):
         for _ in range(64):
             tok = int(torch.argmax(logits))
             ours_out.append(tok)
-            logits = ours(torch.tensor([tok]), caches, "last")
+            logits = ours.step(torch.tensor([tok]), caches, "last")
     assert ours_out == hf_out
 
 
@@ -75,8 +75,8 @@ def test_chunked_prefill_and_decode_agree(pair):
     assert (one - many).abs().max().item() < 2e-3
     caches = make_caches(ours.cache_specs(), torch.float32)
     with torch.inference_mode():
-        ours(torch.tensor(ids[: n - 24]), caches, "none")
-        steps = torch.stack([ours(torch.tensor([t]), caches, "last") for t in ids[n - 24:]])
+        ours.step(torch.tensor(ids[: n - 24]), caches, "none")
+        steps = torch.stack([ours.step(torch.tensor([t]), caches, "last") for t in ids[n - 24:]])
     assert (steps - one[n - 24:]).abs().max().item() < 2e-3
     if name == "gemma3-270m":
         with torch.inference_mode():

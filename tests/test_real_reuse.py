@@ -168,7 +168,7 @@ def test_int4_head_nominates_the_true_argmax(real):
     model.lm_head = Probe()
     try:
         with torch.inference_mode():
-            model(ids, make_caches(model.cache_specs()), logits="all")
+            model.step(ids, make_caches(model.cache_specs()), logits="all")
     finally:
         del model._modules["lm_head"]
         model.lm_head = saved

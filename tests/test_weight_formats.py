@@ -20,7 +20,7 @@ BUILDERS = {"llama": tiny_llama, "gemma3": lambda: tiny_gemma3(window=16)}
 def run(model, ids: torch.Tensor, chunk: int, dtype=torch.float32) -> torch.Tensor:
     caches = make_caches(model.cache_specs(), dtype)
     with torch.inference_mode():
-        return torch.cat([model(ids[a:a + chunk], caches, "all").float() for a in range(0, len(ids), chunk)])
+        return torch.cat([model.step(ids[a:a + chunk], caches, "all").float() for a in range(0, len(ids), chunk)])
 
 
 def build(model, hf, dtype, weights, tensors=None):
@@ -67,8 +67,8 @@ def test_format_close_to_float32_on_prefill_chunks_and_decode(family, spec):
     # the Model interface is intact: "last" is the last row of "all", "none" returns None
     caches = make_caches(model.cache_specs(), dtype)
     with torch.inference_mode():
-        assert model(ids[:5], caches, "none") is None
-        last = model(ids[5:9], caches, "last").float()
+        assert model.step(ids[:5], caches, "none") is None
+        last = model.step(ids[5:9], caches, "last").float()
     assert torch.allclose(last, run(model, ids[:9], 9, dtype)[-1], atol=0.05 * scale)
 
 

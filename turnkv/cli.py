@@ -7,7 +7,7 @@ import sys
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 # the names of turnkv.models.weights.FORMATS, listed here so `--help` does not import torch
-WEIGHT_FORMATS = ("native", "bf16", "int8", "int4x2", "int4", "auto")
+WEIGHT_FORMATS = ("native", "bf16", "int8", "int4x2", "int4", "auto", "gguf")
 
 
 def add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smollm2-135m") -> None:
@@ -15,10 +15,12 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smol
     g.add_argument("-m", "--model", default=default_model,
                    help="bundled model name (see `turnkv models`), a .gguf file, or an HF folder")
     g.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="compute dtype (default float32)")
-    g.add_argument("--weights", default="native", choices=list(WEIGHT_FORMATS),
-                   help="weight format: native (= --dtype, exact reference), bf16, int8, int4x2, int4, "
-                        "or auto (int4 where the GGUF's own 4-bit blocks survive, two-pass int4 "
-                        "elsewhere: fastest decode). Default native; see docs/weights.md")
+    g.add_argument("--weights", default=None, choices=list(WEIGHT_FORMATS),
+                   help="weight format: gguf (the GGUF's own quantized blocks, native kernels), "
+                        "native (= --dtype, exact reference), bf16, int8, int4x2, int4, or auto (int4 "
+                        "where the GGUF's own 4-bit blocks survive, two-pass int4 elsewhere). Default: "
+                        "gguf for a GGUF model (Llama, Gemma 3) when the native kernels are built, "
+                        "native otherwise; see docs/weights.md")
     g.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     g.add_argument("--threads", type=int, default=None, help="CPU compute threads (default: one per core)")
     g.add_argument("--max-context", type=int, default=None, help="context length (default: the model's)")
@@ -78,6 +80,11 @@ def print_banner(engine, budget_mb: float, enabled: bool) -> None:
           file=sys.stderr)
     print(f"turnkv: weights {engine.weights}, compute dtype {str(engine.dtype).removeprefix('torch.')}, "
           f"{torch.get_num_threads()} threads", file=sys.stderr)
+    if engine.weights == "gguf":
+        from .kernels import kernel_info
+        print(f"turnkv: GGUF kernels {kernel_info()}", file=sys.stderr)
+    for note in getattr(engine.model, "weight_notes", []):
+        print(f"turnkv: weights: {note}", file=sys.stderr)
     print(f"turnkv: KV mode {describe_modes(list(engine.modes), engine.specs)}; prompt cache "
           f"{'on, budget ' + format(budget_mb, 'g') + ' MiB' if enabled and budget_mb > 0 else 'off'}",
           file=sys.stderr)

@@ -108,18 +108,25 @@ class Engine:
 
     # --- construction -----------------------------------------------------------------------
     @classmethod
-    def load(cls, model: str, *, dtype: torch.dtype = torch.float32, weights: str = "native",
+    def load(cls, model: str, *, dtype: torch.dtype = torch.float32, weights: str | None = "native",
              progress: bool = True, **kw) -> "Engine":
         """``weights``: a weight format of models/weights.py (packed formats quantize from the
-        float32 checkpoint tensors, whatever the compute dtype)."""
-        from ..loading import load_checkpoint
+        float32 checkpoint tensors, whatever the compute dtype; ``gguf`` keeps the GGUF's own
+        quantized blocks), or None for the default: ``gguf`` for a GGUF model of a family with
+        packable weights when the native kernels are built, else ``native``
+        (``models.weights.default_format``)."""
+        from ..loading import load_checkpoint, source_kind
         from ..models import family_class
-        from ..models.weights import check_format, load_model
+        from ..models.weights import GGUF_FORMAT, check_format, default_format, load_model
 
+        if weights is None:
+            kind, arch = source_kind(model)
+            weights = default_format(kind, family_class(arch)) if kind == "gguf" else "native"
         check_format(weights)    # before the load; load_model checks the family can hold it
-        ckpt = load_checkpoint(model, dtype=dtype if weights == "native" else torch.float32, progress=progress)
+        ckpt = load_checkpoint(model, dtype=dtype if weights == "native" else torch.float32, progress=progress,
+                               keep_quantized=weights == GGUF_FORMAT)
         net = load_model(family_class(ckpt.architecture), ckpt.config, ckpt.tensors, dtype, weights,
-                         progress=progress)
+                         progress=progress, quantized=ckpt.quantized)
         net.eval()
         if kw.get("max_context") is None:
             kw["max_context"] = int(ckpt.config.get("max_position_embeddings") or 8192)
@@ -279,7 +286,7 @@ class Engine:
     # not leave the mode switched on in its caller's thread between yields.
     @torch.inference_mode()
     def _forward(self, ids: list[int], logits: str):
-        out = self.model(torch.tensor(ids, device=self.device), self.caches, logits)
+        out = self.model.step(torch.tensor(ids, device=self.device), self.caches, logits)
         self.live_tokens.extend(ids)
         return out
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ __all__ = [
     "SUPPORTED_GGUF_ARCHITECTURES",
     "Tokenizer",
     "load_checkpoint",
+    "source_kind",
     "load_tokenizer",
 ]
 
@@ -39,6 +40,11 @@ class Checkpoint:
     source: Path  # the file or folder loaded
     fingerprint: str  # stable hex id of the weights
     name: str  # bundled name or file/folder name
+    # transformers name -> turnkv.kernels.GGUFWeight: the GGUF's quantized 2-D tensors kept as
+    # their raw blocks (load_checkpoint(..., keep_quantized=True)); those names are then absent
+    # from ``tensors``
+    quantized: dict = field(default_factory=dict)
+    kind: str = "gguf"  # "gguf" | "hf": what was loaded
 
 
 def _eos_ids(config: dict) -> list[int]:
@@ -89,16 +95,38 @@ def _hf_eos(config: dict) -> list[int]:
     return _eos_ids(config) or _eos_ids(text_config)
 
 
-def load_checkpoint(model: str | os.PathLike, dtype: torch.dtype = torch.float32, progress: bool = True) -> Checkpoint:
+def source_kind(model: str | os.PathLike) -> tuple[str, str | None]:
+    """("gguf", model_type) for a bundled name or a .gguf file (its header read, no tensors), or
+    ("hf", None) for a Hugging Face folder."""
+    src = _resolve(model)
+    if src.kind != "gguf":
+        return src.kind, None
+    from . import gguf
+
+    return "gguf", gguf.architecture_of(gguf.read_header(src.path)).model_type
+
+
+def load_checkpoint(model: str | os.PathLike, dtype: torch.dtype = torch.float32, progress: bool = True,
+                    keep_quantized: bool = False) -> Checkpoint:
     """Load a bundled model name, a .gguf file, or an HF folder.
+
+    ``keep_quantized``: the GGUF's quantized 2-D tensors go to ``Checkpoint.quantized`` as their
+    raw blocks (``turnkv.kernels.GGUFWeight``), without a float copy; for the ``gguf`` weight
+    format. An HF folder has no such blocks: ModelLoadError.
 
     Raises ModelLoadError (one clear line naming the file and the problem) for
     anything that cannot be loaded."""
     src = _resolve(model)
+    quantized: dict = {}
+    if keep_quantized and src.kind != "gguf":
+        raise ModelLoadError(
+            f"{src.path}: --weights gguf runs a GGUF file's own quantized blocks, and this is a Hugging "
+            f"Face folder (safetensors); use --weights native (or bf16, int8, int4x2, int4, auto)")
     if src.kind == "gguf":
         from . import gguf
 
-        header, architecture, config, tensors = gguf.load_gguf(src.path, dtype=dtype, progress=progress, desc=src.name)
+        header, architecture, config, tensors = gguf.load_gguf(
+            src.path, dtype=dtype, progress=progress, desc=src.name, quantized=quantized if keep_quantized else None)
         fp = gguf.fingerprint(src.path)
         tokenizer = _gguf_tokenizer(src, header, fp, config)
     else:
@@ -108,7 +136,7 @@ def load_checkpoint(model: str | os.PathLike, dtype: torch.dtype = torch.float32
         architecture, config, tensors = hf.load_hf(src.path, dtype=dtype, progress=progress, desc=src.name)
         fp = hf.fingerprint(src.path)
         tokenizer = load_folder_tokenizer(src.path, fp, extra_eos_ids=_hf_eos(config))
-    return Checkpoint(architecture, config, tensors, tokenizer, src.path, fp, src.name)
+    return Checkpoint(architecture, config, tensors, tokenizer, src.path, fp, src.name, quantized, src.kind)
 
 
 def load_tokenizer(model: str | os.PathLike) -> Tokenizer | None:

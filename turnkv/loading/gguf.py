@@ -324,6 +324,21 @@ def dequantize(buf: mmap.mmap, info: TensorInfo, dtype: torch.dtype, path: Path)
     return out.view(info.shape)
 
 
+# Types held as float (never kept quantized): the matmul of a float tensor is the native one.
+FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
+                         GGMLQuantizationType.F64})
+
+
+def raw_rows(buf: mmap.mmap, info: TensorInfo) -> torch.Tensor:
+    """A 2-D tensor's stored bytes as a fresh uint8 tensor [rows, row_bytes] (a copy: the file's
+    mmap is closed after the load)."""
+    rows = info.shape[0]
+    raw = np.frombuffer(buf, dtype=np.uint8, count=info.nbytes, offset=info.offset).reshape(rows, -1)
+    out = torch.empty(raw.shape, dtype=torch.uint8)
+    out.numpy()[...] = raw
+    return out
+
+
 # ------------------------------------------------------------- architectures
 
 
@@ -338,6 +353,10 @@ class GGUFArchitecture:
     # (transformers name, float32 tensor, config) -> tensor; None when nothing to undo
     transform: Callable[[str, torch.Tensor, dict], torch.Tensor] | None = None
     needs_transform: Callable[[str], bool] = field(default=lambda name: False)
+    # True when ``transform`` only reorders whole rows of a 2-D tensor (llama's q/k un-permute):
+    # it may then run on a quantized tensor's raw block rows (blocks run along a row), which
+    # keeps the tensor quantized. Otherwise a transformed tensor is always dequantized.
+    transform_permutes_rows: bool = False
 
 
 def _token_ids(h: GGUFHeader) -> dict:
@@ -413,6 +432,7 @@ def _llama_config(h: GGUFHeader) -> dict:
 
 def _reverse_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     # Undo convert_hf_to_gguf.py's LlamaModel.permute (rotary halves interleaved per head).
+    # A permutation of whole rows: it applies as well to raw quantized rows (uint8 [N, row_bytes]).
     dim = w.shape[0] // n_head // 2
     return w.reshape(n_head, dim, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
@@ -516,6 +536,7 @@ SUPPORTED_GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
         layer_tensors=_LLAMA_LAYER,
         transform=_llama_transform,
         needs_transform=lambda name: ".self_attn.q_proj." in name or ".self_attn.k_proj." in name,
+        transform_permutes_rows=True,
     ),
     "gemma3": GGUFArchitecture(
         model_type="gemma3_text",
@@ -563,9 +584,18 @@ def architecture_of(h: GGUFHeader) -> GGUFArchitecture:
 
 
 def load_gguf(
-    path: str | os.PathLike, dtype: torch.dtype = torch.float32, progress: bool = True, desc: str | None = None
+    path: str | os.PathLike, dtype: torch.dtype = torch.float32, progress: bool = True, desc: str | None = None,
+    quantized: dict | None = None,
 ) -> tuple[GGUFHeader, str, dict, dict[str, torch.Tensor]]:
-    """Read a GGUF file: (header, HF model_type, config dict, transformers-named tensors)."""
+    """Read a GGUF file: (header, HF model_type, config dict, transformers-named tensors).
+
+    ``quantized``: a dict to fill (``load_checkpoint(..., keep_quantized=True)``). Every 2-D tensor
+    stored in a quantized type then goes there, under its transformers name, as a
+    ``turnkv.kernels.GGUFWeight`` of its raw blocks (same row transforms: llama's q/k
+    un-permute reorders the raw rows) and is left out of the returned float tensors: no float
+    copy of it is ever made. Float-stored tensors (F32/F16/BF16), 1-D tensors, quantized types the
+    kernels do not take and tensors whose transform is not a row permutation are dequantized as
+    without it."""
     from tqdm.auto import tqdm
 
     path = Path(path)
@@ -582,6 +612,9 @@ def load_gguf(
         )
         for gguf_name, hf_name in bar:
             info = header.tensors[gguf_name]
+            if quantized is not None and (q := _keep_quantized(buf, info, hf_name, arch, config)) is not None:
+                quantized[hf_name] = q
+                continue
             if arch.transform is not None and arch.needs_transform(hf_name):
                 w = dequantize(buf, info, torch.float32, path)
                 w = arch.transform(hf_name, w, config).to(dtype)
@@ -595,3 +628,27 @@ def load_gguf(
         except BufferError:  # a view is still referenced somewhere; the GC closes it
             pass
     return header, arch.model_type, config, tensors
+
+
+def _keep_quantized(buf: mmap.mmap, info: TensorInfo, hf_name: str, arch: GGUFArchitecture, config: dict):
+    """The tensor as a GGUFWeight of its raw blocks, or None when it stays a float tensor."""
+    if len(info.shape) != 2 or info.qtype in FLOAT_TYPES:
+        return None
+    transform = arch.transform is not None and arch.needs_transform(hf_name)
+    if transform and not arch.transform_permutes_rows:
+        return None
+    from ..kernels import GGUFWeight
+
+    if not gguf_kernel_supports(info.qtype):
+        return None
+    raw = raw_rows(buf, info)
+    if transform:
+        raw = arch.transform(hf_name, raw, config)
+    return GGUFWeight.from_raw(raw, info.qtype, tuple(info.shape))
+
+
+def gguf_kernel_supports(qtype: GGMLQuantizationType) -> bool:
+    """Whether turnkv.kernels.GGUFWeight runs this quantization type."""
+    from .. import kernels
+
+    return qtype in kernels.SUPPORTED

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache.specs import CacheSpec
+from .batch import Batch
 from .weights import PackedWeight
 
 
@@ -44,9 +45,14 @@ class Model(nn.Module, ABC):
     def cache_specs(self) -> list[CacheSpec]: ...
 
     @abstractmethod
-    def forward(self, tokens: torch.Tensor, caches: list, logits: str = "last") -> torch.Tensor | None:
-        """Consume ``tokens`` ([T] int64) at the caches' offset. ``logits``: "last" -> [V] for the
-        last token, "all" -> [T, V], "none" -> None (a prefill chunk that is not the last)."""
+    def forward(self, batch: Batch) -> torch.Tensor | None:
+        """Consume every span's tokens at its caches' offset (models/batch.py); return the logits
+        of the rows the spans asked for, in span order ([R, V]), or None when none did."""
+
+    def step(self, tokens: torch.Tensor, caches: list, logits: str = "last") -> torch.Tensor | None:
+        """One sequence: ``logits`` "last" -> [V] for the last token, "all" -> [T, V], "none" -> None."""
+        out = self.forward(Batch.build([(tokens, caches, logits)], tokens.device))
+        return out[0] if logits == "last" else out
 
     @classmethod
     @abstractmethod

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
+from .batch import Batch, Span, select_rows, spans_apply
 from .base import BaseArgs, Model, Rope, apply_rope, attention, embedding, linear, param, rms_norm, take
 from .rope_config import inv_freq_for, rope_params
 
@@ -44,12 +45,17 @@ class Attention(nn.Module):
         self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
         self.bo = param(take(t, f"{p}.o_proj.bias"), dtype) if a.attention_bias else None
 
-    def forward(self, x, cache, cos, sin):
-        T = x.shape[0]
-        qkv = linear(x, self.wqkv, self.bqkv).view(T, self.hq + 2 * self.hk, self.d).transpose(0, 1)
-        qk = apply_rope(qkv[: self.hq + self.hk], cos, sin)
-        keys, values, mask = cache.update_and_fetch(qk[self.hq:], qkv[self.hq + self.hk:])
-        return linear(attention(qk[: self.hq], keys, values, mask, self.scale), self.wo, self.bo)
+    def forward(self, x, batch: Batch, i: int, ropes):
+        hq, hk = self.hq, self.hk
+        qkv = linear(x, self.wqkv, self.bqkv).view(x.shape[0], hq + 2 * hk, self.d).transpose(0, 1)
+
+        def one(s: Span):   # this sequence's rows over its own KV
+            cos, sin = ropes[s]
+            part = qkv[:, s.rows]
+            qk = apply_rope(part[: hq + hk], cos, sin)
+            keys, values, mask = s.caches[i].update_and_fetch(qk[hq:], part[hq + hk:])
+            return attention(qk[:hq], keys, values, mask, self.scale)
+        return linear(spans_apply(batch, one), self.wo, self.bo)
 
 
 class MLP(nn.Module):
@@ -77,9 +83,9 @@ class Block(nn.Module):
         self.attn = Attention(a, t, f"{p}.self_attn", dtype)
         self.mlp = MLP(a, t, f"{p}.mlp", dtype)
 
-    def forward(self, x, cache, cos, sin):
+    def forward(self, x, batch, i, ropes):
         # x is the model's own residual buffer (fresh from the embedding): accumulate in place
-        x += self.attn.forward(rms_norm(x, self.ln_attn, self.eps), cache, cos, sin)
+        x += self.attn.forward(rms_norm(x, self.ln_attn, self.eps), batch, i, ropes)
         x += self.mlp.forward(rms_norm(x, self.ln_mlp, self.eps))
         return x
 
@@ -109,15 +115,12 @@ class LlamaModel(Model):
         a = self.args
         return [specs.full(a.num_key_value_heads, a.head_dim) for _ in range(a.num_hidden_layers)]
 
-    def forward(self, tokens, caches, logits="last"):
-        T = tokens.shape[0]
-        cos, sin = self.rope.table(caches[0].offset, T)
-        x = embedding(tokens, self.embed, self.dtype)
-        for layer, cache in zip(self.layers, caches):
-            x = layer.forward(x, cache, cos, sin)
-        if logits == "none":
+    def forward(self, batch):
+        ropes = {s: self.rope.table(s.position, s.length) for s in batch.spans}
+        x = embedding(batch.tokens, self.embed, self.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x, batch, i, ropes)
+        x = select_rows(x, batch)
+        if x is None:
             return None
-        if logits == "last":
-            x = x[-1:]
-        out = linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
-        return out[0] if logits == "last" else out
+        return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)

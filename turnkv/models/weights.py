@@ -57,12 +57,27 @@ through ``models.base.embedding``); a family that declares none supports only ``
 Parameter shared by two names in the same role is packed once. Quantization always starts from
 the float32 checkpoint tensors, whatever the compute dtype.
 
+``gguf``: the GGUF file's own quantized blocks, run by the native kernels of ``turnkv.kernels``
+(``GGUFWeight``: activations quantized to int8 per block, integer dot products, the same
+reduction order whatever the number of rows). No float copy of a quantized tensor is made: the
+loader hands over the raw blocks (``load_checkpoint(..., keep_quantized=True)``) and the family
+is built around meta-device placeholders for them (``_build_with_placeholders``), whose
+``torch.cat`` fusions (q/k/v, gate/up) are traced so the fused weight is ``GGUFWeight.cat`` of the
+same parts in the same order. Parts of different quantization types (Gemma 3's Q4_K_M mixes
+Q5_0 q/k with a Q8_0 v) stay separate ``GGUFWeight``s run one after the other into one output
+(``GGUFPacked`` with several parts): still the GGUF's blocks, one activation quantization per
+part. The lm_head is a plain ``GGUFWeight`` matmul (the GGUF's head is the model's head; float32
+logits whatever the compute dtype); a quantized embedding table is read with ``lookup`` (the
+rows dequantized). Tensors stored as F32/F16/BF16 stay native. HF folders have no GGUF blocks:
+``gguf`` on one is an error (``load_checkpoint`` / ``load_model``).
+
 Parity tolerances (against transformers float32; bench/throughput.py prints them): see
 ``FORMATS[...].tolerance``.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import dataclass
 
@@ -125,7 +140,13 @@ FORMATS: dict[str, WeightFormat] = {
         "auto", "auto", "int4-head", None,
         "int4 projections where lossless, int4x2 elsewhere; int4 lm_head, top logits rescored",
         "as int4x2, or better where int4 was lossless (SmolLM2's Q4_1 projections)"),
+    "gguf": WeightFormat(
+        "gguf", "gguf", "gguf", "gguf",
+        "the GGUF's own quantized blocks (native kernels: int8 activations, integer dot products)",
+        "the GGUF's weights exactly; int8 activations: mean NLL within 0.01 nats/token of float32 native"),
 }
+GGUF_FORMAT = "gguf"
+log = logging.getLogger("turnkv.weights")
 
 
 class PackedWeight(nn.Module):
@@ -330,6 +351,51 @@ class RescoredHead(PackedWeight):
         return self.inner.lookup(tokens, dtype)
 
 
+class GGUFPacked(PackedWeight):
+    """A weight held as the GGUF's quantized blocks (``turnkv.kernels.GGUFWeight``): one, or
+    several concatenated along the output rows (a fused weight whose parts have different
+    quantization types; each part runs its own kernel into its slice of the output).
+    ``float_out``: the lm_head, whose logits are float32 whatever the compute dtype."""
+
+    def __init__(self, parts: list, float_out: bool = False):
+        super().__init__()
+        if not parts or len({p.shape[1] for p in parts}) != 1:
+            raise ValueError("GGUFPacked needs parts with one common K")
+        self.parts = list(parts)
+        self.float_out = float_out
+        self.out_features = sum(int(p.shape[0]) for p in self.parts)
+        self.in_features = int(self.parts[0].shape[1])
+
+    @property
+    def qtypes(self) -> list[str]:
+        return [getattr(p.qtype, "name", str(p.qtype)) for p in self.parts]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(p.nbytes) for p in self.parts)
+
+    def extra_repr(self) -> str:
+        return f"{self.out_features}x{self.in_features}, {'+'.join(self.qtypes)}"
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.float_out and x.dtype != torch.float32:
+            x = x.float()
+        flat = x.reshape(-1, self.in_features)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        if len(self.parts) == 1:
+            out = self.parts[0].matmul(flat)
+        else:
+            out = torch.cat([p.matmul(flat) for p in self.parts], dim=-1)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def lookup(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if len(self.parts) != 1:
+            raise TypeError("a row lookup needs a single GGUF table")
+        flat = tokens.reshape(-1)
+        return self.parts[0].lookup(flat, dtype).view(*tokens.shape, self.in_features)
+
+
 def pack(w: torch.Tensor, kind: str, dense: bool = True) -> PackedWeight:
     """``w`` (float32 [N, K]) in the packing ``kind``: bf16, int8, int4, int4x2, int4-head (the
     nominating int4 of a RescoredHead), int4x2-head (two-pass, groups of 64) or auto (int4 where
@@ -414,13 +480,223 @@ def check_format(fmt: str, cls=None) -> None:
 
 
 def load_model(cls, config: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-               weights: str = "native", progress: bool = False):
+               weights: str = "native", progress: bool = False, quantized: dict | None = None):
     """Build family ``cls`` from a checkpoint: compute ``dtype``, weight format ``weights``.
     Packed weights are quantized from a float32 build (free when the tensors are float32:
-    parameters then share their storage), so a bfloat16 compute dtype does not round them first."""
+    parameters then share their storage), so a bfloat16 compute dtype does not round them first.
+    ``quantized``: ``Checkpoint.quantized`` (GGUF raw blocks), needed by the ``gguf`` format and
+    ignored by the others (each of its tensors is then dequantized)."""
     check_format(weights, cls)
+    if weights == GGUF_FORMAT:
+        if not quantized:
+            raise ValueError("weight format 'gguf' runs a GGUF file's own quantized blocks, and this "
+                             "checkpoint has none (an HF folder, or a GGUF stored in float): use --weights native")
+        return load_gguf_model(cls, config, tensors, quantized, dtype)
+    if quantized:
+        tensors = {**tensors, **{n: q.dequantize() for n, q in quantized.items()}}
     model = cls.from_checkpoint(config, tensors, dtype)
     if FORMATS[weights].layers is None:
         return model
     source = model if dtype == torch.float32 else cls.from_checkpoint(config, tensors, torch.float32)
     return apply_format(model, weights, source, progress=progress)
+
+
+# --- the gguf format: build around placeholders, then wrap the GGUF blocks ----------------------
+
+_COPY_OPS = {"to", "contiguous", "float", "bfloat16", "half", "detach", "clone", "requires_grad_"}
+_CAT_OPS = {"cat", "concat", "concatenate"}
+
+
+class _Untraceable(Exception):
+    def __init__(self, names: list[str], why: str):
+        super().__init__(f"{', '.join(names)}: {why}")
+        self.names = names
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class _FusionTracer(torch.overrides.TorchFunctionMode):
+    """Follows meta placeholders of quantized checkpoint tensors through a family's constructor.
+    ``sources[storage key]`` is the ordered list of parts a meta tensor is made of: checkpoint
+    names (quantized) or float tensors (a fused weight with a float-stored part). Only row
+    concatenation (``torch.cat`` along dim 0) and dtype/contiguity copies are followed; any other
+    op on a placeholder raises ``_Untraceable`` (the builder then dequantizes those tensors).
+    ``nn.Parameter`` aliases its tensor's storage, so a parameter is found by its storage."""
+
+    def __init__(self, placeholders: dict[str, torch.Tensor]):
+        super().__init__()
+        self.sources: dict[int, list] = {}
+        self.alive: list[torch.Tensor] = []   # meta tensors kept alive: storage keys stay unique
+        for name, t in placeholders.items():
+            self._record(t, [name])
+
+    def _record(self, t: torch.Tensor, parts: list) -> None:
+        self.sources[_storage_key(t)] = parts
+        self.alive.append(t)
+
+    def parts_of(self, t: torch.Tensor) -> list | None:
+        if not isinstance(t, torch.Tensor) or not t.is_meta:
+            return None
+        return self.sources.get(_storage_key(t))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        tracked = [t for t in leaves if self.parts_of(t) is not None]
+        if not tracked:
+            return func(*args, **kwargs)
+        name = getattr(func, "__name__", str(func))
+        names = [n for t in tracked for n in self.parts_of(t) if isinstance(n, str)]
+        if name in _CAT_OPS:
+            seq = args[0] if args else kwargs.get("tensors")
+            dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+            if any(not isinstance(t, torch.Tensor) or t.dim() != 2 for t in seq) or dim not in (0, -2):
+                raise _Untraceable(names, f"{name} other than 2-D rows")
+            parts = []
+            for t in seq:
+                own = self.parts_of(t)
+                parts += own if own is not None else [t]
+            dtype = seq[0].dtype
+            for t in seq[1:]:
+                dtype = torch.promote_types(dtype, t.dtype)
+            out = torch.empty(sum(t.shape[0] for t in seq), seq[0].shape[1], dtype=dtype, device="meta")
+            self._record(out, parts)
+            return out
+        try:
+            out = func(*args, **kwargs)
+        except Exception as e:   # noqa: BLE001 - e.g. .to(device) of a meta tensor
+            raise _Untraceable(names, f"{name} failed on a placeholder ({e})") from None
+        outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if not outs:
+            return out           # metadata: .shape, .dtype, .dim() ...
+        if name in _COPY_OPS and len(tracked) == 1 and len(outs) == 1 and outs[0].is_meta \
+                and outs[0].shape == tracked[0].shape:
+            if self.parts_of(outs[0]) is None:
+                self._record(outs[0], self.parts_of(tracked[0]))
+            return out
+        raise _Untraceable(names, f"the family applies {name} to it")
+
+
+def _build_with_placeholders(cls, config: dict, tensors: dict, quantized: dict, dtype: torch.dtype):
+    """Build the family with meta placeholders for the quantized tensors. A tensor the family
+    uses in a way that cannot stay quantized (anything but cat-rows / dtype copies) is dequantized
+    and the build retried. Returns (model, tracer, names dequantized)."""
+    floated: dict[str, torch.Tensor] = {}
+    while True:
+        keep = {n: q for n, q in quantized.items() if n not in floated}
+        placeholders = {n: torch.empty(tuple(q.shape), dtype=torch.float32, device="meta") for n, q in keep.items()}
+        tracer = _FusionTracer(placeholders)
+        try:
+            with tracer:
+                model = cls.from_checkpoint(config, {**tensors, **floated, **placeholders}, dtype)
+            return model, tracer, sorted(floated)
+        except _Untraceable as e:
+            new = [n for n in e.names if n not in floated]
+            if not new:
+                raise
+            log.info("gguf weights: %s; dequantized", e)
+            for n in new:
+                floated[n] = quantized[n].dequantize()
+
+
+def _materialize(parts: list, quantized: dict, dtype: torch.dtype) -> torch.Tensor:
+    rows = [quantized[p].dequantize() if isinstance(p, str) else p.float() for p in parts]
+    return (torch.cat(rows) if len(rows) > 1 else rows[0]).to(dtype).contiguous()
+
+
+def _gguf_parts(names: list[str], quantized: dict) -> list:
+    """The GGUFWeights of ``names`` concatenated (GGUFWeight.cat) where neighbours share a
+    quantization type: one kernel per run of equal types."""
+    from ..kernels import GGUFWeight
+
+    runs: list[list] = []
+    for n in names:
+        q = quantized[n]
+        if runs and runs[-1][0].qtype == q.qtype:
+            runs[-1].append(q)
+        else:
+            runs.append([q])
+    return [r[0] if len(r) == 1 else GGUFWeight.cat(r) for r in runs]
+
+
+def load_gguf_model(cls, config: dict, tensors: dict, quantized: dict, dtype: torch.dtype):
+    """The ``gguf`` format (module docstring): the family built around placeholders, each declared
+    weight made of quantized parts becomes a ``GGUFPacked``; every other placeholder-built
+    tensor is dequantized into the compute dtype. ``model.weight_notes`` lists what did not stay
+    one GGUF matmul (also logged)."""
+    model, tracer, floated = _build_with_placeholders(cls, config, tensors, quantized, dtype)
+    roles = set(cls.packable_weights) | set(cls.head_weights) | set(cls.embedding_weights)
+    notes: list[str] = [f"{n}: dequantized (used other than as a matmul weight)" for n in floated]
+    done: dict[int, torch.Tensor | PackedWeight] = {}
+    split: dict[str, int] = {}
+    for mname, module in model.named_modules():
+        for name in list(module._parameters) + list(module._buffers):
+            t = module._parameters.get(name, module._buffers.get(name))
+            parts = tracer.parts_of(t) if t is not None else None
+            if parts is None:
+                continue
+            key = id(t)
+            if key not in done:
+                quant = all(isinstance(p, str) for p in parts)
+                if name in roles and quant:
+                    done[key] = GGUFPacked(_gguf_parts(parts, quantized))
+                    qt = "+".join(done[key].qtypes)
+                    if len(done[key].parts) > 1:
+                        split[qt] = split.get(qt, 0) + 1
+                else:
+                    if name in roles:
+                        notes.append(f"{mname}.{name}: float-stored and quantized parts mixed; native")
+                    elif any(isinstance(p, str) for p in parts):
+                        notes.append(f"{mname}.{name}: not a declared matmul weight; dequantized")
+                    done[key] = _materialize(parts, quantized, t.dtype)
+            value = done[key]
+            is_param = name in module._parameters
+            if is_param:
+                del module._parameters[name]
+            else:
+                del module._buffers[name]
+            if isinstance(value, PackedWeight):
+                if name in cls.head_weights:
+                    value.float_out = True
+                setattr(module, name, value)
+            elif is_param:
+                setattr(module, name, nn.Parameter(value, requires_grad=False))
+            else:
+                module.register_buffer(name, value, persistent=False)
+    # a tensor kept on an attribute but not registered (or anything missed) must not stay meta
+    leftovers = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
+    if leftovers:
+        raise ValueError(f"gguf weights: could not place {', '.join(leftovers[:5])}")
+    for qt, n in sorted(split.items()):
+        notes.append(f"{n} fused weight(s) with parts {qt}: one GGUF kernel per part")
+    for note in notes:
+        log.info("gguf weights: %s", note)
+    model.weight_notes = notes
+    return model
+
+
+def native_kernels_built() -> bool:
+    """True when turnkv.kernels imports and its native extension is compiled (not the pure
+    PyTorch fallback)."""
+    try:
+        from .. import kernels
+    except Exception:   # noqa: BLE001 - not built / failed to build: no gguf default
+        return False
+    built = getattr(kernels, "native_available", None)
+    if callable(built):
+        try:
+            return bool(built())
+        except Exception:   # noqa: BLE001
+            return False
+    return True
+
+
+def default_format(source_kind: str, cls) -> str:
+    """The weight format when none is asked for: ``gguf`` for a GGUF model of a family that
+    declares packable weights, when the native kernels are built; ``native`` otherwise (HF
+    folders, other families, no compiler at install)."""
+    if source_kind == "gguf" and cls.packable_weights and native_kernels_built():
+        return GGUF_FORMAT
+    return "native"
