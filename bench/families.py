@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # run as a script from anywhere
 
-from turnkv.engine.generate import Engine, GenerationRequest, Result  # noqa: E402
+from turnkv.engine.engine import Engine, GenerationRequest, Result  # noqa: E402
 from turnkv.engine.sampling import SamplingParams  # noqa: E402
 from turnkv.models import family_class  # noqa: E402
 from turnkv.prompt_cache.store import PromptCache  # noqa: E402

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from turnkv.cache.specs import make_caches  # noqa: E402
-from turnkv.prompt_cache.snapshot import restore_snapshot, take_snapshot  # noqa: E402
+from turnkv.cache.snapshot import restore_snapshot, take_snapshot  # noqa: E402
 
 
 def specs_for(name: str):

@@ -28,7 +28,7 @@ from turnkv.cache.kv import KVCache
 from turnkv.cache.recurrent import StateCache
 from turnkv.cache.rotating import SlidingWindowCache
 from turnkv.cache.specs import FULL, SLIDING, make_caches
-from turnkv.prompt_cache.snapshot import (
+from turnkv.cache.snapshot import (
     FINGERPRINT_MISMATCH,
     layer_min_restore,
     restore_snapshot,

@@ -10,9 +10,9 @@ import torch
 
 from tiny import VOCAB, engine, request, tiny_gemma3, tiny_llama
 from turnkv.cache.base import KV_MODE_MISMATCH, SnapshotMismatch
-from turnkv.engine.generate import Engine
+from turnkv.engine.engine import Engine
 from turnkv.engine.sampling import SamplingParams
-from turnkv.prompt_cache.snapshot import restore_snapshot
+from turnkv.cache.snapshot import restore_snapshot
 from turnkv.prompt_cache.store import PromptCache
 
 MODES = ["bf16", "fp16", "int8", "int4"]

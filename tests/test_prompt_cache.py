@@ -18,8 +18,8 @@ from turnkv.cache.base import DIVERGED_UNTRIMMABLE, KV_MODE_MISMATCH
 from turnkv.cache.kv import KVCache
 from turnkv.cache.recurrent import StateCache
 from turnkv.cache.rotating import SlidingWindowCache
-from turnkv.prompt_cache.policy import checkpoint_positions, wants_prompt_end_snapshot
-from turnkv.prompt_cache.snapshot import ModelSnapshot, take_snapshot
+from turnkv.prompt_cache.policy import checkpoint_positions
+from turnkv.cache.snapshot import ModelSnapshot, take_snapshot
 from turnkv.prompt_cache.store import OVER_BUDGET, Namespace, PromptCache
 from turnkv.prompt_cache.trie import RadixTrie
 
@@ -459,10 +459,9 @@ def test_checkpoint_positions():
     full = [specs.full(1, 4)] * 2
     gemma = [specs.sliding(1, 4, 8), specs.full(1, 4)]
     hybrid = [specs.recurrent(h=(4,)), specs.full(1, 4)]
+    # message boundaries strictly inside the part to prefill (the prompt's end has its own snapshot)
     assert checkpoint_positions(full, [5, 10, 20], 0, 25) == []
-    assert not wants_prompt_end_snapshot(full)
-    assert wants_prompt_end_snapshot(gemma) and wants_prompt_end_snapshot(hybrid)
-    assert checkpoint_positions(gemma, [5, 10, 20], 0, 25) == [5, 10, 20, 25]
-    assert checkpoint_positions(hybrid, [20, 5, 10, 25, 30], 10, 25) == [20, 25]
+    assert checkpoint_positions(gemma, [5, 10, 20], 0, 25) == [5, 10, 20]
+    assert checkpoint_positions(hybrid, [20, 5, 10, 25, 30], 10, 25) == [20]
     assert checkpoint_positions(hybrid, [5], 25, 25) == []
-    assert checkpoint_positions([specs.chunked(1, 4, 8)], [], 3, 9) == [9]
+    assert checkpoint_positions([specs.chunked(1, 4, 8)], [], 3, 9) == []

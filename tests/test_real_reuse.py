@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from turnkv.engine.generate import Engine
+from turnkv.engine.engine import Engine
 from turnkv.engine.sampling import SamplingParams
 from turnkv.prompt_cache.store import PromptCache
 
@@ -115,7 +115,7 @@ def packed(request):
 
 @pytest.mark.slow
 def test_eight_turn_chat_in_packed_weights(packed):
-    from turnkv.engine.generate import GenerationRequest
+    from turnkv.engine.engine import GenerationRequest
 
     name, model, ckpt = packed
     on, off = engines(model, ckpt)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from turnkv.engine.generate import Engine, GenerationRequest
+from turnkv.engine.engine import Engine, GenerationRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.prompt_cache.store import PromptCache
 

@@ -4,6 +4,6 @@ from __future__ import annotations
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    from .engine.generate import ContextLengthError
+    from .engine.engine import ContextLengthError
     from .loading.errors import ModelLoadError
     return (ModelLoadError, ContextLengthError, ValueError, FileNotFoundError)

@@ -24,7 +24,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from ..cache.base import DIVERGED_UNTRIMMABLE, KV_MODE_MISMATCH
-from .snapshot import ModelSnapshot
+from ..cache.snapshot import ModelSnapshot
 from .trie import RadixTrie
 
 OVER_BUDGET = "over_budget"

@@ -30,11 +30,11 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.generate import ContextLengthError, GenerationRequest, TokenEvent
+from ..engine.engine import ContextLengthError, GenerationRequest, QueueFull, TokenEvent
 from ..engine.sampling import SamplingParams
 from . import schemas
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from .schemas import (AUTHENTICATION, NOT_FOUND, SERVER_ERROR, ChatCompletionRequest, CompletionRequest,
+from .schemas import (AUTHENTICATION, NOT_FOUND, RATE_LIMIT, SERVER_ERROR, ChatCompletionRequest, CompletionRequest,
                       RequestError, error_body)
 from .worker import EngineWorker, Failed, Finished, Job
 
@@ -172,9 +172,10 @@ def sse(payload: dict | str) -> str:
 
 
 def failure(err: BaseException) -> RequestError:
-    if isinstance(err, ValueError):
-        return RequestError(str(err), code="invalid_value")
-    return RequestError(f"generation failed: {type(err).__name__}: {err}", status=500, type=SERVER_ERROR)
+    """A generation that failed inside the engine: requests are validated before they are queued,
+    so this is an internal fault (logged by the engine), never the client's."""
+    return RequestError("internal error: the generation failed (see the server log)", status=500,
+                        type=SERVER_ERROR)
 
 
 async def wait_end(job: Job, request: Request) -> Finished | Failed | None:
@@ -266,7 +267,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     async def _request_error(request: Request, err: RequestError):
         if request.url.path in (CHAT, COMPLETIONS):
             metrics.rejected(request.url.path)
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, err: StarletteHTTPException):
@@ -288,7 +289,15 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
                        include_usage: bool) -> Response:
         reply = Reply(endpoint, schemas.new_id("chatcmpl" if endpoint == CHAT else "cmpl"), schemas.now(),
                       engine.name, include_usage)
-        job = worker.submit(gen, endpoint, stream_tokens=stream)
+        try:
+            job = worker.submit(gen, endpoint, stream_tokens=stream)
+        except QueueFull as err:
+            raise RequestError(f"{err}; retry shortly", status=429, type=RATE_LIMIT, code="queue_full",
+                               headers={"Retry-After": "1"}) from None
+        except ContextLengthError as err:
+            raise RequestError(str(err), code="context_length_exceeded") from None
+        except ValueError as err:
+            raise RequestError(str(err), code="invalid_value") from None
         if stream:
             return StreamingResponse(stream_events(job, reply), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -24,15 +24,17 @@ INVALID_REQUEST = "invalid_request_error"
 AUTHENTICATION = "authentication_error"
 NOT_FOUND = "not_found_error"
 SERVER_ERROR = "server_error"
+RATE_LIMIT = "rate_limit_error"
 
 
 class RequestError(Exception):
     """A request turnkv refuses: becomes an OpenAI-style error body with this HTTP status."""
 
     def __init__(self, message: str, *, status: int = 400, param: str | None = None,
-                 code: str | None = None, type: str = INVALID_REQUEST):
+                 code: str | None = None, type: str = INVALID_REQUEST, headers: dict | None = None):
         super().__init__(message)
         self.message, self.status, self.param, self.code, self.type = message, status, param, code, type
+        self.headers = headers
 
     def body(self) -> dict:
         return error_body(self.message, type=self.type, param=self.param, code=self.code)

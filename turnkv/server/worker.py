@@ -1,24 +1,24 @@
-"""The engine worker: one thread owns the Engine; requests queue to it and run in order.
+"""The engine worker: one thread runs the engine's step loop; every request is a sequence in it.
 
-The HTTP layer (asyncio) and the worker (a plain thread) meet only here: a job's events cross to
-the event loop through ``loop.call_soon_threadsafe`` and a cancel crosses back through a
-``threading.Event`` the worker checks between tokens. A cancelled generation is stopped by closing
-the engine's generator, which is the engine's documented way to cancel and keeps the prompt cache
-consistent. The prompt cache itself is thread-safe (it has its own lock), so stats and flushes are
-served from the HTTP side without waiting for the queue.
+The HTTP layer (asyncio) and the engine thread meet only here: ``submit`` queues a request with
+the engine (thread-safe; QueueFull when the queue is full), the engine sends each event to the
+job's sink, which crosses to the event loop through ``loop.call_soon_threadsafe``, and a cancel
+crosses back through the sequence's flag, which the engine checks at every step (also in the
+middle of a prefill). The prompt cache is thread-safe (its own lock), so stats and flushes are
+served from the HTTP side without waiting for the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..engine.generate import GenerationRequest, Result, TokenEvent
+from ..engine.engine import GenerationRequest, Result, TokenEvent
+from ..engine.sequence import Failure, Sequence
 
 OK, CANCELLED, FAILED = "ok", "cancelled", "failed"
 log = logging.getLogger("turnkv.server")
@@ -27,7 +27,7 @@ log = logging.getLogger("turnkv.server")
 @dataclass
 class Finished:
     result: Result
-    queue_ms: float          # time between submit and the engine picking the job up
+    queue_ms: float          # time between submit and the engine admitting the request
 
 
 @dataclass
@@ -42,12 +42,12 @@ class Job:
     loop: asyncio.AbstractEventLoop
     stream_tokens: bool                      # a non-streaming request needs only the end
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
-    started: float | None = None
+    seq: Sequence | None = None
 
     def cancel(self) -> None:
-        self.cancelled.set()
+        if self.seq is not None:
+            self.seq.cancel()
 
     def post(self, item) -> None:
         try:
@@ -71,8 +71,7 @@ class EngineWorker:
     def __init__(self, engine, on_done: Callable[[JobOutcome], None] | None = None):
         self.engine = engine
         self.on_done = on_done or (lambda outcome: None)
-        self._queue: queue.Queue = queue.Queue()
-        self._busy = False
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="turnkv-engine", daemon=True)
 
     # --- called from the HTTP side -------------------------------------------------------------
@@ -80,7 +79,7 @@ class EngineWorker:
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
-        self._queue.put(None)
+        self._stop.set()
         self._thread.join(timeout)
 
     @property
@@ -89,66 +88,42 @@ class EngineWorker:
 
     def pending(self) -> int:
         """Requests waiting or running."""
-        return self._queue.qsize() + (1 if self._busy else 0)
+        return self.engine.pending()
 
     def submit(self, request: GenerationRequest, endpoint: str, stream_tokens: bool = True) -> Job:
+        """Raises QueueFull (-> 429) and ValueError (-> 400) at once."""
         job = Job(request, endpoint, asyncio.get_running_loop(), stream_tokens)
-        self._queue.put(job)
+        job.seq = self.engine.submit(request, lambda item: self._on_event(job, item))
         return job
 
-    # --- the worker thread -----------------------------------------------------------------------
+    # --- the engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
+        try:
+            self.engine.run(self._stop)
+        except BaseException:  # noqa: BLE001 - /health turns 503; log why
+            log.exception("the engine loop died")
+            raise
+
+    def _on_event(self, job: Job, item) -> None:
+        if isinstance(item, TokenEvent):
+            if job.stream_tokens:
+                job.post(item)
+            return
+        seq = job.seq
+        queue_ms = seq.stats.queue_ms if seq is not None else 0.0
+        if isinstance(item, Result):
+            if item.finish_reason == "cancelled":
+                self._report(job, CANCELLED, None, queue_ms)
                 return
-            self._busy = True
-            try:
-                self._run_job(item)
-            finally:
-                self._busy = False
+            self._report(job, OK, item, queue_ms)
+            job.post(Finished(item, queue_ms))
+        elif isinstance(item, Failure):
+            self._report(job, FAILED, None, queue_ms)
+            job.post(Failed(item.error))
 
-    def _run_job(self, job: Job) -> None:
-        job.started = time.perf_counter()
-        queue_s = job.started - job.submitted
-        if job.cancelled.is_set():      # the client left while the job was queued
-            self._report(job, CANCELLED, None)
-            return
-        try:
-            result = self._generate(job)
-        except Exception as err:   # noqa: BLE001 - one bad request must not stop the server
-            if not isinstance(err, ValueError):
-                log.exception("generation failed")
-            self._report(job, FAILED, None)
-            job.post(Failed(err))
-            return
-        if result is None:
-            self._report(job, CANCELLED, None)
-            return
-        self._report(job, OK, result)
-        job.post(Finished(result, queue_s * 1000))
-
-    def _generate(self, job: Job) -> Result | None:
-        """Drive the engine's generator; None when the job was cancelled part way."""
-        gen = self.engine.stream(job.request)
-        try:
-            while True:
-                if job.cancelled.is_set():
-                    gen.close()          # the engine's cancel: caches stay consistent
-                    return None
-                try:
-                    event: TokenEvent = next(gen)
-                except StopIteration as stop:
-                    return stop.value
-                if job.stream_tokens:
-                    job.post(event)
-        finally:
-            gen.close()
-
-    def _report(self, job: Job, outcome: str, result: Result | None) -> None:
+    def _report(self, job: Job, outcome: str, result: Result | None, queue_ms: float) -> None:
         end = time.perf_counter()
-        started = job.started if job.started is not None else end
         try:
-            self.on_done(JobOutcome(job.endpoint, outcome, result, started - job.submitted, end - job.submitted))
-        except Exception:   # noqa: BLE001 - metrics must never take the worker down
+            self.on_done(JobOutcome(job.endpoint, outcome, result, queue_ms / 1000, end - job.submitted))
+        except Exception:   # noqa: BLE001 - metrics must never take the engine down
             log.exception("the job-outcome hook failed")

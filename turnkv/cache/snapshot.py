@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.base import (
+from .base import (
     FAMILY_MISMATCH,
     KV_MODE_MISMATCH,
     LENGTH_OUT_OF_RANGE,

@@ -1,0 +1,325 @@
+"""The engine: many sequences at a time, one model forward per step.
+
+``submit`` queues a request (thread-safe) and returns its Sequence; ``step`` admits waiting
+sequences into state slots (restoring what the prompt cache holds for them), runs one batch of
+every decoding sequence's next token plus prefill chunks (engine/scheduler.py), samples, and sends
+each sequence its events. The server runs ``run`` on one thread; the CLI and tests use ``stream``
+and ``generate``, which drive ``step`` themselves (one thread at a time: the engine is not
+re-entrant).
+
+Reuse has one owner, ``ReusePolicy`` (prompt_cache/policy.py): begin (lookup + restore) on
+admission, checkpoints between prefill chunks, the prompt-end snapshot after the first token is
+out (not in TTFT), and the end-of-generation snapshot when a sequence ends, cancelled or not.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+
+import torch
+
+from ..cache.modes import NATIVE
+from ..cache.pool import StateIdentity, StatePool
+from ..cache.rotating import DEFAULT_SLACK
+from ..cache.specs import CacheSpec, default_modes
+from ..models.batch import LAST, Batch
+from ..prompt_cache.policy import ReusePolicy
+from ..prompt_cache.store import Namespace, PromptCache
+from .scheduler import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_QUEUE, DEFAULT_MAX_SEQS, QueueFull, Scheduler, Work
+from .sequence import (DECODE, FINISHED, PREFILL, Failure, GenerationRequest, Result, Sequence, Stats,
+                       TokenEvent, Usage)
+
+DEFAULT_PREFILL_CHUNK = 512
+log = logging.getLogger("turnkv.engine")
+
+__all__ = ["Engine", "GenerationRequest", "Result", "TokenEvent", "Usage", "Stats", "Failure", "QueueFull",
+           "ContextLengthError", "DEFAULT_PREFILL_CHUNK"]
+
+
+class ContextLengthError(ValueError):
+    """The prompt does not fit the model's context."""
+
+
+class Engine:
+    def __init__(self, model, tokenizer=None, *, fingerprint: str = "", name: str = "",
+                 device="cpu", prompt_cache: PromptCache | None = None, slack: int = DEFAULT_SLACK,
+                 kv_mode: str = NATIVE, kv_boundary_layers: int = 0,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_context: int | None = None,
+                 weights: str = "native", max_seqs: int = DEFAULT_MAX_SEQS,
+                 max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, max_queue: int = DEFAULT_MAX_QUEUE):
+        self.model, self.tokenizer = model, tokenizer
+        self.name = name or model.family
+        self.family, self.fingerprint = model.family, fingerprint or model.family
+        self.dtype, self.device = model.dtype, torch.device(device)
+        self.specs: list[CacheSpec] = model.cache_specs()
+        self.modes = tuple(default_modes(self.specs, kv_mode, kv_boundary_layers))
+        self.kv_mode, self.slack = kv_mode, slack
+        self.prefill_chunk = max(1, int(prefill_chunk))
+        self.max_context = max_context or int(getattr(model.args, "max_position_embeddings", 0) or 8192)
+        self.prompt_cache = prompt_cache
+        self.weights = weights    # the weight format the model was loaded in (models/weights.py)
+        self.identity = StateIdentity(self.family, self.fingerprint, self.modes)
+        self.pool = StatePool(self.specs, self.identity, self.dtype, self.device, slack, max_seqs)
+        self.reuse = ReusePolicy(prompt_cache, self.specs, self.dtype, slack, self.identity)
+        self.scheduler = Scheduler(max_seqs, max_batch_tokens, max_queue, self.prefill_chunk)
+        self._inbox: deque[Sequence] = deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self.steps = 0
+
+    # --- construction -----------------------------------------------------------------------
+    @classmethod
+    def load(cls, model: str, *, dtype: torch.dtype = torch.float32, weights: str | None = "native",
+             progress: bool = True, **kw) -> "Engine":
+        """``weights``: a weight format of models/weights.py (packed formats quantize from the
+        float32 checkpoint tensors, whatever the compute dtype; ``gguf`` keeps the GGUF's own
+        quantized blocks), or None for the default: ``gguf`` for a GGUF model of a family with
+        packable weights when the native kernels are built, else ``native``
+        (``models.weights.default_format``)."""
+        from ..loading import load_checkpoint, source_kind
+        from ..models import family_class
+        from ..models.weights import GGUF_FORMAT, check_format, default_format, load_model
+
+        if weights is None:
+            kind, arch = source_kind(model)
+            weights = default_format(kind, family_class(arch)) if kind == "gguf" else "native"
+        check_format(weights)    # before the load; load_model checks the family can hold it
+        ckpt = load_checkpoint(model, dtype=dtype if weights == "native" else torch.float32, progress=progress,
+                               keep_quantized=weights == GGUF_FORMAT)
+        net = load_model(family_class(ckpt.architecture), ckpt.config, ckpt.tensors, dtype, weights,
+                         progress=progress, quantized=ckpt.quantized)
+        net.eval()
+        if kw.get("max_context") is None:
+            kw["max_context"] = int(ckpt.config.get("max_position_embeddings") or 8192)
+        # packed weights compute different (close) logits: their snapshots are another namespace
+        fingerprint = ckpt.fingerprint if weights == "native" else f"{ckpt.fingerprint}+w:{weights}"
+        return cls(net, ckpt.tokenizer, fingerprint=fingerprint, name=ckpt.name, weights=weights, **kw)
+
+    def namespace(self, tenant: str = "") -> Namespace:
+        return self.reuse.namespace(tenant)
+
+    def describe_layers(self) -> str:
+        counts: dict[str, int] = {}
+        for spec in self.specs:
+            counts[spec.describe()] = counts.get(spec.describe(), 0) + 1
+        return ", ".join(f"{n} x {kind}" for kind, n in counts.items())
+
+    # --- requests -----------------------------------------------------------------------------
+    def _need_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.name} has no tokenizer: send the prompt as token ids "
+                             f"(/v1/completions with a list of integers)")
+
+    def chat_request(self, messages: list[dict], params=None, tenant: str = "") -> GenerationRequest:
+        from .sampling import SamplingParams
+        self._need_tokenizer()
+        rendered = self.tokenizer.render_chat(messages, add_generation_prompt=True)
+        return GenerationRequest(list(rendered.ids), params or SamplingParams(), list(rendered.boundaries), tenant)
+
+    def text_request(self, text: str, params=None, tenant: str = "") -> GenerationRequest:
+        from .sampling import SamplingParams
+        self._need_tokenizer()
+        return GenerationRequest(self.tokenizer.encode(text), params or SamplingParams(), [], tenant)
+
+    def check_request(self, req: GenerationRequest) -> None:
+        req.params.validate()
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_context:
+            raise ContextLengthError(
+                f"the prompt has {n} tokens but the context is {self.max_context} tokens "
+                f"(at least one token must be generated)")
+        vocab = self.model.vocab_size
+        bad = next((t for t in req.prompt_ids if not 0 <= int(t) < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+
+    def submit(self, req: GenerationRequest, sink: Callable[[object], None]) -> Sequence:
+        """Queue a request (any thread). ``sink`` receives a TokenEvent per token, then the Result
+        (or a Failure); it is called on the engine's thread and must not block. Raises ValueError
+        for a bad request and QueueFull when the queue is full."""
+        self.check_request(req)
+        eos = set(req.stop_token_ids)
+        if not req.params.ignore_eos and self.tokenizer is not None:
+            eos |= set(self.tokenizer.eos_token_ids)
+        budget = min(req.params.max_tokens, self.max_context - len(req.prompt_ids))
+        seq = Sequence(req, self.namespace(req.tenant), self.tokenizer, eos, budget, sink)
+        with self._lock:
+            waiting = len(self._inbox) + len(self.scheduler.waiting)
+            free = self.scheduler.max_seqs - len(self.scheduler.running)
+            if waiting >= self.scheduler.max_queue + max(0, free):
+                raise QueueFull(f"the server is busy: {waiting} requests are waiting (--max-queue "
+                                f"{self.scheduler.max_queue})")
+            self._inbox.append(seq)
+        self._wake.set()
+        return seq
+
+    def pending(self) -> int:
+        """Requests waiting or running."""
+        with self._lock:
+            return len(self._inbox) + len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    # --- driving it -----------------------------------------------------------------------------
+    def stream(self, req: GenerationRequest) -> Iterator[TokenEvent]:
+        """Yield a TokenEvent per generated token; the generator's return value is the Result.
+        Closing the generator early cancels the request (its state is stored as usual)."""
+        events: deque = deque()
+        seq = self.submit(req, events.append)
+        try:
+            while True:
+                while events:
+                    item = events.popleft()
+                    if isinstance(item, TokenEvent):
+                        yield item
+                    elif isinstance(item, Result):
+                        return item
+                    elif isinstance(item, Failure):
+                        raise item.error
+                if not self.step() and not events:
+                    raise RuntimeError("the engine has no work but the request has not ended")
+        finally:
+            if not seq.done:
+                seq.cancel()
+                self.step()        # the cancel takes effect now: state stored, slot released
+
+    def generate(self, req: GenerationRequest) -> Result:
+        gen = self.stream(req)
+        while True:
+            try:
+                next(gen)
+            except StopIteration as stop:
+                return stop.value
+
+    def run(self, stop: threading.Event) -> None:
+        """The server's engine thread: step while there is work, sleep until a submit otherwise."""
+        while not stop.is_set():
+            if not self.step():
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    # --- one step ---------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Admit, run one batch, sample, emit. False when there was nothing to do."""
+        with self._lock:
+            while self._inbox:
+                self.scheduler.add(self._inbox.popleft())
+        acted = self._reap_cancelled()
+        for seq in self.scheduler.admissible():
+            acted = True
+            self._admit(seq)
+        work = self.scheduler.plan()
+        if not work:
+            return acted
+        self.steps += 1
+        batch = Batch.build([(w.tokens, w.seq.state.caches, w.logits) for w in work], self.device)
+        try:
+            with torch.inference_mode():
+                logits = self.model.forward(batch)
+        except Exception as err:  # noqa: BLE001 - fail this batch's sequences, keep serving
+            log.exception("a model step failed")
+            for w in work:
+                self._fail(w.seq, err)
+            return True
+        row = 0
+        for w in work:
+            out = None
+            if w.logits == LAST:
+                out = logits[row]
+                row += 1
+            try:
+                self._advance(w, out)
+            except Exception as err:  # noqa: BLE001
+                log.exception("a sequence failed after its step")
+                self._fail(w.seq, err)
+        return True
+
+    def _admit(self, seq: Sequence) -> None:
+        seq.t_admit = time.perf_counter()
+        seq.stats.queue_ms = (seq.t_admit - seq.t_submit) * 1000
+        try:
+            seq.state = self.pool.acquire(seq.prompt)
+            restored = self.reuse.begin(seq.state, seq.ns, seq.prompt)
+        except Exception as err:  # noqa: BLE001
+            log.exception("admitting a sequence failed")
+            self._fail(seq, err)
+            return
+        s = seq.stats
+        s.restore_ms, s.reuse_from = restored.restore_ms, restored.reuse_from
+        s.restored_origin, s.restored_entry_length = restored.origin, restored.entry_length
+        seq.usage.cached_tokens = seq.pos = restored.cached
+        seq.stops = self.reuse.checkpoints(seq.req.boundaries, seq.pos, len(seq.prompt))
+        if restored.logits is not None:        # the whole prompt was stored with its logits
+            self._prompt_done(seq)
+            if seq.take(restored.logits):
+                self._finish(seq)
+        else:
+            seq.status = PREFILL
+
+    def _prompt_done(self, seq: Sequence) -> None:
+        seq.status = DECODE
+        seq.stats.prefilled_tokens = len(seq.prompt) - seq.usage.cached_tokens
+        seq.stats.prefill_ms = (time.perf_counter() - seq.t_admit) * 1000
+        self.reuse.record_prefill(seq.stats.prefilled_tokens)
+
+    def _advance(self, w: Work, logits: torch.Tensor | None) -> None:
+        seq = w.seq
+        seq.state.tokens.extend(w.tokens)
+        if w.prefill:
+            seq.pos += len(w.tokens)
+            if seq.stops and seq.pos == seq.stops[0]:
+                seq.stops.pop(0)
+                self.reuse.checkpoint(seq.state, seq.ns)
+                seq.stats.checkpoints += 1
+            if seq.pos < len(seq.prompt):
+                return
+            self._prompt_done(seq)
+            seq.prompt_end_pending = self.reuse.wants_prompt_end
+        finished = seq.take(logits)
+        if seq.prompt_end_pending:      # after the first token is out, so not in TTFT
+            seq.prompt_end_pending = False
+            self.reuse.prompt_end(seq.state, seq.ns, seq.first_logits)
+            seq.stats.checkpoints += 1
+        if finished:
+            self._finish(seq)
+
+    def _reap_cancelled(self) -> bool:
+        gone = [s for s in list(self.scheduler.waiting) + self.scheduler.running if s.cancelled.is_set()]
+        for seq in gone:
+            seq.finish_reason = "cancelled"
+            self._finish(seq)
+        return bool(gone)
+
+    def _finish(self, seq: Sequence) -> None:
+        """Store the end-of-generation state, free the slot, send the Result."""
+        state = seq.state
+        if state is not None:
+            try:
+                # the last sampled token is not in the state; its logits are those of the state's end
+                # when the state holds the whole prompt and every token but the last
+                complete = seq.generated and state.length == len(seq.prompt) + len(seq.generated) - 1
+                self.reuse.finish(state, seq.ns, seq.last_logits if complete else None)
+            finally:
+                self.pool.release(state)
+        self.scheduler.remove(seq)
+        seq.status = FINISHED
+        seq.result = seq.build_result()
+        seq.emit(seq.result)
+
+    def _fail(self, seq: Sequence, err: BaseException) -> None:
+        if seq.state is not None:
+            seq.state.reset()          # a step that raised may have advanced some layers only
+            self.pool.release(seq.state)
+            seq.state = None
+        self.scheduler.remove(seq)
+        seq.status = FINISHED
+        seq.emit(Failure(err))
+
+    # --- introspection ---------------------------------------------------------------------------
+    @property
+    def live_bytes(self) -> int:
+        return self.pool.live_bytes
