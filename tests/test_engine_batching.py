@@ -1,0 +1,170 @@
+"""Continuous batching through the engine: a sequence's tokens are the same whatever else runs in
+its steps (other lengths, shared prefixes, cancellations), reuse still equals the cold run, and the
+scheduler's limits hold (queue bound, cancellation within one step)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tiny import VOCAB, engine, request, tiny_gemma3, tiny_llama
+from turnkv.engine.engine import QueueFull, Result, TokenEvent
+
+ATOL = 1e-4      # float32 GEMMs may round differently with another number of rows
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {"llama": tiny_llama()[0], "gemma3": tiny_gemma3()[0]}
+
+
+def rand_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+def alone(model, req) -> Result:
+    """The reference: the request on a fresh engine with the prompt cache off, nothing beside it."""
+    return engine(model, budget=0).generate(req)
+
+
+class Collector:
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.result: Result | None = None
+        self.failure = None
+
+    def __call__(self, item):
+        if isinstance(item, TokenEvent):
+            self.tokens.append(item.token_id)
+        elif isinstance(item, Result):
+            self.result = item
+        else:
+            self.failure = item
+
+
+def run_all(eng, reqs, cancel_after: dict[int, int] | None = None, max_steps: int = 10_000):
+    """Submit every request at once and step until all have ended; ``cancel_after[i] = k`` cancels
+    request i once it has produced k tokens."""
+    sinks = [Collector() for _ in reqs]
+    seqs = [eng.submit(r, s) for r, s in zip(reqs, sinks)]
+    for _ in range(max_steps):
+        for i, k in (cancel_after or {}).items():
+            if len(sinks[i].tokens) >= k:
+                seqs[i].cancel()
+        if all(s.result is not None or s.failure is not None for s in sinks):
+            break
+        eng.step()
+    assert all(s.failure is None for s in sinks)
+    return sinks, seqs
+
+
+def assert_same(got: Result, want: Result):
+    assert got.token_ids == want.token_ids
+    diff = (got.first_logits - want.first_logits).abs().max().item()
+    assert diff <= ATOL, diff
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_batched_requests_equal_each_alone(models, family):
+    model, rng = models[family], random.Random(3)
+    system = rand_tokens(rng, 50)
+    reqs = [request([system, rand_tokens(rng, 9)], 12),           # two share a system prompt
+            request([system, rand_tokens(rng, 30)], 7),
+            request([rand_tokens(rng, 140)], 10),                  # a long prompt: several chunks
+            request([rand_tokens(rng, 3)], 15),
+            request([rand_tokens(rng, 70), rand_tokens(rng, 5)], 1)]   # one token only
+    eng = engine(model, budget=0, max_seqs=4, max_batch_tokens=40)
+    sinks, _ = run_all(eng, reqs)
+    for req, sink in zip(reqs, sinks):
+        assert_same(sink.result, alone(model, req))
+        assert sink.tokens == sink.result.token_ids
+    assert eng.steps < sum(len(r.prompt_ids) + 15 for r in reqs)   # sequences really shared steps
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_reuse_from_a_sequence_still_running(models, family):
+    """A second conversation turn is served while another sequence decodes: it restores the first
+    turn's stored state (cached tokens > 0) and equals the cold run."""
+    model, rng = models[family], random.Random(4)
+    system, u1, u2 = rand_tokens(rng, 60), rand_tokens(rng, 10), rand_tokens(rng, 10)
+    eng = engine(model, max_seqs=3, max_batch_tokens=48)
+    first = eng.generate(request([system, u1], 8))
+    other = request([rand_tokens(rng, 90)], 30)
+    turn2 = request([system, u1, first.token_ids[:-1], u2], 8)
+    sinks, _ = run_all(eng, [other, turn2])
+    assert sinks[1].result.usage.cached_tokens > 0
+    assert_same(sinks[1].result, alone(model, turn2))
+    assert_same(sinks[0].result, alone(model, other))
+
+
+def test_cancel_mid_prefill_takes_effect_within_one_step(models):
+    model, rng = models["llama"], random.Random(5)
+    eng = engine(model, max_seqs=2, max_batch_tokens=16, chunk=16)
+    long = request([rand_tokens(rng, 200)], 5)
+    sink = Collector()
+    seq = eng.submit(long, sink)
+    eng.step()
+    eng.step()
+    assert 0 < seq.pos < 200
+    seq.cancel()
+    eng.step()
+    assert seq.done and sink.result is not None and sink.result.finish_reason == "cancelled"
+    assert sink.tokens == [] and eng.pending() == 0
+    assert len(eng.pool.free) == 1       # its slot is back
+    # what it had computed is stored: a retry restores it and equals the cold run
+    again = eng.generate(long)
+    assert again.usage.cached_tokens == seq.pos
+    assert_same(again, alone(model, long))
+
+
+def test_cancelled_sequence_does_not_disturb_the_others(models):
+    model, rng = models["gemma3"], random.Random(6)
+    reqs = [request([rand_tokens(rng, 40)], 20), request([rand_tokens(rng, 25)], 20),
+            request([rand_tokens(rng, 33)], 20)]
+    eng = engine(model, budget=0, max_seqs=3, max_batch_tokens=64)
+    sinks, _ = run_all(eng, reqs, cancel_after={1: 4})
+    assert sinks[1].result.finish_reason == "cancelled" and 4 <= len(sinks[1].tokens) < 20
+    for i in (0, 2):
+        assert_same(sinks[i].result, alone(model, reqs[i]))
+
+
+def test_queue_bound_refuses_with_queue_full(models):
+    model, rng = models["llama"], random.Random(7)
+    eng = engine(model, max_seqs=1, max_queue=1)
+    eng.submit(request([rand_tokens(rng, 5)], 3), Collector())   # takes the slot at the next step
+    eng.submit(request([rand_tokens(rng, 5)], 3), Collector())   # waits
+    with pytest.raises(QueueFull):
+        eng.submit(request([rand_tokens(rng, 5)], 3), Collector())
+    while eng.pending():
+        eng.step()
+    eng.submit(request([rand_tokens(rng, 5)], 3), Collector())   # room again
+
+
+def test_bad_request_is_refused_at_submit(models):
+    eng = engine(models["llama"])
+    with pytest.raises(ValueError):
+        eng.submit(request([[VOCAB + 5]], 3), Collector())
+    assert eng.pending() == 0
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_interleavings(models, data):
+    model = models["llama"]
+    seed = data.draw(st.integers(0, 10_000))
+    rng = random.Random(seed)
+    n = data.draw(st.integers(2, 6))
+    lens = [data.draw(st.integers(1, 80)) for _ in range(n)]
+    outs = [data.draw(st.integers(1, 8)) for _ in range(n)]
+    reqs = [request([rand_tokens(rng, k)], m) for k, m in zip(lens, outs)]
+    eng = engine(model, budget=0, max_seqs=data.draw(st.integers(1, 4)),
+                 max_batch_tokens=data.draw(st.integers(8, 64)), chunk=data.draw(st.integers(4, 32)))
+    sinks, _ = run_all(eng, reqs)
+    for req, sink in zip(reqs, sinks):
+        assert_same(sink.result, alone(model, req))
+
