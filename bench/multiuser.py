@@ -1,0 +1,165 @@
+"""N users at once, each holding the 8-turn chat of bench/conversation.py (user messages made
+distinct per user), streaming, against any OpenAI-compatible server.
+
+    python bench/multiuser.py --users 4 --engine smollm2-135m     # starts `turnkv serve` for the run
+    python bench/multiuser.py --users 4 --engine smollm2-135m --serve-args "--max-seqs 1"
+    python bench/multiuser.py --users 4 --url http://127.0.0.1:8080/v1   # llama-server, vLLM, ...
+
+Prints, per run: wall time, TTFT p50/p95 over turns 2+, completion tok/s over all users (total
+completion tokens / wall), and prompt reuse (cached / prompt tokens, where the server reports
+it). Several ``--engine``/``--url`` targets run one after another in one invocation, so their
+numbers come from the same machine minutes apart; the CPU model is printed first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # run as a script from anywhere
+
+from bench.conversation import USER_TURNS, messages_for_turn  # noqa: E402
+from bench.multiturn import TurnResult, openai_chat  # noqa: E402
+
+
+def cpu_model() -> str:
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
+            if line.startswith("Model name"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return "unknown CPU"
+
+
+def user_messages(user: int, turn: int, replies: list[str]) -> list[dict]:
+    """The shared conversation with user-specific wording, so users share the system prompt only."""
+    messages = messages_for_turn(turn, replies)
+    for m in messages:
+        if m["role"] == "user":
+            m["content"] = f"(volunteer {user + 1}) {m['content']}"
+    return messages
+
+
+def run_users(url: str, model: str | None, users: int, turns: int, max_tokens: int) -> dict:
+    results: list[list[TurnResult]] = [[] for _ in range(users)]
+    errors: list[BaseException] = []
+
+    def one(u: int) -> None:
+        try:
+            chat = openai_chat(url, model, os.environ.get("OPENAI_API_KEY"), max_tokens=max_tokens)
+            replies: list[str] = []
+            for turn in range(turns):
+                r = chat(user_messages(u, turn, replies))
+                replies.append(r.reply)
+                results[u].append(r)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(u,)) for u in range(users)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    later = sorted(r.ttft_ms for rs in results for r in rs[1:]) or sorted(r.ttft_ms for rs in results for r in rs)
+    flat = [r for rs in results for r in rs]
+    known = [r for r in flat if r.prompt_tokens is not None and r.cached_tokens is not None]
+    return {
+        "wall_s": wall,
+        "ttft_p50": statistics.median(later),
+        "ttft_p95": later[min(len(later) - 1, int(round(0.95 * (len(later) - 1))))],
+        "tok_s": sum(r.completion_tokens for r in flat) / wall,
+        "reuse": (sum(r.cached_tokens for r in known) / max(1, sum(r.prompt_tokens for r in known))) if known else None,
+        "decode_per_user": statistics.median([r.decode_tokens_per_s for r in flat if r.decode_tokens_per_s]),
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TurnkvServer:
+    """`turnkv serve` in a subprocess for one run (the real server path, as a user runs it)."""
+
+    def __init__(self, model: str, extra: list[str]):
+        self.port = free_port()
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="turnkv-bench-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "turnkv.cli", "serve", "-m", model, "--port", str(self.port), *extra]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+
+    def wait(self, timeout: float = 600) -> None:
+        import httpx
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"turnkv serve exited: {Path(self.log.name).read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url.removesuffix("/v1") + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("turnkv serve did not start")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--users", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=len(USER_TURNS))
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--engine", action="append", default=[], help="bundled model to serve with turnkv (repeatable)")
+    ap.add_argument("--serve-args", action="append", default=[],
+                    help="extra `turnkv serve` flags, one string per --engine (default none)")
+    ap.add_argument("--url", action="append", default=[], help="an OpenAI base URL (repeatable)")
+    ap.add_argument("--model", default=None, help="model name to send with --url (default: the server's first)")
+    args = ap.parse_args()
+    if not args.engine and not args.url:
+        ap.error("give --engine MODEL or --url URL")
+    print(f"CPU: {cpu_model()}; {args.users} users x {args.turns} turns, {args.max_tokens} tokens a reply")
+    print(f"{'target':48} {'wall s':>7} {'TTFT p50':>9} {'TTFT p95':>9} {'tok/s all':>9} "
+          f"{'tok/s user':>10} {'reuse':>6}")
+
+    def show(name: str, r: dict) -> None:
+        reuse = "-" if r["reuse"] is None else f"{100 * r['reuse']:.0f}%"
+        print(f"{name[:48]:48} {r['wall_s']:7.1f} {r['ttft_p50']:9.0f} {r['ttft_p95']:9.0f} {r['tok_s']:9.1f} "
+              f"{r['decode_per_user']:10.1f} {reuse:>6}", flush=True)
+
+    for i, model in enumerate(args.engine):
+        extra = shlex.split(args.serve_args[i]) if i < len(args.serve_args) else []
+        server = TurnkvServer(model, extra)
+        try:
+            server.wait()
+            show(f"turnkv {model} {' '.join(extra)}".strip(), run_users(server.url, None, args.users, args.turns,
+                                                                         args.max_tokens))
+        finally:
+            server.close()
+    for url in args.url:
+        show(url, run_users(url, args.model, args.users, args.turns, args.max_tokens))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
