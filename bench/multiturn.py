@@ -173,8 +173,9 @@ def full_kv_bytes(engine, tokens: int) -> int:
     (recurrent layers: their fixed state) - the yardstick for stored bytes."""
     from turnkv.cache.kv import KVCache
     from turnkv.cache.recurrent import StateCache
+    from turnkv.cache.specs import make_caches
     total = 0
-    for cache in engine.caches:
+    for cache in make_caches(engine.specs, engine.dtype, engine.device, list(engine.modes), engine.slack):
         if isinstance(cache, KVCache):
             total += cache.store.bytes_per_token() * tokens
         elif isinstance(cache, StateCache):
@@ -190,7 +191,7 @@ def peak_rss_mib() -> float:
 def run_engine(args) -> int:
     import torch
 
-    from turnkv.engine.generate import Engine
+    from turnkv.engine.engine import Engine
     from turnkv.loading import load_checkpoint
     from turnkv.models import family_class
     from turnkv.prompt_cache.store import PromptCache

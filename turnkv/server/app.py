@@ -389,6 +389,11 @@ def cache_stats_json(engine, stats: dict, enabled: bool) -> dict:
         "kv_cache_mode_effective": list(engine.modes),
         "kv_cache_mode_attention_layers": counts,
         "layers": [spec.describe() for spec in engine.specs],
+        # the engine's live state slots (not counted in the budget) and its load right now
+        "live_bytes": engine.live_bytes,
+        "running": len(engine.scheduler.running),
+        "waiting": engine.pending() - len(engine.scheduler.running),
+        "max_seqs": engine.scheduler.max_seqs,
     }
 
 
