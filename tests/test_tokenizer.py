@@ -176,6 +176,25 @@ def test_boundaries_end_each_message(pair):
     assert closed.boundaries[-1] == len(closed.ids)
 
 
+def test_bounded_boundaries_are_the_first_and_last_messages(pair):
+    """``boundary_messages=N`` renders N + 1 prefixes instead of one per message (linear, not
+    quadratic, in the number of messages) and finds the same boundaries for the messages it looks at."""
+    name, tok, _ = pair
+    messages = [{"role": "system", "content": "Be brief."}]
+    for i in range(12):
+        messages += [{"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content": f"answer {i}."}]
+    messages.append({"role": "user", "content": "last question?"})
+    full = tok.render_chat(messages).boundaries
+    assert len(full) >= len(messages) - 1
+    two = tok.render_chat(messages, boundary_messages=2)
+    assert two.ids == tok.render_chat(messages).ids
+    assert set(two.boundaries) <= set(full) and full[-2:] == two.boundaries[-2:]
+    assert len(two.boundaries) <= 3
+    if name != "gemma3-270m":      # Gemma folds the system prompt into the first user turn
+        assert two.boundaries[0] == full[0]
+    assert tok.render_chat(messages, boundary_messages=0).boundaries == []
+
+
 def test_content_parts_join_like_strings(pair):
     _, tok, _ = pair
     plain = [{"role": "user", "content": "first part\nsecond part"}]

@@ -34,6 +34,7 @@ from .sequence import (DECODE, FINISHED, PREFILL, Failure, GenerationRequest, Re
                        TokenEvent, Usage)
 
 DEFAULT_PREFILL_CHUNK = 512
+BOUNDARY_MESSAGES = 16       # message ends found per chat request (tokenizer.render_chat)
 log = logging.getLogger("turnkv.engine")
 
 __all__ = ["Engine", "GenerationRequest", "Result", "TokenEvent", "Usage", "Stats", "Failure", "QueueFull",
@@ -117,7 +118,9 @@ class Engine:
     def chat_request(self, messages: list[dict], params=None, tenant: str = "") -> GenerationRequest:
         from .sampling import SamplingParams
         self._need_tokenizer()
-        rendered = self.tokenizer.render_chat(messages, add_generation_prompt=True)
+        # boundaries only serve checkpoints, which only families that cannot truncate take
+        rendered = self.tokenizer.render_chat(messages, add_generation_prompt=True,
+                                              boundary_messages=0 if self.reuse.trimmable else BOUNDARY_MESSAGES)
         return GenerationRequest(list(rendered.ids), params or SamplingParams(), list(rendered.boundaries), tenant)
 
     def text_request(self, text: str, params=None, tenant: str = "") -> GenerationRequest:

@@ -229,7 +229,15 @@ class Tokenizer:
         except Exception as e:  # raise_exception() in the template, or a template bug
             raise ValueError(f"the chat template rejected the messages: {e}") from None
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> RenderedChat:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    boundary_messages: int | None = None) -> RenderedChat:
+        """Render and tokenize; ``boundaries`` are the token offsets where messages end.
+
+        Finding a boundary renders the conversation up to that message, so ``boundary_messages``
+        bounds the work: None finds every boundary, N the first message's and the last N
+        messages' (a turn only checkpoints the messages it prefills: those after what it restored,
+        normally the last few), 0 none (a model whose state can be truncated anywhere needs none).
+        """
         msgs = normalize_messages(messages)
         text = self.render_text(msgs, add_generation_prompt)
         encoding = self.backend.encode(text, add_special_tokens=False)
@@ -238,7 +246,11 @@ class Tokenizer:
         ends = [end for _, end in offsets]
         boundaries: list[int] = []
         prev_chars = 0
-        for i in range(1, len(msgs) + 1):
+        wanted = range(1, len(msgs) + 1)
+        if boundary_messages is not None:
+            tail = range(max(2, len(msgs) - boundary_messages + 1), len(msgs) + 1)
+            wanted = ([1] if boundary_messages > 0 and msgs else []) + list(tail if boundary_messages > 0 else [])
+        for i in wanted:
             try:
                 prefix = self.render_text(msgs[:i], add_generation_prompt=False)
             except ValueError:
