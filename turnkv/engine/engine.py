@@ -118,15 +118,19 @@ class Engine:
     def chat_request(self, messages: list[dict], params=None, tenant: str = "") -> GenerationRequest:
         from .sampling import SamplingParams
         self._need_tokenizer()
+        t0 = time.perf_counter()
         # boundaries only serve checkpoints, which only families that cannot truncate take
         rendered = self.tokenizer.render_chat(messages, add_generation_prompt=True,
                                               boundary_messages=0 if self.reuse.trimmable else BOUNDARY_MESSAGES)
-        return GenerationRequest(list(rendered.ids), params or SamplingParams(), list(rendered.boundaries), tenant)
+        return GenerationRequest(list(rendered.ids), params or SamplingParams(), list(rendered.boundaries), tenant,
+                                 render_ms=(time.perf_counter() - t0) * 1000)
 
     def text_request(self, text: str, params=None, tenant: str = "") -> GenerationRequest:
         from .sampling import SamplingParams
         self._need_tokenizer()
-        return GenerationRequest(self.tokenizer.encode(text), params or SamplingParams(), [], tenant)
+        t0 = time.perf_counter()
+        ids = self.tokenizer.encode(text)
+        return GenerationRequest(ids, params or SamplingParams(), [], tenant, render_ms=(time.perf_counter() - t0) * 1000)
 
     def check_request(self, req: GenerationRequest) -> None:
         req.params.validate()
@@ -252,7 +256,7 @@ class Engine:
             self._fail(seq, err)
             return
         s = seq.stats
-        s.restore_ms, s.reuse_from = restored.restore_ms, restored.reuse_from
+        s.lookup_ms, s.restore_ms, s.reuse_from = restored.lookup_ms, restored.restore_ms, restored.reuse_from
         s.restored_origin, s.restored_entry_length = restored.origin, restored.entry_length
         seq.usage.cached_tokens = seq.pos = restored.cached
         seq.stops = self.reuse.checkpoints(seq.req.boundaries, seq.pos, len(seq.prompt))

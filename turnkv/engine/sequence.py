@@ -31,6 +31,7 @@ class GenerationRequest:
     boundaries: list[int] = field(default_factory=list)   # message ends (checkpoint candidates)
     tenant: str = ""
     stop_token_ids: list[int] = field(default_factory=list)   # extra end-of-sequence ids
+    render_ms: float = 0.0       # chat rendering + tokenizing, before the request reached the engine
 
 
 @dataclass
@@ -46,7 +47,9 @@ class Usage:
 
 @dataclass
 class Stats:
+    render_ms: float = 0.0       # chat template + tokenizer (before submit)
     queue_ms: float = 0.0        # submit -> admitted to a state slot
+    lookup_ms: float = 0.0       # prompt-cache lookup
     prefill_ms: float = 0.0      # admitted -> prompt consumed
     ttft_ms: float = 0.0         # submit -> first token
     decode_ms: float = 0.0
@@ -107,7 +110,7 @@ class Sequence:
         self.prompt_end_pending = False
         self.cancelled = threading.Event()
         self.usage = Usage(prompt_tokens=len(self.prompt))
-        self.stats = Stats()
+        self.stats = Stats(render_ms=req.render_ms)
         self.finish_reason = "length"
         self.result: Result | None = None
         self.t_submit = time.perf_counter()

@@ -37,6 +37,7 @@ class Restored:
     reuse_from: str = "none"            # "none" | "prefix" | "truncated" | "exact"
     origin: str = ""                    # the stored entry's origin: "checkpoint" | "prompt" | "generation"
     entry_length: int = 0
+    lookup_ms: float = 0.0
     restore_ms: float = 0.0
 
 
@@ -60,9 +61,10 @@ class ReusePolicy:
         leaves ``state`` empty."""
         t0 = time.perf_counter()
         hit = self.cache.lookup(ns, prompt) if self.active else None
+        t1 = time.perf_counter()
         if hit is None:
             state.reset()
-            return Restored()
+            return Restored(lookup_ms=(t1 - t0) * 1000)
         try:
             state.restore(hit.snapshot, hit.usable, prompt)
         except SnapshotMismatch as err:     # the store checks first; this is a last line of defence
@@ -72,7 +74,8 @@ class ReusePolicy:
         return Restored(
             cached=hit.usable, logits=hit.snapshot.logits.clone() if hit.use_logits else None,
             reuse_from="exact" if hit.use_logits else ("prefix" if hit.usable == hit.entry_length else "truncated"),
-            origin=hit.origin, entry_length=hit.entry_length, restore_ms=(time.perf_counter() - t0) * 1000)
+            origin=hit.origin, entry_length=hit.entry_length, lookup_ms=(t1 - t0) * 1000,
+            restore_ms=(time.perf_counter() - t1) * 1000)
 
     # --- during prefill --------------------------------------------------------------------------
     def checkpoints(self, boundaries: list[int], start: int, prompt_len: int) -> list[int]:
