@@ -251,6 +251,43 @@ def test_regenerate_last_turn(played, model_type):
     assert a.stats.reuse_from == "exact" and a.stats.restored_origin == "prompt", a.stats
 
 
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_three_conversations_at_once_equal_each_alone(played, model_type):
+    """Continuous batching: three users' conversations advance through one engine in shared steps
+    (decode tokens beside prefill chunks of another user's turn); every turn equals the same turn
+    run alone with the cache off, and later turns restore from what the same engine stored."""
+    p = played(model_type)
+    eng = engine(p.on.model, max_seqs=3, max_batch_tokens=24)
+    rng = random.Random(5)
+    histories = [[rand_msg(rng, SYSTEM - 10 * u)] for u in range(3)]
+    turns_left = [3, 2, 3]
+    events: dict[int, list] = {u: [] for u in range(3)}
+    inflight: dict[int, object] = {}
+    checked = 0
+    for _ in range(5000):
+        for u in range(3):
+            if u not in inflight and turns_left[u] > 0:
+                histories[u].append(rand_msg(rng, USER))
+                inflight[u] = request(histories[u], REPLY_TOKENS)
+                eng.submit(inflight[u], events[u].append)
+        if not inflight:
+            break
+        eng.step()
+        for u in list(inflight):
+            done = [e for e in events[u] if hasattr(e, "finish_reason")]
+            if not done:
+                continue
+            got, req = done[0], inflight.pop(u)
+            events[u].clear()
+            same(got, p.off.generate(req))
+            if len(histories[u]) > 2:
+                assert got.usage.cached_tokens > 0, got.usage
+            histories[u].append(got.token_ids[:-1])
+            turns_left[u] -= 1
+            checked += 1
+    assert checked == 8 and eng.pending() == 0
+
+
 # ------------------------------------------------------- `turnkv serve -m FOLDER` over HTTP
 
 ROOT = Path(__file__).resolve().parent.parent
