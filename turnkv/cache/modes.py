@@ -22,12 +22,9 @@ and the KV-read cost it would save is measured by bench/kv_modes.py.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
-
-if TYPE_CHECKING:
-    from .specs import CacheSpec
 
 NATIVE = "native"
 MODES = ("native", "bf16", "fp16", "int8", "int4")
@@ -354,22 +351,6 @@ def layer_modes(attention_layers: list[bool], mode: str = NATIVE, boundary_layer
     attn_idx = [i for i, a in enumerate(attention_layers) if a]
     kept = set(attn_idx[:boundary_layers]) | set(attn_idx[len(attn_idx) - boundary_layers:] if boundary_layers else [])
     return [mode if (a and i not in kept) else NATIVE for i, a in enumerate(attention_layers)]
-
-
-def describe_modes(table: list[str], specs: list[CacheSpec] | None = None) -> str:
-    """One line for the startup banner and stats, e.g. "int8 on 26 of 30 attention layers".
-
-    With ``specs`` only attention layers are counted (recurrent layers are always native);
-    without, every entry of the table is taken for an attention layer."""
-    if specs is not None and len(specs) != len(table):
-        raise ValueError(f"mode table has {len(table)} entries for {len(specs)} layers")
-    modes = [m for i, m in enumerate(table) if specs is None or specs[i].is_attention]
-    if not modes:
-        return "native (no attention layers)"
-    counts = [(m, modes.count(m)) for m in MODES if m != NATIVE and m in modes]
-    if not counts:
-        return f"native on all {len(modes)} attention layers"
-    return ", ".join(f"{m} on {c}" for m, c in counts) + f" of {len(modes)} attention layers"
 
 
 def effective_mode(table: list[str]) -> str:

@@ -9,7 +9,7 @@ import torch
 from .base import LayerCache
 from .chunked import ChunkedCache
 from .kv import KVCache
-from .modes import NATIVE, layer_modes
+from .modes import MODES, NATIVE, layer_modes
 from .recurrent import StateCache
 from .rotating import DEFAULT_SLACK, SlidingWindowCache
 
@@ -81,3 +81,19 @@ def make_caches(specs: list[CacheSpec], dtype: torch.dtype = torch.float32, devi
         else:
             raise ValueError(f"unknown cache kind {spec.kind!r}")
     return caches
+
+
+def describe_modes(table: list[str], specs: list[CacheSpec] | None = None) -> str:
+    """One line for the startup banner and stats, e.g. "int8 on 26 of 30 attention layers".
+
+    With ``specs`` only attention layers are counted (recurrent layers are always native);
+    without, every entry of the table is taken for an attention layer."""
+    if specs is not None and len(specs) != len(table):
+        raise ValueError(f"mode table has {len(table)} entries for {len(specs)} layers")
+    modes = [m for i, m in enumerate(table) if specs is None or specs[i].is_attention]
+    if not modes:
+        return "native (no attention layers)"
+    counts = [(m, modes.count(m)) for m in MODES if m != NATIVE and m in modes]
+    if not counts:
+        return f"native on all {len(modes)} attention layers"
+    return ", ".join(f"{m} on {c}" for m, c in counts) + f" of {len(modes)} attention layers"

@@ -131,3 +131,22 @@ def locate_bundled(name: str) -> Path:
             f"Install it with: {model.install}  (bundled models: {_available()})"
         )
     return _LOCATORS[name][1]()
+
+
+def list_bundled() -> list[dict]:
+    """name, package, description, architecture, install, installed, path (None until found/assembled)."""
+    out = []
+    for model in BUNDLED.values():
+        installed, path = find_bundled(model.name)
+        out.append(
+            {
+                "name": model.name,
+                "package": model.package,
+                "description": model.description,
+                "architecture": model.architecture,
+                "install": model.install,
+                "installed": installed,
+                "path": str(path) if path else None,
+            }
+        )
+    return out
