@@ -120,7 +120,7 @@ def test_family_without_declared_weights_supports_only_native():
         def cache_specs(self):
             return []
 
-        def forward(self, tokens, caches, logits="last"):
+        def forward(self, batch):
             return None
 
         @classmethod

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..cache import specs
+from .batch import Batch, Span, select_rows, spans_apply
 from .base import BaseArgs, Model, Rope, apply_rope, attention, embedding, linear, param, rms_norm, take
 from .rope_config import inv_freq_for, rope_params
 
@@ -62,15 +63,18 @@ class Attention(nn.Module):
         k_norm = take(t, f"{p}.k_norm.weight")[None].expand(self.hk, -1)
         self.qk_norm = _norm_weight(torch.cat([q_norm, k_norm])[:, None], dtype)
 
-    def forward(self, x, cache, cos, sin):
-        T = x.shape[0]
+    def forward(self, x, batch: Batch, i: int, ropes):
         hq, hk = self.hq, self.hk
-        qkv = linear(x, self.wqkv).view(T, hq + 2 * hk, self.d).transpose(0, 1)
+        qkv = linear(x, self.wqkv).view(x.shape[0], hq + 2 * hk, self.d).transpose(0, 1)
         # same order as transformers' Gemma3RMSNorm: normalize, then scale by (1 + w)
-        qk = rms_norm(qkv[: hq + hk], None, self.eps).mul_(self.qk_norm)
-        qk = apply_rope(qk, cos, sin)
-        keys, values, mask = cache.update_and_fetch(qk[hq:], qkv[hq + hk:])
-        return linear(attention(qk[:hq], keys, values, mask, self.scale, self.softcap), self.wo)
+        qk_all = rms_norm(qkv[: hq + hk], None, self.eps).mul_(self.qk_norm)
+
+        def one(s: Span):   # this sequence's rows over its own KV
+            cos, sin = ropes[s]
+            qk = apply_rope(qk_all[:, s.rows], cos, sin)
+            keys, values, mask = s.caches[i].update_and_fetch(qk[hq:], qkv[hq + hk:, s.rows])
+            return attention(qk[:hq], keys, values, mask, self.scale, self.softcap)
+        return linear(spans_apply(batch, one), self.wo)
 
 
 class MLP(nn.Module):
@@ -98,9 +102,9 @@ class Block(nn.Module):
         self.attn = Attention(a, t, f"{p}.self_attn", dtype, self.sliding)
         self.mlp = MLP(t, f"{p}.mlp", dtype)
 
-    def forward(self, x, cache, cos, sin):
+    def forward(self, x, batch, i, ropes):
         # x is the model's own residual buffer (fresh from the embedding): accumulate in place
-        h = self.attn.forward(rms_norm(x, self.ln_in, self.eps), cache, cos, sin)
+        h = self.attn.forward(rms_norm(x, self.ln_in, self.eps), batch, i, ropes)
         x += rms_norm(h, self.ln_post_attn, self.eps)
         h = self.mlp.forward(rms_norm(x, self.ln_pre_ff, self.eps))
         x += rms_norm(h, self.ln_post_ff, self.eps)
@@ -143,20 +147,17 @@ class Gemma3Model(Model):
         return [specs.sliding(a.num_key_value_heads, a.head_dim, a.sliding_window) if lt == SLIDING
                 else specs.full(a.num_key_value_heads, a.head_dim) for lt in a.layer_types]
 
-    def forward(self, tokens, caches, logits="last"):
-        T = tokens.shape[0]
-        offset = caches[0].offset
-        rope_g, rope_l = self.rope_global.table(offset, T), self.rope_local.table(offset, T)
-        x = embedding(tokens, self.embed, self.dtype) * self.embed_scale
-        for layer, cache in zip(self.layers, caches):
-            cos, sin = rope_l if layer.sliding else rope_g
-            x = layer.forward(x, cache, cos, sin)
-        if logits == "none":
+    def forward(self, batch):
+        ropes_g = {s: self.rope_global.table(s.position, s.length) for s in batch.spans}
+        ropes_l = {s: self.rope_local.table(s.position, s.length) for s in batch.spans}
+        x = embedding(batch.tokens, self.embed, self.dtype) * self.embed_scale
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x, batch, i, ropes_l if layer.sliding else ropes_g)
+        x = select_rows(x, batch)
+        if x is None:
             return None
-        if logits == "last":
-            x = x[-1:]
         out = linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
         cap = self.args.final_logit_softcapping
         if cap is not None:
             out = torch.tanh(out / cap) * cap
-        return out[0] if logits == "last" else out
+        return out

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
+from .batch import Batch, Span, select_rows, spans_apply
 from .base import BaseArgs, Model, Rope, apply_rope, attention, linear, param, rms_norm, take
 from .rope_config import inv_freq_for, rope_params
 from .ssm import Mamba2Dims, Mamba2Mixer, mamba2_state_fields, time_step_limit
@@ -97,14 +98,18 @@ class Attention(nn.Module):
         self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
         self.bo = param(take(t, f"{p}.o_proj.bias"), dtype) if a.attention_bias else None
 
-    def forward(self, x, cache, rope):
-        T = x.shape[0]
-        qkv = linear(x, self.wqkv, self.bqkv).view(T, self.hq + 2 * self.hk, self.d).transpose(0, 1)
-        qk = qkv[: self.hq + self.hk]
-        if rope is not None:
-            qk = apply_rope(qk, *rope)
-        keys, values, mask = cache.update_and_fetch(qk[self.hq:], qkv[self.hq + self.hk:])
-        return linear(attention(qk[: self.hq], keys, values, mask, self.scale), self.wo, self.bo)
+    def forward(self, x, batch: Batch, i: int, ropes):
+        hq, hk = self.hq, self.hk
+        qkv = linear(x, self.wqkv, self.bqkv).view(x.shape[0], hq + 2 * hk, self.d).transpose(0, 1)
+
+        def one(s: Span):   # this sequence's rows over its own KV
+            part = qkv[:, s.rows]
+            qk = part[: hq + hk]
+            if ropes is not None:
+                qk = apply_rope(qk, *ropes[s])
+            keys, values, mask = s.caches[i].update_and_fetch(qk[hq:], part[hq + hk:])
+            return attention(qk[:hq], keys, values, mask, self.scale)
+        return linear(spans_apply(batch, one), self.wo, self.bo)
 
 
 def _take_either(t: dict, name: str, alias: str) -> torch.Tensor:
@@ -156,9 +161,9 @@ class Block(nn.Module):
         self.moe = MoE(a, t, f"{p}.block_sparse_moe", dtype) if a.num_local_experts > 0 else None
         self.shared = SharedMLP(t, f"{p}.shared_mlp", dtype)
 
-    def forward(self, x, cache, rope):
+    def forward(self, x, batch, i, ropes):
         h = rms_norm(x, self.ln_in, self.eps)
-        h = self.mixer.forward(h, cache) if self.is_mamba else self.mixer.forward(h, cache, rope)
+        h = self.mixer.forward(h, batch, i) if self.is_mamba else self.mixer.forward(h, batch, i, ropes)
         x = x + h * self.res
         h = rms_norm(x, self.ln_post, self.eps)
         h = self.shared.forward(h) if self.moe is None else self.moe.forward(h) + self.shared.forward(h)
@@ -190,15 +195,13 @@ class GraniteMoeHybridModel(Model):
         mamba = specs.recurrent(**mamba2_state_fields(a.mamba_dims()))
         return [mamba if lt == MAMBA else specs.full(a.num_key_value_heads, a.head_dim) for lt in a.layer_types]
 
-    def forward(self, tokens, caches, logits="last"):
-        T = tokens.shape[0]
-        rope = self.rope.table(caches[0].offset, T) if self.rope is not None else None
-        x = F.embedding(tokens, self.embed) * self.args.embedding_multiplier
-        for layer, cache in zip(self.layers, caches):
-            x = layer.forward(x, cache, rope)
-        if logits == "none":
+    def forward(self, batch):
+        ropes = ({s: self.rope.table(s.position, s.length) for s in batch.spans}
+                 if self.rope is not None else None)
+        x = F.embedding(batch.tokens, self.embed) * self.args.embedding_multiplier
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x, batch, i, ropes)
+        x = select_rows(x, batch)
+        if x is None:
             return None
-        if logits == "last":
-            x = x[-1:]
-        out = linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head) / self.args.logits_scaling
-        return out[0] if logits == "last" else out
+        return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head) / self.args.logits_scaling

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
+from .batch import Batch, Span, select_rows, spans_apply
 from .base import BaseArgs, Model, Rope, apply_rope, attention, linear, param, rms_norm, take
 from .rope_config import inv_freq_for, rope_params
 from .ssm import causal_conv1d
@@ -57,12 +58,17 @@ class ShortConv(nn.Module):
         self.b_conv = param(take(t, f"{p}.conv.bias"), dtype) if bias else None
         self.b_out = param(take(t, f"{p}.out_proj.bias"), dtype) if bias else None
 
-    def forward(self, x, cache):
+    def forward(self, x, batch: Batch, i: int):
         b, c, h = linear(x, self.w_in, self.b_in).chunk(3, dim=-1)
-        y, conv_state = causal_conv1d(b * h, cache.state["conv"], self.w_conv, self.b_conv)
-        cache.set("conv", conv_state)
-        cache.advance(x.shape[0])
-        return linear(c * y, self.w_out, self.b_out)
+        bh = b * h
+
+        def one(s: Span):   # the conv window: this sequence's rows over its own state
+            cache = s.caches[i]
+            y, conv_state = causal_conv1d(bh[s.rows], cache.state["conv"], self.w_conv, self.b_conv)
+            cache.set("conv", conv_state)
+            cache.advance(s.length)
+            return y
+        return linear(c * spans_apply(batch, one), self.w_out, self.b_out)
 
 
 class Attention(nn.Module):
@@ -77,13 +83,18 @@ class Attention(nn.Module):
         self.q_norm = param(take(t, f"{p}.q_layernorm.weight"), dtype)
         self.k_norm = param(take(t, f"{p}.k_layernorm.weight"), dtype)
 
-    def forward(self, x, cache, cos, sin):
-        T = x.shape[0]
-        qkv = linear(x, self.wqkv).view(T, self.hq + 2 * self.hk, self.d).transpose(0, 1)
-        q = apply_rope(rms_norm(qkv[: self.hq], self.q_norm, self.eps), cos, sin)
-        k = apply_rope(rms_norm(qkv[self.hq: self.hq + self.hk], self.k_norm, self.eps), cos, sin)
-        keys, values, mask = cache.update_and_fetch(k, qkv[self.hq + self.hk:])
-        return linear(attention(q, keys, values, mask, self.scale), self.wo)
+    def forward(self, x, batch: Batch, i: int, ropes):
+        hq, hk = self.hq, self.hk
+        qkv = linear(x, self.wqkv).view(x.shape[0], hq + 2 * hk, self.d).transpose(0, 1)
+        q_all = rms_norm(qkv[:hq], self.q_norm, self.eps)
+        k_all = rms_norm(qkv[hq: hq + hk], self.k_norm, self.eps)
+
+        def one(s: Span):   # this sequence's rows over its own KV
+            cos, sin = ropes[s]
+            q, k = apply_rope(q_all[:, s.rows], cos, sin), apply_rope(k_all[:, s.rows], cos, sin)
+            keys, values, mask = s.caches[i].update_and_fetch(k, qkv[hq + hk:, s.rows])
+            return attention(q, keys, values, mask, self.scale)
+        return linear(spans_apply(batch, one), self.wo)
 
 
 class MLP(nn.Module):
@@ -108,9 +119,9 @@ class Block(nn.Module):
         self.mixer = Attention(a, t, f"{p}.self_attn", dtype) if self.is_attention else ShortConv(a, t, f"{p}.conv", dtype)
         self.mlp = MLP(t, f"{p}.feed_forward", dtype)
 
-    def forward(self, x, cache, cos, sin):
+    def forward(self, x, batch, i, ropes):
         h = rms_norm(x, self.ln_op, self.eps)
-        x = x + (self.mixer.forward(h, cache, cos, sin) if self.is_attention else self.mixer.forward(h, cache))
+        x = x + (self.mixer.forward(h, batch, i, ropes) if self.is_attention else self.mixer.forward(h, batch, i))
         return x + self.mlp.forward(rms_norm(x, self.ln_ffn, self.eps))
 
 
@@ -137,15 +148,12 @@ class Lfm2Model(Model):
         return [specs.recurrent(conv=(a.conv_L_cache - 1, a.hidden_size)) if lt == CONV
                 else specs.full(a.num_key_value_heads, a.head_dim) for lt in a.layer_types]
 
-    def forward(self, tokens, caches, logits="last"):
-        T = tokens.shape[0]
-        cos, sin = self.rope.table(caches[0].offset, T)
-        x = F.embedding(tokens, self.embed)
-        for layer, cache in zip(self.layers, caches):
-            x = layer.forward(x, cache, cos, sin)
-        if logits == "none":
+    def forward(self, batch):
+        ropes = {s: self.rope.table(s.position, s.length) for s in batch.spans}
+        x = F.embedding(batch.tokens, self.embed)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x, batch, i, ropes)
+        x = select_rows(x, batch)
+        if x is None:
             return None
-        if logits == "last":
-            x = x[-1:]
-        out = linear(rms_norm(x, self.norm, self.args.norm_eps), self.lm_head)
-        return out[0] if logits == "last" else out
+        return linear(rms_norm(x, self.norm, self.args.norm_eps), self.lm_head)

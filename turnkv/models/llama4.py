@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
+from .batch import Batch, Span, select_rows, spans_apply
 from .base import BaseArgs, Model, Rope, apply_rope, attention, linear, param, rms_norm, take
 from .rope_config import inv_freq_for, rope_params
 
@@ -100,19 +101,23 @@ class Attention(nn.Module):
         self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
         self.bo = param(take(t, f"{p}.o_proj.bias"), dtype) if a.attention_bias else None
 
-    def forward(self, x, cache, cos, sin, temp):
-        T = x.shape[0]
-        qkv = linear(x, self.wqkv, self.bqkv).view(T, self.hq + 2 * self.hk, self.d).transpose(0, 1)
-        qk = qkv[: self.hq + self.hk]
-        if self.use_rope:
-            qk = apply_rope(qk, cos, sin)
-        if self.qk_norm:
-            qk = l2_norm(qk, self.eps)
-        q, k = qk[: self.hq], qk[self.hq:]
-        if self.temperature:
-            q = (q * temp).to(x.dtype)
-        keys, values, mask = cache.update_and_fetch(k, qkv[self.hq + self.hk:])
-        return linear(attention(q, keys, values, mask, self.scale), self.wo, self.bo)
+    def forward(self, x, batch: Batch, i: int, ropes, temps):
+        hq, hk = self.hq, self.hk
+        qkv = linear(x, self.wqkv, self.bqkv).view(x.shape[0], hq + 2 * hk, self.d).transpose(0, 1)
+
+        def one(s: Span):   # this sequence's rows over its own KV, at its own positions
+            part = qkv[:, s.rows]
+            qk = part[: hq + hk]
+            if self.use_rope:
+                qk = apply_rope(qk, *ropes[s])
+            if self.qk_norm:   # after the rotation, as transformers does
+                qk = l2_norm(qk, self.eps)
+            q, k = qk[:hq], qk[hq:]
+            if self.temperature:
+                q = (q * temps[s]).to(x.dtype)
+            keys, values, mask = s.caches[i].update_and_fetch(k, part[hq + hk:])
+            return attention(q, keys, values, mask, self.scale)
+        return linear(spans_apply(batch, one), self.wo, self.bo)
 
 
 class MLP(nn.Module):
@@ -162,8 +167,8 @@ class Block(nn.Module):
         self.attn = Attention(a, t, f"{p}.self_attn", dtype, self.use_rope)
         self.ff = MoE(a, t, f"{p}.feed_forward", dtype) if i in a.moe_layers else MLP(t, f"{p}.feed_forward", dtype)
 
-    def forward(self, x, cache, cos, sin, temp):
-        x = x + self.attn.forward(rms_norm(x, self.ln_attn, self.eps), cache, cos, sin, temp)
+    def forward(self, x, batch, i, ropes, temps):
+        x = x + self.attn.forward(rms_norm(x, self.ln_attn, self.eps), batch, i, ropes, temps)
         return x + self.ff.forward(rms_norm(x, self.ln_mlp, self.eps))
 
 
@@ -191,18 +196,15 @@ class Llama4Model(Model):
         return [specs.chunked(a.num_key_value_heads, a.head_dim, a.attention_chunk_size) if lt == CHUNKED
                 else specs.full(a.num_key_value_heads, a.head_dim) for lt in a.layer_types]
 
-    def forward(self, tokens, caches, logits="last"):
-        T = tokens.shape[0]
-        offset = caches[0].offset
-        cos, sin = self.rope.table(offset, T)
-        temp = (temperature_scales(offset, T, self.args.floor_scale, self.args.attn_scale).to(self.embed.device)
-                if self.any_temperature else None)
-        x = F.embedding(tokens, self.embed)
-        for layer, cache in zip(self.layers, caches):
-            x = layer.forward(x, cache, cos, sin, temp)
-        if logits == "none":
+    def forward(self, batch):
+        a = self.args
+        ropes = {s: self.rope.table(s.position, s.length) for s in batch.spans}
+        temps = ({s: temperature_scales(s.position, s.length, a.floor_scale, a.attn_scale).to(self.embed.device)
+                  for s in batch.spans} if self.any_temperature else None)
+        x = F.embedding(batch.tokens, self.embed)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x, batch, i, ropes, temps)
+        x = select_rows(x, batch)
+        if x is None:
             return None
-        if logits == "last":
-            x = x[-1:]
-        out = linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
-        return out[0] if logits == "last" else out
+        return linear(rms_norm(x, self.norm, a.rms_norm_eps), self.lm_head)

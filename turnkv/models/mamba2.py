@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
+from .batch import select_rows
 from .base import BaseArgs, Model, linear, param, rms_norm, take
 from .ssm import Mamba2Dims, Mamba2Mixer, mamba2_state_fields, time_step_limit
 
@@ -47,8 +48,8 @@ class Block(nn.Module):
         self.ln = param(take(t, f"{p}.norm.weight"), dtype)
         self.mixer = Mamba2Mixer(a.dims(), t, f"{p}.mixer", dtype)
 
-    def forward(self, x, cache):
-        h = self.mixer.forward(rms_norm(x.to(self.dtype), self.ln, self.eps), cache)
+    def forward(self, x, batch, i):
+        h = self.mixer.forward(rms_norm(x.to(self.dtype), self.ln, self.eps), batch, i)
         # transformers keeps the residual stream in float32 when residual_in_fp32 (the default)
         return (x.float() if self.residual_in_fp32 else x) + h
 
@@ -75,13 +76,11 @@ class Mamba2Model(Model):
         fields = mamba2_state_fields(self.args.dims())
         return [specs.recurrent(**fields) for _ in range(self.args.num_hidden_layers)]
 
-    def forward(self, tokens, caches, logits="last"):
-        x = F.embedding(tokens, self.embed)
-        for layer, cache in zip(self.layers, caches):
-            x = layer.forward(x, cache)
-        if logits == "none":
+    def forward(self, batch):
+        x = F.embedding(batch.tokens, self.embed)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x, batch, i)
+        x = select_rows(x, batch)
+        if x is None:
             return None
-        if logits == "last":
-            x = x[-1:]
-        out = linear(rms_norm(x.to(self.dtype), self.norm, self.args.layer_norm_epsilon), self.lm_head)
-        return out[0] if logits == "last" else out
+        return linear(rms_norm(x.to(self.dtype), self.norm, self.args.layer_norm_epsilon), self.lm_head)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
+from .batch import Batch, Span, select_rows, spans_apply
 from .base import BaseArgs, Model, Rope, apply_rope, attention, linear, param, rms_norm, take
 from .rope_config import inv_freq_for, rope_params
 from .ssm import causal_conv1d, gated_delta_chunked, gated_delta_step, l2norm
@@ -96,31 +97,37 @@ class GatedDeltaNet(nn.Module):
     def state_fields(self) -> dict[str, tuple[int, ...]]:
         return {"conv": (self.kernel - 1, self.conv_dim), "recurrent": (self.nv, self.dk, self.dv)}
 
-    def forward(self, x, cache):
-        T = x.shape[0]
+    def forward(self, x, batch: Batch, i: int):
+        N = x.shape[0]
         r = self.nv // self.nk
-        qkv, z, b, a = linear(x, self.w_in).split([self.conv_dim, self.value_dim, self.nv, self.nv], dim=-1)
-        qkv, conv_state = causal_conv1d(qkv, cache.state["conv"], self.w_conv, None)
-        cache.set("conv", conv_state)
-        q, k, v = F.silu(qkv).float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        # one query/key head serves r consecutive value heads
-        q = l2norm(q.view(T, self.nk, self.dk)).repeat_interleave(r, dim=1).transpose(0, 1) * self.dk ** -0.5
-        k = l2norm(k.view(T, self.nk, self.dk)).repeat_interleave(r, dim=1).transpose(0, 1)
-        v = v.view(T, self.nv, self.dv).transpose(0, 1)
-        beta = torch.sigmoid(b.float()).t()                                  # [nv, T]
-        g = (self.neg_A * F.softplus(a.float() + self.dt_bias)).t()         # log decay, [nv, T]
-        state = cache.state["recurrent"]
-        if T == 1:
-            o, state = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
-            o = o[:, None]
-        else:
-            o, state = gated_delta_chunked(q, k, v, g, beta, state, DELTA_CHUNK)
-        cache.set("recurrent", state)
-        cache.advance(T)
+        qkv_all, z, b, a = linear(x, self.w_in).split([self.conv_dim, self.value_dim, self.nv, self.nv], dim=-1)
+        beta_all = torch.sigmoid(b.float()).t()                              # [nv, N]
+        g_all = (self.neg_A * F.softplus(a.float() + self.dt_bias)).t()     # log decay, [nv, N]
+
+        def one(s: Span):   # conv window and delta rule: this sequence's rows over its own state
+            cache, T = s.caches[i], s.length
+            qkv, conv_state = causal_conv1d(qkv_all[s.rows], cache.state["conv"], self.w_conv, None)
+            cache.set("conv", conv_state)
+            q, k, v = F.silu(qkv).float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            # one query/key head serves r consecutive value heads
+            q = l2norm(q.view(T, self.nk, self.dk)).repeat_interleave(r, dim=1).transpose(0, 1) * self.dk ** -0.5
+            k = l2norm(k.view(T, self.nk, self.dk)).repeat_interleave(r, dim=1).transpose(0, 1)
+            v = v.view(T, self.nv, self.dv).transpose(0, 1)
+            g, beta = g_all[:, s.rows], beta_all[:, s.rows]
+            state = cache.state["recurrent"]
+            if T == 1:
+                o, state = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+                o = o[:, None]
+            else:
+                o, state = gated_delta_chunked(q, k, v, g, beta, state, DELTA_CHUNK)
+            cache.set("recurrent", state)
+            cache.advance(T)
+            # [T, nv, dv], contiguous as a multi-span concatenation is (the norm reduces in layout order)
+            return o.transpose(0, 1).contiguous()
         # per-head RMSNorm first, then the SiLU(z) gate
-        o = rms_norm(o.transpose(0, 1).to(x.dtype), self.w_norm, self.eps)
-        o = (o * F.silu(z.view(T, self.nv, self.dv).float())).to(x.dtype)
-        return linear(o.reshape(T, self.value_dim), self.w_out)
+        o = rms_norm(spans_apply(batch, one).to(x.dtype), self.w_norm, self.eps)
+        o = (o * F.silu(z.view(N, self.nv, self.dv).float())).to(x.dtype)
+        return linear(o.reshape(N, self.value_dim), self.w_out)
 
 
 class Attention(nn.Module):
@@ -144,16 +151,19 @@ class Attention(nn.Module):
         self.q_norm = _norm_weight(take(t, f"{p}.q_norm.weight"), dtype)
         self.k_norm = _norm_weight(take(t, f"{p}.k_norm.weight"), dtype)
 
-    def forward(self, x, cache, cos, sin):
-        T = x.shape[0]
+    def forward(self, x, batch: Batch, i: int, ropes):
         hq, hk, d = self.hq, self.hk, self.d
         qkv, gate = linear(x, self.wqkvg, self.bqkvg).split([(hq + 2 * hk) * d, hq * d], dim=-1)
-        qkv = qkv.view(T, hq + 2 * hk, d).transpose(0, 1)
-        q = apply_partial_rope(rms_norm(qkv[:hq], self.q_norm, self.eps), cos, sin)
-        k = apply_partial_rope(rms_norm(qkv[hq:hq + hk], self.k_norm, self.eps), cos, sin)
-        keys, values, mask = cache.update_and_fetch(k, qkv[hq + hk:])
-        out = attention(q, keys, values, mask, self.scale) * torch.sigmoid(gate)
-        return linear(out, self.wo, self.bo)
+        qkv = qkv.view(x.shape[0], hq + 2 * hk, d).transpose(0, 1)
+        q_all = rms_norm(qkv[:hq], self.q_norm, self.eps)
+        k_all = rms_norm(qkv[hq:hq + hk], self.k_norm, self.eps)
+
+        def one(s: Span):   # this sequence's rows over its own KV
+            cos, sin = ropes[s]
+            q, k = apply_partial_rope(q_all[:, s.rows], cos, sin), apply_partial_rope(k_all[:, s.rows], cos, sin)
+            keys, values, mask = s.caches[i].update_and_fetch(k, qkv[hq + hk:, s.rows])
+            return attention(q, keys, values, mask, self.scale)
+        return linear(spans_apply(batch, one) * torch.sigmoid(gate), self.wo, self.bo)
 
 
 class MLP(nn.Module):
@@ -221,9 +231,9 @@ class Block(nn.Module):
             raise ValueError(f"unknown Qwen3-Next layer type {self.kind!r}")
         self.mlp = SparseMoE(a, t, f"{p}.mlp", dtype) if a.is_moe(i) else MLP(t, f"{p}.mlp", dtype)
 
-    def forward(self, x, cache, cos, sin):
+    def forward(self, x, batch, i, ropes):
         h = rms_norm(x, self.ln_in, self.eps)
-        h = self.mixer.forward(h, cache) if self.kind == LINEAR else self.mixer.forward(h, cache, cos, sin)
+        h = self.mixer.forward(h, batch, i) if self.kind == LINEAR else self.mixer.forward(h, batch, i, ropes)
         x = x + h
         return x + self.mlp.forward(rms_norm(x, self.ln_post, self.eps))
 
@@ -253,15 +263,12 @@ class Qwen3NextModel(Model):
         return [specs.recurrent(**layer.mixer.state_fields()) if layer.kind == LINEAR
                 else specs.full(a.num_key_value_heads, a.head_dim) for layer in self.layers]
 
-    def forward(self, tokens, caches, logits="last"):
-        T = tokens.shape[0]
-        cos, sin = self.rope.table(caches[0].offset, T)
-        x = F.embedding(tokens, self.embed)
-        for layer, cache in zip(self.layers, caches):
-            x = layer.forward(x, cache, cos, sin)
-        if logits == "none":
+    def forward(self, batch):
+        ropes = {s: self.rope.table(s.position, s.length) for s in batch.spans}
+        x = F.embedding(batch.tokens, self.embed)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x, batch, i, ropes)
+        x = select_rows(x, batch)
+        if x is None:
             return None
-        if logits == "last":
-            x = x[-1:]
-        out = linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
-        return out[0] if logits == "last" else out
+        return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
+from .batch import Batch, Span, select_rows, spans_apply
 from .base import BaseArgs, Model, Rope, apply_rope, attention, gelu_tanh, linear, param, rms_norm, take
 from .rope_config import inv_freq_for, rope_params
 from .ssm import causal_conv1d, linear_recurrence
@@ -70,23 +71,30 @@ class RGLRU(nn.Module):
                                         take(t, f"{p}.recurrent_gate_bias")], dim=-1), dtype)
         self.log_a_scale = param(-8.0 * F.softplus(take(t, f"{p}.recurrent_param").float()), torch.float32)
 
-    def forward(self, x: torch.Tensor, h: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, W] (conv output), h [W] state. Returns (outputs [T, W] float32, final h)."""
-        T = x.shape[0]
-        xh = x.view(T, self.heads, self.block).transpose(0, 1)                   # [heads, T, block]
-        gates = torch.baddbmm(self.b_gates[:, None, :], xh, self.w_gates)       # [heads, T, 2 * block]
-        gates = torch.sigmoid(gates).transpose(0, 1).reshape(T, self.heads, 2, self.block)
-        input_gate = gates[:, :, 0].reshape(T, self.width)
-        rec_gate = gates[:, :, 1].reshape(T, self.width)
+    def forward(self, x: torch.Tensor, batch: Batch, i: int) -> torch.Tensor:
+        """x [N, W] (conv outputs of every row); the gates over all rows, the recurrence per span
+        from ``span.caches[i].state['rg_lru']``. Returns the outputs [N, W] float32."""
+        N = x.shape[0]
+        xh = x.view(N, self.heads, self.block).transpose(0, 1)                   # [heads, N, block]
+        gates = torch.baddbmm(self.b_gates[:, None, :], xh, self.w_gates)       # [heads, N, 2 * block]
+        gates = torch.sigmoid(gates).transpose(0, 1).reshape(N, self.heads, 2, self.block)
+        input_gate = gates[:, :, 0].reshape(N, self.width)
+        rec_gate = gates[:, :, 1].reshape(N, self.width)
         log_a = self.log_a_scale * rec_gate.float()
         multiplier = torch.sqrt(1 - torch.exp(2 * log_a))
-        if offset == 0:
-            # the first token of a sequence resets the recurrence: no decay of (zero) history and
-            # no sqrt(1 - a^2) normalisation
-            multiplier[0] = 1.0
-            h = torch.zeros_like(h)
+        for s in batch.spans:
+            if s.position == 0:
+                # the first token of a sequence resets the recurrence: no sqrt(1 - a^2)
+                # normalisation (and no decay of history: the scan starts from zero below)
+                multiplier[s.start] = 1.0
         normed = (x * input_gate) * multiplier.to(x.dtype)
-        return linear_recurrence(log_a, normed, h)
+
+        def one(s: Span):   # the recurrence: this sequence's rows over its own state
+            h = s.caches[i].state["rg_lru"]
+            out, h = linear_recurrence(log_a[s.rows], normed[s.rows], torch.zeros_like(h) if s.position == 0 else h)
+            s.caches[i].set("rg_lru", h)
+            return out
+        return spans_apply(batch, one)
 
 
 class RecurrentBlock(nn.Module):
@@ -104,14 +112,16 @@ class RecurrentBlock(nn.Module):
     def state_fields(self) -> dict[str, tuple[int, ...]]:
         return {"conv": (self.kernel - 1, self.width), "rg_lru": (self.width,)}
 
-    def forward(self, x, cache):
-        T = x.shape[0]
-        y, xb = linear(x, self.w_yx, self.b_yx).split([self.width, self.width], dim=-1)
-        xb, conv_state = causal_conv1d(xb, cache.state["conv"], self.w_conv, self.b_conv)
-        cache.set("conv", conv_state)
-        h_all, h = self.rg_lru.forward(xb, cache.state["rg_lru"], cache.offset)
-        cache.set("rg_lru", h)
-        cache.advance(T)
+    def forward(self, x, batch: Batch, i: int):
+        y, xb_all = linear(x, self.w_yx, self.b_yx).split([self.width, self.width], dim=-1)
+
+        def conv(s: Span):   # the conv window: this sequence's rows over its own state
+            xb, conv_state = causal_conv1d(xb_all[s.rows], s.caches[i].state["conv"], self.w_conv, self.b_conv)
+            s.caches[i].set("conv", conv_state)
+            return xb
+        h_all = self.rg_lru.forward(spans_apply(batch, conv), batch, i)
+        for s in batch.spans:
+            s.caches[i].advance(s.length)
         return linear(h_all.to(x.dtype) * gelu_tanh(y), self.w_out, self.b_out)
 
 
@@ -127,12 +137,16 @@ class Attention(nn.Module):
         self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
         self.bo = param(take(t, f"{p}.o_proj.bias"), dtype)  # o_proj always has a bias
 
-    def forward(self, x, cache, cos, sin):
-        T = x.shape[0]
-        qkv = linear(x, self.wqkv, self.bqkv).view(T, self.hq + 2 * self.hk, self.d).transpose(0, 1)
-        qk = apply_partial_rope(qkv[: self.hq + self.hk], cos, sin)
-        keys, values, mask = cache.update_and_fetch(qk[self.hq:], qkv[self.hq + self.hk:])
-        return linear(attention(qk[: self.hq], keys, values, mask, self.scale), self.wo, self.bo)
+    def forward(self, x, batch: Batch, i: int, ropes):
+        hq, hk = self.hq, self.hk
+        qkv = linear(x, self.wqkv, self.bqkv).view(x.shape[0], hq + 2 * hk, self.d).transpose(0, 1)
+
+        def one(s: Span):   # this sequence's rows over its own KV
+            part = qkv[:, s.rows]
+            qk = apply_partial_rope(part[: hq + hk], *ropes[s])
+            keys, values, mask = s.caches[i].update_and_fetch(qk[hq:], part[hq + hk:])
+            return attention(qk[:hq], keys, values, mask, self.scale)
+        return linear(spans_apply(batch, one), self.wo, self.bo)
 
 
 class MLP(nn.Module):
@@ -164,9 +178,9 @@ class Block(nn.Module):
             raise ValueError(f"unknown RecurrentGemma block type {self.kind!r}")
         self.mlp = MLP(t, f"{p}.mlp_block", dtype)
 
-    def forward(self, x, cache, cos, sin):
+    def forward(self, x, batch, i, ropes):
         h = rms_norm(x, self.ln_temporal, self.eps)
-        h = self.temporal.forward(h, cache) if self.kind == RECURRENT else self.temporal.forward(h, cache, cos, sin)
+        h = self.temporal.forward(h, batch, i) if self.kind == RECURRENT else self.temporal.forward(h, batch, i, ropes)
         x = x + h
         return x + self.mlp.forward(rms_norm(x, self.ln_channel, self.eps))
 
@@ -199,17 +213,14 @@ class RecurrentGemmaModel(Model):
                 else specs.sliding(a.num_key_value_heads, a.head_dim, a.attention_window_size)
                 for layer in self.layers]
 
-    def forward(self, tokens, caches, logits="last"):
-        T = tokens.shape[0]
-        cos, sin = self.rope.table(caches[0].offset, T)
-        x = F.embedding(tokens, self.embed) * self.embed_scale
-        for layer, cache in zip(self.layers, caches):
-            x = layer.forward(x, cache, cos, sin)
-        if logits == "none":
+    def forward(self, batch):
+        ropes = {s: self.rope.table(s.position, s.length) for s in batch.spans}
+        x = F.embedding(batch.tokens, self.embed) * self.embed_scale
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x, batch, i, ropes)
+        x = select_rows(x, batch)
+        if x is None:
             return None
-        if logits == "last":
-            x = x[-1:]
         out = linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
         cap = self.args.logits_soft_cap
-        out = torch.tanh(out / cap) * cap
-        return out[0] if logits == "last" else out
+        return torch.tanh(out / cap) * cap

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import linear, param, take
+from .batch import Batch, Span, spans_apply
 
 
 # --- causal depthwise conv ---------------------------------------------------------------------
@@ -172,27 +173,33 @@ class Mamba2Mixer(nn.Module):
         self.w_out = param(take(t, f"{p}.out_proj.weight"), dtype)
         self.b_out = param(take(t, f"{p}.out_proj.bias"), dtype) if d.use_bias else None
 
-    def forward(self, x: torch.Tensor, cache) -> torch.Tensor:
-        """x [T, hidden]; reads and writes ``cache.state['conv'|'ssm']`` and advances the cache."""
+    def forward(self, x: torch.Tensor, batch: Batch, i: int) -> torch.Tensor:
+        """x [N, hidden] (every row of the batch); per span, reads and writes
+        ``span.caches[i].state['conv'|'ssm']`` and advances that cache."""
         d = self.d
-        T = x.shape[0]
         I, GN = d.intermediate_size, d.n_groups * d.state_size
         gate, xbc, dt = linear(x, self.w_in, self.b_in).split([I, d.conv_dim, d.num_heads], dim=-1)
-        xbc, conv_state = causal_conv1d(xbc, cache.state["conv"], self.w_conv, self.b_conv)
-        cache.set("conv", conv_state)
-        xs, B, C = F.silu(xbc).split([I, GN, GN], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias).clamp(*d.time_step_limit)
-        xs = xs.reshape(T, d.num_heads, d.head_dim)
-        B, C = B.reshape(T, d.n_groups, d.state_size), C.reshape(T, d.n_groups, d.state_size)
-        if T == 1:
-            y, state = ssd_step(xs[0], dt[0], self.A, B[0], C[0], cache.state["ssm"])
-            y = y[None]
-        else:
-            y, state = ssd_scan(xs, dt, self.A, B, C, cache.state["ssm"], d.chunk_size)
-        cache.set("ssm", state)
-        cache.advance(T)
-        y = y + self.D[:, None] * xs.float()
-        y = gated_group_rms_norm(y.reshape(T, I).to(x.dtype), gate, self.w_norm, I // d.n_groups, d.eps)
+
+        def one(s: Span):   # conv window and scan: this sequence's rows over its own state
+            cache, T = s.caches[i], s.length
+            conv, conv_state = causal_conv1d(xbc[s.rows], cache.state["conv"], self.w_conv, self.b_conv)
+            cache.set("conv", conv_state)
+            xs, B, C = F.silu(conv).split([I, GN, GN], dim=-1)
+            xs = xs.reshape(T, d.num_heads, d.head_dim)
+            B, C = B.reshape(T, d.n_groups, d.state_size), C.reshape(T, d.n_groups, d.state_size)
+            if T == 1:
+                y, state = ssd_step(xs[0], dt[s.start], self.A, B[0], C[0], cache.state["ssm"])
+                y = y[None]
+            else:
+                y, state = ssd_scan(xs, dt[s.rows], self.A, B, C, cache.state["ssm"], d.chunk_size)
+            cache.set("ssm", state)
+            cache.advance(T)
+            # contiguous as a multi-span batch's concatenation is: the norm below reduces in
+            # layout order, so a sequence alone must present the same layout to round the same
+            return (y + self.D[:, None] * xs.float()).contiguous()
+        y = spans_apply(batch, one)
+        y = gated_group_rms_norm(y.reshape(x.shape[0], I).to(x.dtype), gate, self.w_norm, I // d.n_groups, d.eps)
         return linear(y, self.w_out, self.b_out)
 
 
