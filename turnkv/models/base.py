@@ -109,6 +109,15 @@ class Rope:
             self._grow(n)
         return self.cos[offset:offset + T], self.sin[offset:offset + T]
 
+    def rows(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [N, D] for every row of a batch, each at its span's positions (rotation is
+        row-wise, so a family rotates all rows at once and keeps only attention per span)."""
+        if len(batch.spans) == 1:
+            s = batch.spans[0]
+            return self.table(s.position, s.length)
+        parts = [self.table(s.position, s.length) for s in batch.spans]
+        return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2

@@ -63,17 +63,15 @@ class Attention(nn.Module):
         k_norm = take(t, f"{p}.k_norm.weight")[None].expand(self.hk, -1)
         self.qk_norm = _norm_weight(torch.cat([q_norm, k_norm])[:, None], dtype)
 
-    def forward(self, x, batch: Batch, i: int, ropes):
+    def forward(self, x, batch: Batch, i: int, rope):
         hq, hk = self.hq, self.hk
         qkv = linear(x, self.wqkv).view(x.shape[0], hq + 2 * hk, self.d).transpose(0, 1)
         # same order as transformers' Gemma3RMSNorm: normalize, then scale by (1 + w)
-        qk_all = rms_norm(qkv[: hq + hk], None, self.eps).mul_(self.qk_norm)
+        qk = apply_rope(rms_norm(qkv[: hq + hk], None, self.eps).mul_(self.qk_norm), *rope)
 
         def one(s: Span):   # this sequence's rows over its own KV
-            cos, sin = ropes[s]
-            qk = apply_rope(qk_all[:, s.rows], cos, sin)
-            keys, values, mask = s.caches[i].update_and_fetch(qk[hq:], qkv[hq + hk:, s.rows])
-            return attention(qk[:hq], keys, values, mask, self.scale, self.softcap)
+            keys, values, mask = s.caches[i].update_and_fetch(qk[hq:, s.rows], qkv[hq + hk:, s.rows])
+            return attention(qk[:hq, s.rows], keys, values, mask, self.scale, self.softcap)
         return linear(spans_apply(batch, one), self.wo)
 
 
@@ -102,9 +100,9 @@ class Block(nn.Module):
         self.attn = Attention(a, t, f"{p}.self_attn", dtype, self.sliding)
         self.mlp = MLP(t, f"{p}.mlp", dtype)
 
-    def forward(self, x, batch, i, ropes):
+    def forward(self, x, batch, i, rope):
         # x is the model's own residual buffer (fresh from the embedding): accumulate in place
-        h = self.attn.forward(rms_norm(x, self.ln_in, self.eps), batch, i, ropes)
+        h = self.attn.forward(rms_norm(x, self.ln_in, self.eps), batch, i, rope)
         x += rms_norm(h, self.ln_post_attn, self.eps)
         h = self.mlp.forward(rms_norm(x, self.ln_pre_ff, self.eps))
         x += rms_norm(h, self.ln_post_ff, self.eps)
@@ -148,11 +146,10 @@ class Gemma3Model(Model):
                 else specs.full(a.num_key_value_heads, a.head_dim) for lt in a.layer_types]
 
     def forward(self, batch):
-        ropes_g = {s: self.rope_global.table(s.position, s.length) for s in batch.spans}
-        ropes_l = {s: self.rope_local.table(s.position, s.length) for s in batch.spans}
+        rope_g, rope_l = self.rope_global.rows(batch), self.rope_local.rows(batch)
         x = embedding(batch.tokens, self.embed, self.dtype) * self.embed_scale
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, batch, i, ropes_l if layer.sliding else ropes_g)
+            x = layer.forward(x, batch, i, rope_l if layer.sliding else rope_g)
         x = select_rows(x, batch)
         if x is None:
             return None

@@ -45,16 +45,14 @@ class Attention(nn.Module):
         self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
         self.bo = param(take(t, f"{p}.o_proj.bias"), dtype) if a.attention_bias else None
 
-    def forward(self, x, batch: Batch, i: int, ropes):
+    def forward(self, x, batch: Batch, i: int, rope):
         hq, hk = self.hq, self.hk
         qkv = linear(x, self.wqkv, self.bqkv).view(x.shape[0], hq + 2 * hk, self.d).transpose(0, 1)
+        qk = apply_rope(qkv[: hq + hk], *rope)
 
         def one(s: Span):   # this sequence's rows over its own KV
-            cos, sin = ropes[s]
-            part = qkv[:, s.rows]
-            qk = apply_rope(part[: hq + hk], cos, sin)
-            keys, values, mask = s.caches[i].update_and_fetch(qk[hq:], part[hq + hk:])
-            return attention(qk[:hq], keys, values, mask, self.scale)
+            keys, values, mask = s.caches[i].update_and_fetch(qk[hq:, s.rows], qkv[hq + hk:, s.rows])
+            return attention(qk[:hq, s.rows], keys, values, mask, self.scale)
         return linear(spans_apply(batch, one), self.wo, self.bo)
 
 
@@ -83,9 +81,9 @@ class Block(nn.Module):
         self.attn = Attention(a, t, f"{p}.self_attn", dtype)
         self.mlp = MLP(a, t, f"{p}.mlp", dtype)
 
-    def forward(self, x, batch, i, ropes):
+    def forward(self, x, batch, i, rope):
         # x is the model's own residual buffer (fresh from the embedding): accumulate in place
-        x += self.attn.forward(rms_norm(x, self.ln_attn, self.eps), batch, i, ropes)
+        x += self.attn.forward(rms_norm(x, self.ln_attn, self.eps), batch, i, rope)
         x += self.mlp.forward(rms_norm(x, self.ln_mlp, self.eps))
         return x
 
@@ -116,10 +114,10 @@ class LlamaModel(Model):
         return [specs.full(a.num_key_value_heads, a.head_dim) for _ in range(a.num_hidden_layers)]
 
     def forward(self, batch):
-        ropes = {s: self.rope.table(s.position, s.length) for s in batch.spans}
+        rope = self.rope.rows(batch)
         x = embedding(batch.tokens, self.embed, self.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, batch, i, ropes)
+            x = layer.forward(x, batch, i, rope)
         x = select_rows(x, batch)
         if x is None:
             return None
