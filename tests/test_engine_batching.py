@@ -168,3 +168,23 @@ def test_random_interleavings(models, data):
     for req, sink in zip(reqs, sinks):
         assert_same(sink.result, alone(model, req))
 
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_requests_arriving_together_share_their_common_prefix(models, family):
+    """Three requests with one 150-token system prompt arrive in the same instant: the first
+    computes it, the others wait for its checkpoint there and restore it (cached tokens = the
+    shared prefix) instead of computing it three times; each still equals its run alone."""
+    model, rng = models[family], random.Random(9)
+    system = rand_tokens(rng, 150)
+    reqs = [request([system, rand_tokens(rng, 12 + i)], 5) for i in range(3)]
+    eng = engine(model, max_seqs=3, max_batch_tokens=64, chunk=64)
+    sinks, _ = run_all(eng, reqs)
+    assert sinks[0].result.usage.cached_tokens == 0
+    for sink in sinks[1:]:
+        assert sink.result.usage.cached_tokens == 150, sink.result.usage
+        assert sink.result.stats.prefilled_tokens < 20
+    for req, sink in zip(reqs, sinks):
+        assert_same(sink.result, alone(model, req))
+    stats = eng.prompt_cache.stats()
+    assert stats["tokens_prefilled"] < 150 + 3 * 20, stats

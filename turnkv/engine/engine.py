@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ..cache.modes import NATIVE
-from ..cache.pool import StateIdentity, StatePool
+from ..cache.pool import StateIdentity, StatePool, common_prefix
 from ..cache.rotating import DEFAULT_SLACK
 from ..cache.specs import CacheSpec, default_modes
 from ..models.batch import LAST, Batch
@@ -35,6 +35,7 @@ from .sequence import (DECODE, FINISHED, PREFILL, Failure, GenerationRequest, Re
 
 DEFAULT_PREFILL_CHUNK = 512
 BOUNDARY_MESSAGES = 16       # message ends found per chat request (tokenizer.render_chat)
+SHARE_MIN_TOKENS = 64        # a common prefix worth waiting for another sequence to compute
 log = logging.getLogger("turnkv.engine")
 
 __all__ = ["Engine", "GenerationRequest", "Result", "TokenEvent", "Usage", "Stats", "Failure", "QueueFull",
@@ -219,6 +220,10 @@ class Engine:
         for seq in self.scheduler.admissible():
             acted = True
             self._admit(seq)
+        for seq in self.scheduler.running:
+            if seq.follow is not None and (seq.follow[0].pos >= seq.follow[1] or seq.follow[0].done):
+                seq.follow = None          # the leader stored the shared prefix (or ended): look again
+                self._begin(seq)
         work = self.scheduler.plan()
         if not work:
             return acted
@@ -250,9 +255,19 @@ class Engine:
         seq.stats.queue_ms = (seq.t_admit - seq.t_submit) * 1000
         try:
             seq.state = self.pool.acquire(seq.prompt)
-            restored = self.reuse.begin(seq.state, seq.ns, seq.prompt)
         except Exception as err:  # noqa: BLE001
             log.exception("admitting a sequence failed")
+            self._fail(seq, err)
+            return
+        self._begin(seq, share=True)
+
+    def _begin(self, seq: Sequence, share: bool = False) -> None:
+        """Restore what the prompt cache holds for the prompt; with ``share``, wait instead for a
+        sequence running now that is about to compute a longer common prefix."""
+        try:
+            restored = self.reuse.begin(seq.state, seq.ns, seq.prompt)
+        except Exception as err:  # noqa: BLE001
+            log.exception("restoring a sequence's state failed")
             self._fail(seq, err)
             return
         s = seq.stats
@@ -260,12 +275,33 @@ class Engine:
         s.restored_origin, s.restored_entry_length = restored.origin, restored.entry_length
         seq.usage.cached_tokens = seq.pos = restored.cached
         seq.stops = self.reuse.checkpoints(seq.req.boundaries, seq.pos, len(seq.prompt))
+        seq.status = PREFILL
         if restored.logits is not None:        # the whole prompt was stored with its logits
             self._prompt_done(seq)
             if seq.take(restored.logits):
                 self._finish(seq)
-        else:
-            seq.status = PREFILL
+        elif share:
+            self._follow(seq)
+
+    def _follow(self, seq: Sequence) -> None:
+        """Two requests with one long common prefix (a shared system prompt) at the same time:
+        the later waits while the earlier prefills that prefix, which then checkpoints exactly at
+        its end (the prompt cache stores it), and the later restores it instead of computing it
+        again."""
+        if not self.reuse.active:
+            return
+        best, best_len = None, seq.pos + SHARE_MIN_TOKENS - 1
+        for other in self.scheduler.running:
+            if other is seq or other.follow is not None or other.ns != seq.ns or other.status != PREFILL:
+                continue
+            n = common_prefix(other.prompt, seq.prompt)
+            if n > best_len and other.pos < n:
+                best, best_len = other, n
+        if best is None:
+            return
+        if best.pos < best_len and best_len not in best.stops:
+            best.stops = sorted(best.stops + [best_len])
+        seq.follow = (best, best_len)
 
     def _prompt_done(self, seq: Sequence) -> None:
         seq.status = DECODE

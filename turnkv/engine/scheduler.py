@@ -72,7 +72,7 @@ class Scheduler:
         for seq in self.running:
             if budget <= 0:
                 break
-            if seq.status != PREFILL:
+            if seq.status != PREFILL or seq.follow is not None:
                 continue
             n = min(self.prefill_chunk, seq.next_stop() - seq.pos, budget)
             end = seq.pos + n

@@ -103,6 +103,8 @@ class Sequence:
         self.state: SeqState | None = None
         self.pos = 0                          # prompt tokens the state holds (prefill progress)
         self.stops: list[int] = []            # checkpoint positions still ahead in the prompt
+        # (leader, n): waiting for a running sequence to compute (and store) n shared prompt tokens
+        self.follow: tuple[Sequence, int] | None = None
         self.next_token: int | None = None    # sampled, not yet fed
         self.generated: list[int] = []
         self.last_logits: torch.Tensor | None = None   # logits of the state's last token
