@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+from .launch import DTYPES, engine_from, print_banner, sampling_from
+
+# engine/scheduler.py's defaults, repeated so `--help` does not import torch (a test holds them equal)
+DEFAULT_MAX_SEQS, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_QUEUE = 8, 256, 64
 # the names of turnkv.models.weights.FORMATS, listed here so `--help` does not import torch
 WEIGHT_FORMATS = ("native", "bf16", "int8", "int4x2", "int4", "auto", "gguf")
 
@@ -49,49 +52,8 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
-def sampling_from(args):
-    from .engine.sampling import SamplingParams
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed, stop=list(args.stop))
-
-
-def engine_from(args, progress: bool = True):
-    import torch
-
-    from .engine.generate import Engine
-    from .prompt_cache.store import PromptCache
-
-    from .launch import configure_process
-
-    configure_process(args.threads)
-    budget = int(args.cache_budget_mb * 1024 * 1024) if args.prompt_cache else 0
-    return Engine.load(args.model, dtype=getattr(torch, DTYPES[args.dtype]), weights=args.weights,
-                       progress=progress,
-                       device=args.device, prompt_cache=PromptCache(budget), slack=args.swa_slack,
-                       kv_mode=args.kv_cache_mode, kv_boundary_layers=args.kv_boundary_layers,
-                       prefill_chunk=args.prefill_chunk, max_context=args.max_context)
-
-
-def print_banner(engine, budget_mb: float, enabled: bool) -> None:
-    import torch
-
-    from .cache.modes import describe_modes
-    print(f"turnkv: {engine.name} ({engine.family}, {len(engine.specs)} layers: {engine.describe_layers()})",
-          file=sys.stderr)
-    print(f"turnkv: weights {engine.weights}, compute dtype {str(engine.dtype).removeprefix('torch.')}, "
-          f"{torch.get_num_threads()} threads", file=sys.stderr)
-    if engine.weights == "gguf":
-        from .kernels import kernel_info
-        print(f"turnkv: GGUF kernels {kernel_info()}", file=sys.stderr)
-    for note in getattr(engine.model, "weight_notes", []):
-        print(f"turnkv: weights: {note}", file=sys.stderr)
-    print(f"turnkv: KV mode {describe_modes(list(engine.modes), engine.specs)}; prompt cache "
-          f"{'on, budget ' + format(budget_mb, 'g') + ' MiB' if enabled and budget_mb > 0 else 'off'}",
-          file=sys.stderr)
-
-
 def cmd_models(args) -> int:
-    from .registry import list_bundled
+    from .loading.bundled import list_bundled
     rows = list_bundled()
     print(f"{'name':<16} {'installed':<10} {'package':<28} path")
     for r in rows:
@@ -194,6 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require this bearer token")
+    b = p.add_argument_group("batching")
+    b.add_argument("--max-seqs", type=int, default=DEFAULT_MAX_SEQS,
+                   help=f"sequences generating at once, decoded in one batch (default {DEFAULT_MAX_SEQS})")
+    b.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS,
+                   help="tokens per engine step: every running sequence's next token plus prefill chunks "
+                        f"(default {DEFAULT_MAX_BATCH_TOKENS})")
+    b.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help=f"requests waiting for a slot before the server answers 429 (default {DEFAULT_MAX_QUEUE})")
     p.set_defaults(func=cmd_serve)
     return parser
 

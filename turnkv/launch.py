@@ -123,3 +123,47 @@ def reexec_with(env: dict[str, str], marker: str = "TURNKV_LAUNCH_ENV") -> None:
         return
     new_env = {**os.environ, **env, marker: "1"}
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], new_env)
+
+
+# --- engine construction from parsed CLI flags (serve, chat, generate) ---------------------------
+
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+def sampling_from(args):
+    from .engine.sampling import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed, stop=list(args.stop))
+
+
+def engine_from(args, progress: bool = True):
+    import torch
+
+    from .engine.engine import Engine
+    from .prompt_cache.store import PromptCache
+    configure_process(args.threads)
+    budget = int(args.cache_budget_mb * 1024 * 1024) if args.prompt_cache else 0
+    return Engine.load(args.model, dtype=getattr(torch, DTYPES[args.dtype]), weights=args.weights,
+                       progress=progress,
+                       device=args.device, prompt_cache=PromptCache(budget), slack=args.swa_slack,
+                       kv_mode=args.kv_cache_mode, kv_boundary_layers=args.kv_boundary_layers,
+                       prefill_chunk=args.prefill_chunk, max_context=args.max_context,
+                       **{k: getattr(args, k) for k in ("max_seqs", "max_batch_tokens", "max_queue") if hasattr(args, k)})
+
+
+def print_banner(engine, budget_mb: float, enabled: bool) -> None:
+    import torch
+
+    from .cache.specs import describe_modes
+    print(f"turnkv: {engine.name} ({engine.family}, {len(engine.specs)} layers: {engine.describe_layers()})",
+          file=sys.stderr)
+    print(f"turnkv: weights {engine.weights}, compute dtype {str(engine.dtype).removeprefix('torch.')}, "
+          f"{torch.get_num_threads()} threads", file=sys.stderr)
+    if engine.weights == "gguf":
+        from .kernels import kernel_info
+        print(f"turnkv: GGUF kernels {kernel_info()}", file=sys.stderr)
+    for note in getattr(engine.model, "weight_notes", []):
+        print(f"turnkv: weights: {note}", file=sys.stderr)
+    print(f"turnkv: KV mode {describe_modes(list(engine.modes), engine.specs)}; prompt cache "
+          f"{'on, budget ' + format(budget_mb, 'g') + ' MiB' if enabled and budget_mb > 0 else 'off'}",
+          file=sys.stderr)

@@ -424,7 +424,7 @@ def address(sock: socket.socket) -> str:
 def serve(args) -> int:
     import uvicorn
 
-    from ..cli import engine_from, print_banner, sampling_from
+    from ..launch import engine_from, print_banner, sampling_from
 
     defaults = sampling_from(args)
     defaults.validate()
