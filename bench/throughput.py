@@ -20,6 +20,21 @@ Medians over the repetitions are printed with the ratio to transformers and the 
 malloc settings (``turnkv.launch.configure_process``; ``--no-tune`` leaves glibc's defaults).
 The last two columns compare each format with transformers float32 on the prompt's last-token
 logits (max |diff|) and on the greedy continuation (tokens equal before the first mismatch).
+
+``--nll-tokens N`` (default 1024; 0 skips it) adds a quality table: every format's mean NLL per
+token on the first N tokens of turnkv/data/coriolanus.txt (the bench text of bench/kv_modes.py,
+prefilled 256 tokens at a time) and its difference from the first format of ``--formats`` (the
+float32 reference by default). The ``gguf`` format (the GGUF's own quantized blocks, native
+kernels) is held to 0.01 nats/token there (issue 12). ``--no-transformers`` skips transformers
+(speed ratios are then against the first format). The CPU model (``lscpu``) is printed.
+
+``--llama-server PATH`` adds llama.cpp's server as a column: the bench starts it on the same GGUF
+(``-t`` = our threads), sends the same prompt token ids (``cache_prompt: false``) and reads its
+own timings (prompt and predicted tokens per second), median over the repetitions. The last
+table sets every turnkv format against llama-server and against the machine's bandwidth limit:
+the bytes of the model's weights (read once per decoded token) over a measured read bandwidth
+(``torch.sum`` over 256 MB with the same threads). Goals (issue 12): decode >= 1.0x llama-server
+and >= 70% of the limit, prefill >= 1.0x llama-server.
 """
 
 from __future__ import annotations
@@ -42,7 +57,114 @@ from turnkv.models import family_class  # noqa: E402
 from turnkv.models.weights import load_model  # noqa: E402
 
 PREFILL_GOAL, DECODE_GOAL = 1.5, 3.0
-DEFAULT_FORMATS = "float32:native,bfloat16:native,float32:auto,bfloat16:auto"
+DEFAULT_FORMATS = "float32:native,bfloat16:native,float32:auto,bfloat16:auto,float32:gguf"
+NLL_GOAL = 0.01      # gguf's allowed mean-NLL increase over float32 native, nats/token
+NLL_CHUNK = 256
+TEXT = Path(__file__).resolve().parent.parent / "turnkv" / "data" / "coriolanus.txt"
+
+
+def cpu_model() -> str:
+    try:
+        import subprocess
+
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown CPU"
+
+
+def read_bandwidth_gbs(reps: int = 7) -> float:
+    """GB/s of a streaming read (torch.sum over 256 MB, the process's threads), median of reps."""
+    x = torch.ones(64 * 1024 * 1024)
+    x.sum()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+def model_bytes(model) -> int:
+    """Bytes of every weight the model holds (each read once per decoded token: the head of
+    these models is tied to the embedding, so the whole table is read too)."""
+    from turnkv.models.weights import GGUFPacked
+
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    for m in model.modules():
+        if isinstance(m, GGUFPacked) and id(m) not in seen:
+            seen.add(id(m))
+            total += m.nbytes
+    return total
+
+
+class LlamaServer:
+    """llama.cpp's llama-server on one GGUF, for the side-by-side column."""
+
+    def __init__(self, binary: str, gguf: str, threads: int, context: int):
+        import socket
+        import subprocess
+        import tempfile
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([binary, "-m", gguf, "--port", str(self.port), "-t", str(threads),
+                                      "-c", str(context), "-np", "1"], stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+        import httpx
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited: {Path(self.log.name).read_text()[-1500:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError("llama-server did not start")
+
+    def run(self, ids: list[int], n_predict: int) -> tuple[float, float]:
+        """(prefill tok/s, decode tok/s) from llama-server's own timings."""
+        import httpx
+        r = httpx.post(self.url + "/completion", timeout=600, json={
+            "prompt": ids, "n_predict": n_predict, "cache_prompt": False, "temperature": 0,
+            "ignore_eos": True})
+        r.raise_for_status()
+        t = r.json()["timings"]
+        return float(t["prompt_per_second"]), float(t["predicted_per_second"])
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except Exception:  # noqa: BLE001
+            self.proc.kill()
+
+
+def bench_text_ids(tokenizer, n: int) -> torch.Tensor:
+    lines = TEXT.read_text(encoding="utf-8").splitlines(keepends=True)
+    return torch.tensor(tokenizer.encode("".join(lines[1:])), dtype=torch.int64)[:n]
+
+
+def chunked_nll(model, dtype: torch.dtype, ids: torch.Tensor, chunk: int = NLL_CHUNK) -> float:
+    """Mean NLL of ids[1:] given the prefix, prefilled ``chunk`` tokens at a time."""
+    caches = make_caches(model.cache_specs(), dtype=dtype)
+    total = 0.0
+    for a in range(0, ids.shape[0] - 1, chunk):
+        b = min(a + chunk, ids.shape[0] - 1)
+        logp = torch.log_softmax(model.step(ids[a:b], caches, "all").float(), dim=-1)
+        total -= logp.gather(-1, ids[a + 1:b + 1, None]).sum().item()
+    return total / (ids.shape[0] - 1)
 
 
 @dataclass
@@ -52,6 +174,8 @@ class Sample:
     last_logits: torch.Tensor | None = None
     tokens: list[int] = field(default_factory=list)
     load_s: float = 0.0
+    nll: float | None = None
+    bytes: int = 0
 
 
 def parse_format(spec: str) -> tuple[torch.dtype, str, str]:
@@ -115,23 +239,37 @@ def bench_model(name: str, args) -> list[tuple]:
     for spec in args.formats.split(","):
         dtype, weights, kv = parse_format(spec)
         t = time.perf_counter()
-        engines[spec] = (load_model(cls, ckpt.config, ckpt.tensors, dtype, weights), dtype, kv)
-        samples[spec] = Sample(load_s=time.perf_counter() - t)
-    t = time.perf_counter()
-    hf = load_transformers(ckpt, args.hf_load)
-    samples["transformers"] = Sample(load_s=time.perf_counter() - t)
-    print(f"[{name}] transformers loaded ({args.hf_load}) in {samples['transformers'].load_s:.1f}s", flush=True)
+        if weights == "gguf":   # the GGUF's own blocks: loaded again, kept quantized (no float copy)
+            qckpt = load_checkpoint(name, dtype=torch.float32, progress=False, keep_quantized=True)
+            model = load_model(cls, qckpt.config, qckpt.tensors, dtype, weights, quantized=qckpt.quantized)
+        else:
+            model = load_model(cls, ckpt.config, ckpt.tensors, dtype, weights)
+        engines[spec] = (model, dtype, kv)
+        samples[spec] = Sample(load_s=time.perf_counter() - t, bytes=model_bytes(model))
+    hf = None
+    if not args.no_transformers:
+        t = time.perf_counter()
+        hf = load_transformers(ckpt, args.hf_load)
+        samples["transformers"] = Sample(load_s=time.perf_counter() - t)
+        print(f"[{name}] transformers loaded ({args.hf_load}) in {samples['transformers'].load_s:.1f}s", flush=True)
 
     gen = torch.Generator().manual_seed(0)
     vocab = min(int(ckpt.config["vocab_size"]), 32000)
     prompt = torch.randint(100, vocab, (args.prompt_tokens,), generator=gen)
+    server = None
+    if args.llama_server:
+        server = LlamaServer(args.llama_server, str(ckpt.source), torch.get_num_threads(),
+                             args.prompt_tokens + args.decode_tokens + 64)
+        samples["llama-server"] = Sample()
+        server.run(prompt[:64].tolist(), 2)       # warm-up
     with torch.inference_mode():
         # warm-up: one short pass each (first-call allocations, oneDNN primitive creation)
         for spec, (model, dtype, kv) in engines.items():
             run_turnkv(model, dtype, kv, prompt[:64], 2)
-        run_transformers(hf, prompt[:64], 2)
+        if hf is not None:
+            run_transformers(hf, prompt[:64], 2)
         for rep in range(args.reps):
-            for key in ["transformers", *engines]:
+            for key in (["transformers"] if hf is not None else []) + list(engines):
                 if key == "transformers":
                     p, d, first, toks = run_transformers(hf, prompt, args.decode_tokens)
                 else:
@@ -140,40 +278,84 @@ def bench_model(name: str, args) -> list[tuple]:
                 s.prefill.append(args.prompt_tokens / p)
                 s.decode.append((args.decode_tokens - 1) / d)
                 s.last_logits, s.tokens = first, toks
+            if server is not None:
+                p, d = server.run(prompt.tolist(), args.decode_tokens)
+                samples["llama-server"].prefill.append(p)
+                samples["llama-server"].decode.append(d)
             print(f"[{name}] repetition {rep + 1}/{args.reps} done", flush=True)
-    ref = samples["transformers"]
+    if server is not None:
+        server.close()
+        if args.nll_tokens:
+            ids = bench_text_ids(ckpt.tokenizer, args.nll_tokens)
+            for spec, (model, dtype, kv) in engines.items():
+                t = time.perf_counter()
+                samples[spec].nll = chunked_nll(model, dtype, ids)
+                print(f"[{name}] {spec}: mean NLL {samples[spec].nll:.4f} over {ids.shape[0] - 1} tokens "
+                      f"({time.perf_counter() - t:.1f}s)", flush=True)
+    ref = samples["transformers" if hf is not None else next(iter(engines))]
     rows = []
     for key, s in samples.items():
         pf, dc = statistics.median(s.prefill), statistics.median(s.decode)
         rpf, rdc = pf / statistics.median(ref.prefill), dc / statistics.median(ref.decode)
-        diff = (s.last_logits - ref.last_logits).abs().max().item()
-        agree = next((i for i, (a, b) in enumerate(zip(s.tokens, ref.tokens)) if a != b), len(ref.tokens))
-        rows.append((name, key, pf, rpf, dc, rdc, diff, agree, len(ref.tokens), s.load_s))
+        if s.last_logits is None:     # llama-server: speed only
+            diff, agree = float("nan"), 0
+        else:
+            diff = (s.last_logits - ref.last_logits).abs().max().item()
+            agree = next((i for i, (a, b) in enumerate(zip(s.tokens, ref.tokens)) if a != b), len(ref.tokens))
+        rows.append((name, key, pf, rpf, dc, rdc, diff, agree, len(ref.tokens), s.load_s, s.nll, s.bytes))
     del engines, hf
     return rows
 
 
 def print_table(rows: list[tuple], args) -> None:
     print()
-    print(f"prompt {args.prompt_tokens} tokens, decode {args.decode_tokens} tokens at that context, "
-          f"median of {args.reps}; threads={torch.get_num_threads()}")
-    head = (f"{'model':14s} {'engine':18s} {'prefill tok/s':>13s} {'x hf':>6s} {'decode tok/s':>12s} "
-            f"{'x hf':>6s}  {'goals':7s} {'max|dlogit|':>11s} {'greedy=hf':>9s} {'build s':>7s}")
+    ref = "first format" if args.no_transformers else "hf"
+    print(f"{cpu_model()}; prompt {args.prompt_tokens} tokens, decode {args.decode_tokens} tokens at that context, "
+          f"median of {args.reps}; threads={torch.get_num_threads()}; ratios and logits against {ref}")
+    head = (f"{'model':14s} {'engine':18s} {'prefill tok/s':>13s} {'x ref':>6s} {'decode tok/s':>12s} "
+            f"{'x ref':>6s}  {'goals':7s} {'max|dlogit|':>11s} {'greedy=ref':>10s} {'build s':>7s}")
     print(head)
     print("-" * len(head))
-    for name, key, pf, rpf, dc, rdc, diff, agree, n, load_s in rows:
-        goals = "" if key == "transformers" else (
+    for name, key, pf, rpf, dc, rdc, diff, agree, n, load_s, _, _ in rows:
+        goals = "" if key == "transformers" or args.no_transformers else (
             ("P" if rpf >= PREFILL_GOAL else "-") + ("D" if rdc >= DECODE_GOAL else "-"))
         print(f"{name:14s} {key:18s} {pf:13.0f} {rpf:6.2f} {dc:12.1f} {rdc:6.2f}  {goals:7s} "
               f"{diff:11.2e} {agree:>5d}/{n:<3d} {load_s:7.1f}")
     print(f"goals: P = prefill >= {PREFILL_GOAL}x transformers, D = decode >= {DECODE_GOAL}x transformers")
+    peer = {r[0]: r for r in rows if r[1] == "llama-server"}
+    if peer:
+        bw = args.bandwidth
+        print()
+        print(f"against llama-server (same GGUF, same threads) and the bandwidth limit (read {bw:.1f} GB/s); "
+              "goals: decode >= 1.0x llama-server and >= 70% of the limit, prefill >= 1.0x llama-server")
+        print(f"{'model':14s} {'engine':18s} {'weights MB':>10s} {'limit tok/s':>11s} {'decode % limit':>14s} "
+              f"{'prefill x ls':>12s} {'decode x ls':>11s}")
+        for name, key, pf, _, dc, _, _, _, _, _, _, nbytes in rows:
+            if key in ("transformers", "llama-server") or name not in peer:
+                continue
+            limit = bw * 1e9 / nbytes
+            print(f"{name:14s} {key:18s} {nbytes / 1e6:10.1f} {limit:11.1f} {100 * dc / limit:13.0f}% "
+                  f"{pf / peer[name][2]:12.2f} {dc / peer[name][4]:11.2f}")
+    nll_rows = [r for r in rows if r[10] is not None]
+    if nll_rows:
+        print()
+        print(f"mean NLL on the first {args.nll_tokens} tokens of {TEXT.name} (chunks of {NLL_CHUNK}), "
+              f"dNLL against each model's first format; gguf goal: dNLL <= {NLL_GOAL}")
+        print(f"{'model':14s} {'engine':18s} {'NLL':>8s} {'dNLL':>8s}")
+        base: dict[str, float] = {}
+        for name, key, *_, nll, _ in nll_rows:
+            base.setdefault(name, nll)
+            d = nll - base[name]
+            flag = ("  ok" if d <= NLL_GOAL else "  OVER GOAL") if ":gguf" in key else ""
+            print(f"{name:14s} {key:18s} {nll:8.4f} {d:+8.4f}{flag}")
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="smollm2-135m,gemma3-270m")
-    ap.add_argument("--formats", default=DEFAULT_FORMATS,
-                    help="comma list of dtype:weights[:kv-cache-mode], e.g. float32:auto:int8")
+    ap.add_argument("--formats", default=None,
+                    help="comma list of dtype:weights[:kv-cache-mode], e.g. float32:auto:int8 (default: "
+                         f"{DEFAULT_FORMATS}; float32:gguf only where the native GGUF kernels are built)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=1000)
     ap.add_argument("--decode-tokens", type=int, default=32)
@@ -181,9 +363,21 @@ def main(argv=None) -> None:
     ap.add_argument("--hf-load", choices=("gguf", "tensors"), default="gguf",
                     help="gguf: transformers' own GGUF loader (slow); tensors: same weights via from_config")
     ap.add_argument("--no-tune", action="store_true", help="leave glibc malloc at its defaults")
+    ap.add_argument("--nll-tokens", type=int, default=1024,
+                    help="tokens of the bench text scored for mean NLL per format (0: skip)")
+    ap.add_argument("--no-transformers", action="store_true",
+                    help="skip transformers; ratios against the first format")
+    ap.add_argument("--llama-server", default=None, metavar="PATH",
+                    help="llama.cpp's llama-server binary: adds it as a column (../shared/PEERS.md says how to build it)")
     args = ap.parse_args(argv)
+    if args.formats is None:
+        from turnkv.models.weights import native_kernels_built
+
+        args.formats = DEFAULT_FORMATS if native_kernels_built() else DEFAULT_FORMATS.replace(",float32:gguf", "")
     settings = configure_process(args.threads, malloc=None if args.no_tune else RECOMMENDED_MALLOC)
-    print(f"threads={settings.threads} malloc tuned={settings.malloc_applied}", flush=True)
+    args.bandwidth = read_bandwidth_gbs()
+    print(f"{cpu_model()}: threads={settings.threads} malloc tuned={settings.malloc_applied}; "
+          f"read bandwidth {args.bandwidth:.1f} GB/s", flush=True)
     rows = []
     for name in args.models.split(","):
         rows += bench_model(name, args)
