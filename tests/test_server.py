@@ -279,7 +279,9 @@ def test_cache_stats_show_hits_and_kv_modes(cached, cold, conversation):
     assert stats["hits"] >= 7 and stats["tokens_reused"] > 0 and stats["entries"] > 0 and stats["bytes"] > 0
     assert stats["prompt_cache_enabled"] is True
     assert stats["kv_cache_mode_effective"] == ["native"] * 30
-    assert stats["weights"] == "native" and stats["dtype"] == "float32"
+    from turnkv.models.weights import native_kernels_built    # the default: gguf when built
+
+    assert stats["weights"] == ("gguf" if native_kernels_built() else "native") and stats["dtype"] == "float32"
     assert stats["namespaces"] >= 2          # the tenants above
     off = cold.get("/v1/cache/stats").json()
     assert off["prompt_cache_enabled"] is False and off["hits"] == 0 and off["entries"] == 0

@@ -1,0 +1,260 @@
+"""GGUF int8-activation matmul kernels (turnkv/kernels): layouts, native == reference, invariance.
+
+The native paths are designed to be bit-identical to the PyTorch reference (exact int32 block
+dot products, then the same float32 operations in the same order; docs/kernels.md), so (2) and
+(3) assert torch.equal, not a tolerance.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import gguf.quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+import turnkv.kernels as tk
+from turnkv.kernels import GGUFWeight, reference
+from turnkv.loading import gguf as lg
+from turnkv.loading.bundled import find_bundled, locate_bundled
+
+QUANTIZABLE = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]  # gguf.quants can quantize these
+KQUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]  # built as random valid blocks
+ALL = QUANTIZABLE + KQUANTS
+N, K = 67, 512  # N not a multiple of the 8-row tile; K = 16 blocks of 32 / 2 of 256
+ISAS = tk.available_isas()
+
+
+def _f16_bytes(rng, shape, lo, hi) -> np.ndarray:
+    v = rng.uniform(lo, hi, size=shape).astype(np.float16)
+    return v.view(np.uint8).reshape(*shape, 2)
+
+
+def random_weight(qtype: Q, n: int = N, k: int = K, seed: int = 0) -> GGUFWeight:
+    rng = np.random.default_rng(seed)
+    if qtype in QUANTIZABLE:
+        w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+        return GGUFWeight.from_raw(gguf.quants.quantize(w, qtype), qtype, (n, k))
+    block, size = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        blocks[..., 0:2] = _f16_bytes(rng, (n, k // block), 1e-4, 2e-3)  # d
+        blocks[..., 2:4] = _f16_bytes(rng, (n, k // block), 1e-4, 2e-3)  # dmin
+    else:  # Q6_K: d last
+        blocks[..., 208:210] = _f16_bytes(rng, (n, k // block), 1e-5, 2e-4)
+    return GGUFWeight.from_raw(blocks.reshape(n, -1), qtype, (n, k))
+
+
+def _rows_of(path, pick) -> dict[Q, tuple[str, GGUFWeight]]:
+    """A few rows (strided over the tensor) of one tensor per quant type of a GGUF file."""
+    h = lg.read_header(path)
+    tensors = h.tensors.values() if isinstance(h.tensors, dict) else h.tensors
+    out = {}
+    with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        for t in tensors:
+            if len(t.shape) != 2 or t.qtype not in tk.SUPPORTED or t.qtype in out or not pick(t):
+                continue
+            n, k = t.shape
+            raw = np.frombuffer(buf, dtype=np.uint8, count=t.nbytes, offset=t.offset).reshape(n, -1)
+            rows = raw[np.linspace(0, n - 1, 21).astype(int)].copy()
+            out[t.qtype] = (t.name, GGUFWeight.from_raw(rows, t.qtype, (rows.shape[0], k)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def real_weights() -> list[tuple[str, GGUFWeight]]:
+    found = []
+    for name in ("smollm2-135m", "gemma3-270m"):
+        installed, _ = find_bundled(name)
+        if not installed:
+            continue
+        path = locate_bundled(name)
+        for q, (tname, w) in _rows_of(path, lambda t: True).items():
+            found.append((f"{name}:{tname}:{q.name}", w))
+    if not found:
+        pytest.skip("no bundled GGUF installed")
+    return found
+
+
+def _x(m: int, k: int = K, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    x[1 % m, :32] = 0.0  # an all-zero activation block (scale 0)
+    return x
+
+
+# ------------------------------------------------------------------ the build
+
+
+def test_native_built():
+    """The install builds the extension (Makefile); a missing build must not pass silently."""
+    assert tk.native_available(), tk.kernel_info()
+    assert tk.kernel_info().startswith("native ")
+    assert "scalar" in ISAS and "avx2" in ISAS  # every CI machine has AVX2
+
+
+def test_isa_env_forces_lower_path():
+    code = "import turnkv.kernels as k; print(k.kernel_info())"
+    env = dict(os.environ, TURNKV_KERNEL_ISA="scalar")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "native scalar", out.stderr
+
+
+# ------------------------------------------------------------------ (1) layouts
+
+
+@pytest.mark.parametrize("qtype", ALL, ids=lambda q: q.name)
+def test_dequantize_exact_and_unpack_layout(qtype):
+    w = random_weight(qtype)
+    ref = torch.from_numpy(gguf.quants.dequantize(w.raw.numpy(), qtype).astype(np.float32))
+    assert torch.equal(w.dequantize(), ref)
+    # the integer unpacking that both matmul paths use decodes the same values
+    u = reference.unpack(w.raw, qtype, K)
+    if qtype in KQUANTS:
+        val = u["d"].double().unsqueeze(-1) * u["w"].double()
+        if u["mn"] is not None:
+            val = val - u["dmin"].double().unsqueeze(-1) * u["mn"].double()
+    else:
+        val = u["d"].double().unsqueeze(-1) * u["w"].double()
+        if u["m"] is not None:
+            val = val + u["m"].double().unsqueeze(-1)
+    val = val.reshape(N, K)
+    assert (val - ref.double()).abs().max() <= 1e-6 * ref.abs().max()
+    if qtype not in KQUANTS:  # same float32 formula as gguf: bit-exact
+        assert torch.equal(val.float(), ref)
+
+
+def test_dequantize_real(real_weights):
+    for name, w in real_weights:
+        ref = torch.from_numpy(gguf.quants.dequantize(w.raw.numpy(), w.qtype).astype(np.float32))
+        assert torch.equal(w.dequantize(), ref), name
+
+
+# ------------------------------------------------------------------ (2) native == reference
+
+
+@pytest.mark.parametrize("qtype", ALL, ids=lambda q: q.name)
+def test_native_equals_reference(qtype):
+    w = random_weight(qtype)
+    x = _x(9)
+    ref = w.matmul(x, native=False)
+    for isa in ISAS:
+        assert torch.equal(w.matmul(x, isa=isa), ref), isa
+
+
+def test_native_equals_reference_real(real_weights):
+    for name, w in real_weights:
+        x = _x(5, w.shape[1]) * 3
+        ref = w.matmul(x, native=False)
+        for isa in ISAS:
+            assert torch.equal(w.matmul(x, isa=isa), ref), (name, isa)
+
+
+# ------------------------------------------------------------------ (3) batch invariance
+
+
+@pytest.mark.parametrize("qtype", ALL, ids=lambda q: q.name)
+def test_batch_invariance(qtype):
+    w = random_weight(qtype)
+    x = _x(37)
+    for isa in ISAS:
+        full = w.matmul(x, isa=isa)
+        for r in (0, 1, 17, 36):
+            assert torch.equal(w.matmul(x[r : r + 1], isa=isa)[0], full[r]), (isa, r)
+        assert torch.equal(w.matmul(x[30:35], isa=isa), full[30:35]), isa
+        # same row among different neighbours, at a different position
+        other = torch.cat([torch.randn(3, K) * 100, x[17:18], torch.randn(2, K)])
+        assert torch.equal(w.matmul(other, isa=isa)[3], full[17]), isa
+    assert torch.equal(w.matmul(x[17:18], native=False)[0], w.matmul(x, native=False)[17])
+
+
+def test_thread_count_invariance():
+    w = random_weight(Q.Q4_K, n=1000)
+    x = _x(33)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = w.matmul(x)
+        torch.set_num_threads(max(2, threads))
+        many = w.matmul(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
+# ------------------------------------------------------------------ (4) error vs float32
+
+
+@pytest.mark.parametrize("qtype", ALL, ids=lambda q: q.name)
+def test_error_bound_vs_float(qtype):
+    """|y - x @ W^T| <= sum_k |W_nk| * dx_k / 2 (+ float32 slack): activation rounding only."""
+    w = random_weight(qtype)
+    x = _x(6)
+    y = w.matmul(x)
+    wf = w.dequantize().double()
+    exact = x.double() @ wf.T
+    qb = reference.act_block(qtype)
+    _, dx = reference.quantize_activations(x, qb)
+    half_step = dx.double().repeat_interleave(qb, 1) / 2  # [M, K]
+    bound = half_step @ wf.abs().T + 1e-5 * (x.double().abs() @ wf.abs().T) + 1e-30
+    err = (y.double() - exact).abs()
+    assert (err <= bound).all(), (err / bound).max()
+    # and in practice: a fraction of a percent of the output scale
+    assert err.max() <= 0.02 * exact.abs().max()
+
+
+# ------------------------------------------------------------------ (5) row operations, dtypes
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q6_K], ids=lambda q: q.name)
+def test_take_rows_cat_lookup(qtype):
+    w = random_weight(qtype)
+    x = _x(4)
+    full = w.matmul(x)
+    perm = torch.randperm(N, generator=torch.Generator().manual_seed(3))
+    wp = w.take_rows(perm)
+    assert wp.shape == (N, K) and wp.qtype == qtype
+    assert torch.equal(wp.matmul(x), full[:, perm])
+    assert torch.equal(wp.dequantize(), w.dequantize()[perm])
+    sel = w.take_rows(torch.tensor([5, 5, 0]))
+    assert torch.equal(sel.dequantize(), w.dequantize()[[5, 5, 0]])
+
+    a, b = w.take_rows(torch.arange(0, 20)), w.take_rows(torch.arange(20, N))
+    c = GGUFWeight.cat([a, b])
+    assert c.shape == (N, K) and c.nbytes == w.nbytes
+    assert torch.equal(c.raw, w.raw)
+    assert torch.equal(torch.cat([a.matmul(x), b.matmul(x)], 1), full)
+    with pytest.raises(ValueError):
+        GGUFWeight.cat([w, random_weight(Q.Q5_0 if qtype != Q.Q5_0 else Q.Q4_0)])
+    with pytest.raises(ValueError):
+        GGUFWeight.cat([w, random_weight(qtype, k=256 if qtype in KQUANTS else 64)])
+
+    ids = torch.tensor([[3, 0], [66, 3]])
+    emb = w.lookup(ids, torch.bfloat16)
+    assert emb.shape == (2, 2, K) and emb.dtype == torch.bfloat16
+    assert torch.equal(emb, w.dequantize()[ids].to(torch.bfloat16))
+    assert torch.equal(w.lookup(ids[0], torch.float32), w.dequantize()[ids[0]])
+
+
+def test_bfloat16_and_leading_dims():
+    w = random_weight(Q.Q4_0)
+    x = _x(6).to(torch.bfloat16)
+    y = w.matmul(x.reshape(2, 3, K))
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 3, N)
+    assert torch.equal(y.reshape(6, N), w.matmul(x.float()).to(torch.bfloat16))
+
+
+def test_from_raw_checks():
+    w = random_weight(Q.Q4_0)
+    with pytest.raises(ValueError):
+        GGUFWeight.from_raw(w.raw, Q.Q4_0, (N, K + 16))
+    with pytest.raises(NotImplementedError):
+        GGUFWeight.from_raw(w.raw, Q.Q2_K, (N, K))
+    again = GGUFWeight.from_raw(w.raw.numpy(), Q.Q4_0, (N, K))
+    assert again.nbytes == N * K // 32 * 18 and torch.equal(again.raw, w.raw)

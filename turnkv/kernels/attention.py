@@ -1,0 +1,137 @@
+"""Chunk- and batch-invariant float32 attention for one sequence (csrc/attention.cpp).
+
+``attend(q, k, v, q_pos0, k_pos0, kind, window_or_chunk, scale, softcap)``: q [Hq, T, D] at
+absolute positions ``q_pos0 ..``, k/v [Hk, S, D] at ``k_pos0 ..`` (grouped-query: Hq % Hk == 0,
+any row / head strides, last dim contiguous). A query at ``p`` sees the keys at ``lo(p) <= pos <=
+p``: ``lo = 0`` (``kind="full"``), ``p - W + 1`` (``"sliding"``, W = window), ``(p // C) * C``
+(``"chunked"``, C = chunk). Returns [T, Hq * D] float32.
+
+The native kernel reduces every query's keys in blocks aligned to absolute positions, in an order
+that depends only on those positions (docs/kernels.md), so a query's output row is bit-identical
+whatever the number of queries in the call, the start of the key range or the prefill chunking.
+Without the build (or for non-float32 / non-CPU tensors) ``reference`` computes the same math in
+PyTorch (a plain masked softmax: equal to the kernel within float32 rounding, not invariant).
+
+``TURNKV_ATTENTION=reference`` turns the native kernel off (tests, A/B); ``TURNKV_KERNEL_ISA``
+caps its ISA path as for the matmul (avx512vnni runs the avx512 attention path).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import native_available
+
+__all__ = ["attend", "reference", "native_attention_available", "attention_isas", "KINDS"]
+
+KINDS = {"full": 0, "sliding": 1, "chunked": 2}
+ISAS = ("scalar", "avx2", "avx512")
+
+_op = None
+_best = -1
+_default = -1
+
+
+def _init() -> None:
+    global _op, _best, _default
+    if not native_available() or os.environ.get("TURNKV_ATTENTION", "").strip().lower() == "reference":
+        return
+    try:
+        _op = torch.ops.turnkv_attn.attend
+        _best = int(torch.ops.turnkv_attn.best_isa())
+    except (AttributeError, RuntimeError):   # a build from before attention.cpp
+        _op = None
+        return
+    _default = _best
+    want = os.environ.get("TURNKV_KERNEL_ISA", "").strip().lower()
+    if want == "avx512vnni":
+        want = "avx512"
+    if want in ISAS:
+        _default = min(_best, ISAS.index(want))
+
+
+_init()
+
+
+def native_attention_available() -> bool:
+    return _op is not None
+
+
+def attention_isas() -> list[str]:
+    """Native attention paths this CPU can run, lowest first (empty without the build)."""
+    return list(ISAS[: _best + 1]) if _op is not None else []
+
+
+def attention_info() -> str:
+    return f"native {ISAS[_default]}" if _op is not None else "reference"
+
+
+def lo_positions(kind: str, span: int, qpos: torch.Tensor) -> torch.Tensor:
+    """First visible absolute position for each query position (``kind``'s rule)."""
+    if kind == "full":
+        return torch.zeros_like(qpos)
+    if kind == "sliding":
+        return (qpos - span + 1).clamp(min=0)
+    if kind == "chunked":
+        return torch.div(qpos, span, rounding_mode="floor") * span
+    raise ValueError(f"attention kind {kind!r} (full, sliding, chunked)")
+
+
+def visibility_mask(q_pos0: int, T: int, k_pos0: int, S: int, kind: str, span: int, device=None) -> torch.Tensor:
+    """Boolean [T, S] (True = attend) for queries at q_pos0.. and keys at k_pos0..."""
+    qpos = torch.arange(q_pos0, q_pos0 + T, device=device)[:, None]
+    kpos = torch.arange(k_pos0, k_pos0 + S, device=device)[None, :]
+    return (kpos <= qpos) & (kpos >= lo_positions(kind, span, qpos))
+
+
+def reference(q, k, v, q_pos0: int, k_pos0: int, kind: str = "full", window_or_chunk: int = 0,
+              scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+    """The same math in PyTorch (float32 accumulation): scores, softcap, positional mask, softmax, P.V."""
+    Hq, T, D = q.shape
+    Hk, S = k.shape[0], k.shape[1]
+    scale = D ** -0.5 if scale is None else scale
+    rep = Hq // Hk
+    kf = k.float().repeat_interleave(rep, 0) if rep > 1 else k.float()
+    vf = v.float().repeat_interleave(rep, 0) if rep > 1 else v.float()
+    scores = torch.matmul(q.float(), kf.transpose(-1, -2)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    mask = visibility_mask(q_pos0, T, k_pos0, S, kind, window_or_chunk, q.device)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), vf)
+    return out.transpose(0, 1).reshape(T, Hq * D).to(q.dtype)
+
+
+def native_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the native kernel takes these tensors (float32 on CPU, head_dim <= 1024)."""
+    return (_op is not None and q.dtype == torch.float32 and k.dtype == torch.float32 and v.dtype == torch.float32
+            and q.device.type == "cpu" and k.device.type == "cpu" and v.device.type == "cpu"
+            and q.shape[-1] <= 1024)
+
+
+def attend_native(q, k, v, q_pos0: int, k_pos0: int, kind: str, window_or_chunk: int, scale: float,
+                  softcap: float | None = None, isa: str | None = None) -> torch.Tensor:
+    """The kernel itself (``native_ok`` must hold); any head / row strides, a copy only when the
+    last dim is not contiguous."""
+    i = _default if isa is None else ISAS.index(isa)
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    return _op(q, k, v, int(q_pos0), int(k_pos0), KINDS[kind], int(window_or_chunk or 0), float(scale),
+               float(softcap) if softcap else 0.0, i)
+
+
+def attend(q, k, v, q_pos0: int, k_pos0: int, kind: str = "full", window_or_chunk: int = 0,
+           scale: float | None = None, softcap: float | None = None, isa: str | None = None,
+           native: bool | None = None) -> torch.Tensor:
+    """[T, Hq * D]; ``native`` None = the kernel when it takes the tensors, else the reference;
+    ``isa`` picks a native path (tests)."""
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    use = native_ok(q, k, v) if native is None else native
+    if use:
+        if _op is None:
+            raise RuntimeError("native attention kernel unavailable (python -m turnkv.kernels.build)")
+        return attend_native(q, k, v, q_pos0, k_pos0, kind, window_or_chunk, scale, softcap, isa)
+    return reference(q, k, v, q_pos0, k_pos0, kind, window_or_chunk, scale, softcap)

@@ -1,0 +1,338 @@
+// turnkv: float32 attention for one sequence, chunk- and batch-invariant by construction.
+//
+// out[t, h*D:(h+1)*D] = softmax_s(score(q[h,t], k[h/rep, s])) @ v[h/rep, s] over the keys s a
+// query at absolute position p = q_pos0 + t may see: lo(p) <= k_pos0 + s <= p, with
+// lo = 0 (full), p - W + 1 (sliding window W) or (p / C) * C (chunked, chunk C).
+//
+// The result of a query depends only on its vector, its position and the K/V of its visible keys:
+//   - keys are visited in blocks aligned to absolute positions [64 j, 64 j + 64), j increasing;
+//     online softmax (running max m, sum l, accumulator acc) is rescaled only at those blocks;
+//   - a score is one dot product over D in a fixed order (W lanes, lane = d % W, then a fixed
+//     horizontal tree), times scale (then the optional softcap, tanh);
+//   - inside a block, exp(s - m) is elementwise; the block's exp-sum adds the 64 slots of the
+//     block in W lanes (lane = pos % W) in increasing position, then a fixed tree; slots of
+//     invisible keys hold exactly +0.0, which leaves every lane's rounding unchanged;
+//   - P.V: acc[d] += p_s * v_s[d] for the visible keys in increasing position (vectorized over d).
+// Nothing depends on how many queries the call has, where its key range starts, or the thread
+// count: threads split (head, query) units, never a query's keys. Each ISA path is invariant on
+// its own; the paths differ from each other by rounding (their exp and FMA use differ).
+// Registered as torch.ops.turnkv_attn.{attend,best_isa} (a library fragment, so it shares the
+// extension binary with gguf_matmul.cpp without touching its Python module).
+
+#include <torch/extension.h>
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace tkv_attn {
+
+constexpr int BLK = 64;        // keys per block, aligned to absolute positions
+constexpr int MAXD = 1024;     // head_dim limit (stack accumulator)
+
+enum Kind : int { FULL = 0, SLIDING = 1, CHUNKED = 2 };
+enum Isa : int { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+
+struct Params {
+    const float* q;
+    int64_t qsh, qst;  // strides (elements): head, row
+    const float* k;
+    int64_t ksh, kst;
+    const float* v;
+    int64_t vsh, vst;
+    float* out;        // [T, Hq * D]
+    int Hq, Hk, T, S, D;
+    int64_t q_pos0, k_pos0, wc;
+    int kind;
+    float scale, softcap;  // softcap <= 0: none
+};
+
+// visible absolute positions [lo, hi] of the query at p, limited to the keys present
+static inline void visible(const Params& P, int64_t p, int64_t& lo, int64_t& hi) {
+    int64_t l = 0;
+    if (P.kind == SLIDING) l = p - P.wc + 1;
+    else if (P.kind == CHUNKED) l = (p >= 0 ? p / P.wc : -((-p + P.wc - 1) / P.wc)) * P.wc;
+    lo = std::max<int64_t>(std::max<int64_t>(l, 0), P.k_pos0);
+    hi = std::min<int64_t>(p, P.k_pos0 + P.S - 1);
+}
+
+static inline int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
+static inline float cap(float s, float softcap) { return std::tanh(s / softcap) * softcap; }
+
+// ------------------------------------------------------------------ scalar (plain C++, W = 16 emulated)
+
+namespace scalar {
+
+static inline float dot(const float* a, const float* b, int D) {
+    float lane[16] = {0};
+    int d = 0;
+    for (; d + 16 <= D; d += 16)
+        for (int i = 0; i < 16; i++) lane[i] = lane[i] + a[d + i] * b[d + i];
+    for (int i = 0; d < D; d++, i++) lane[i] = lane[i] + a[d] * b[d];
+    for (int w = 8; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++) lane[i] = lane[i] + lane[i + w];
+    return lane[0];
+}
+
+static void unit(const Params& P, int h, int t) {
+    const int D = P.D, rep = P.Hq / P.Hk, kh = h / rep;
+    const float* qv = P.q + h * P.qsh + t * P.qst;
+    const float* K = P.k + kh * P.ksh;
+    const float* V = P.v + kh * P.vsh;
+    float* o = P.out + (int64_t)t * P.Hq * D + (int64_t)h * D;
+    int64_t lo, hi;
+    visible(P, P.q_pos0 + t, lo, hi);
+    float acc[MAXD];
+    for (int d = 0; d < D; d++) acc[d] = 0.f;
+    float buf[BLK];
+    float m = -std::numeric_limits<float>::infinity(), l = 0.f;
+    for (int64_t j = floor_div(lo, BLK); j * BLK <= hi; j++) {
+        const int64_t b0 = j * BLK, a = std::max(lo, b0), b = std::min(hi, b0 + BLK - 1);
+        float mb = -std::numeric_limits<float>::infinity();
+        for (int64_t pos = a; pos <= b; pos++) {
+            float s = dot(qv, K + (pos - P.k_pos0) * P.kst, D) * P.scale;
+            if (P.softcap > 0) s = cap(s, P.softcap);
+            buf[pos - b0] = s;
+            mb = std::max(mb, s);
+        }
+        const float mn = std::max(m, mb);
+        const float alpha = std::exp(m - mn);  // 0 on the first block (m = -inf)
+        float lane[16] = {0};
+        for (int i = 0; i < BLK; i++) {
+            const int64_t pos = b0 + i;
+            const float e = (pos >= a && pos <= b) ? std::exp(buf[i] - mn) : 0.f;
+            buf[i] = e;
+            lane[i % 16] = lane[i % 16] + e;
+        }
+        for (int w = 8; w >= 1; w /= 2)
+            for (int i = 0; i < w; i++) lane[i] = lane[i] + lane[i + w];
+        l = l * alpha + lane[0];
+        for (int d = 0; d < D; d++) acc[d] = acc[d] * alpha;
+        for (int64_t pos = a; pos <= b; pos++) {
+            const float e = buf[pos - b0];
+            const float* vr = V + (pos - P.k_pos0) * P.vst;
+            for (int d = 0; d < D; d++) acc[d] = acc[d] + e * vr[d];
+        }
+        m = mn;
+    }
+    const float inv = 1.f / l;
+    for (int d = 0; d < D; d++) o[d] = acc[d] * inv;
+}
+
+}  // namespace scalar
+
+// ------------------------------------------------------------------ SIMD paths
+// One body, compiled per ISA with a function target attribute (no -march): W lanes per vector.
+
+// Cephes-style expf (the polynomial most SIMD math libraries use), explicit FMAs; |x| clamped
+// to the float range. Elementwise: a lane's result never depends on the other lanes.
+#define TKV_EXP_CONSTS                                              \
+    const VF c_hi = SET1(88.3762626647949f), c_lo = SET1(-88.3762626647949f); \
+    const VF c_log2e = SET1(1.44269504088896341f), c_half = SET1(0.5f);       \
+    const VF c_c1 = SET1(0.693359375f), c_c2 = SET1(-2.12194440e-4f);        \
+    const VF p0 = SET1(1.9875691500E-4f), p1 = SET1(1.3981999507E-3f), p2 = SET1(8.3334519073E-3f), \
+             p3 = SET1(4.1665795894E-2f), p4 = SET1(1.6666665459E-1f), p5 = SET1(5.0000001201E-1f), \
+             one = SET1(1.0f);
+
+// ---- AVX2 (W = 8)
+namespace avx2 {
+#define TKV_TARGET __attribute__((target("avx2,fma")))
+typedef __m256 VF;
+constexpr int W = 8;
+#define SET1(x) _mm256_set1_ps(x)
+TKV_TARGET static inline VF vexp(VF x) {
+    TKV_EXP_CONSTS
+    x = _mm256_min_ps(x, c_hi);
+    x = _mm256_max_ps(x, c_lo);
+    VF fx = _mm256_floor_ps(_mm256_fmadd_ps(x, c_log2e, c_half));
+    x = _mm256_fnmadd_ps(fx, c_c1, x);
+    x = _mm256_fnmadd_ps(fx, c_c2, x);
+    VF z = _mm256_mul_ps(x, x);
+    VF y = _mm256_fmadd_ps(p0, x, p1);
+    y = _mm256_fmadd_ps(y, x, p2);
+    y = _mm256_fmadd_ps(y, x, p3);
+    y = _mm256_fmadd_ps(y, x, p4);
+    y = _mm256_fmadd_ps(y, x, p5);
+    y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, one));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+TKV_TARGET static inline float hsum(VF x) {  // fixed tree: (0+4, 1+5, ...), then pairs
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+TKV_TARGET static inline __m256i tail_mask(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+#define LOAD(p) _mm256_loadu_ps(p)
+#define STORE(p, x) _mm256_storeu_ps(p, x)
+#define LOADT(p, n) _mm256_maskload_ps(p, tail_mask(n))
+#define STORET(p, x, n) _mm256_maskstore_ps(p, tail_mask(n), x)
+#define FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define MUL(a, b) _mm256_mul_ps(a, b)
+#define ADD(a, b) _mm256_add_ps(a, b)
+#define ZERO() _mm256_setzero_ps()
+#include "attention_body.inc"
+#undef LOAD
+#undef STORE
+#undef LOADT
+#undef STORET
+#undef FMA
+#undef MUL
+#undef ADD
+#undef ZERO
+#undef SET1
+#undef TKV_TARGET
+}  // namespace avx2
+
+// ---- AVX-512 (W = 16)
+namespace avx512 {
+#define TKV_TARGET __attribute__((target("avx2,fma,avx512f,avx512dq")))
+typedef __m512 VF;
+constexpr int W = 16;
+#define SET1(x) _mm512_set1_ps(x)
+TKV_TARGET static inline VF vexp(VF x) {
+    TKV_EXP_CONSTS
+    x = _mm512_min_ps(x, c_hi);
+    x = _mm512_max_ps(x, c_lo);
+    VF fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, c_log2e, c_half), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, c_c1, x);
+    x = _mm512_fnmadd_ps(fx, c_c2, x);
+    VF z = _mm512_mul_ps(x, x);
+    VF y = _mm512_fmadd_ps(p0, x, p1);
+    y = _mm512_fmadd_ps(y, x, p2);
+    y = _mm512_fmadd_ps(y, x, p3);
+    y = _mm512_fmadd_ps(y, x, p4);
+    y = _mm512_fmadd_ps(y, x, p5);
+    y = _mm512_fmadd_ps(y, z, _mm512_add_ps(x, one));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+TKV_TARGET static inline float hsum(VF x) {  // fixed tree: halves, then avx2's
+    __m256 lo = _mm512_castps512_ps256(x);
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
+    __m256 s8 = _mm256_add_ps(lo, hi);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+#define LOAD(p) _mm512_loadu_ps(p)
+#define STORE(p, x) _mm512_storeu_ps(p, x)
+#define LOADT(p, n) _mm512_maskz_loadu_ps((__mmask16)((1u << (n)) - 1), p)
+#define STORET(p, x, n) _mm512_mask_storeu_ps(p, (__mmask16)((1u << (n)) - 1), x)
+#define FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define MUL(a, b) _mm512_mul_ps(a, b)
+#define ADD(a, b) _mm512_add_ps(a, b)
+#define ZERO() _mm512_setzero_ps()
+#include "attention_body.inc"
+#undef LOAD
+#undef STORE
+#undef LOADT
+#undef STORET
+#undef FMA
+#undef MUL
+#undef ADD
+#undef ZERO
+#undef SET1
+#undef TKV_TARGET
+}  // namespace avx512
+
+// ------------------------------------------------------------------ dispatch
+
+static int detect_isa() {
+    __builtin_cpu_init();
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const bool f512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+    if (!avx2) return ISA_SCALAR;
+    return f512 ? ISA_AVX512 : ISA_AVX2;
+}
+
+static int64_t best_isa() {
+    static const int isa = detect_isa();
+    return isa;
+}
+
+using UnitFn = void (*)(const Params&, int, int);
+static const UnitFn kUnit[] = {scalar::unit, avx2::unit, avx512::unit};
+
+static torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t q_pos0, int64_t k_pos0,
+                            int64_t kind, int64_t wc, double scale, double softcap, int64_t isa) {
+    TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "attend: q [Hq, T, D], k/v [Hk, S, D]");
+    TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
+                    v.scalar_type() == torch::kFloat32, "attend: float32 tensors");
+    TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "attend: CPU tensors");
+    TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "attend: last dim must be contiguous");
+    const int64_t Hq = q.size(0), T = q.size(1), D = q.size(2), Hk = k.size(0), S = k.size(1);
+    TORCH_CHECK(v.size(0) == Hk && v.size(1) == S && k.size(2) == D && v.size(2) == D, "attend: k/v shapes");
+    TORCH_CHECK(Hk > 0 && Hq % Hk == 0, "attend: query heads must be a multiple of kv heads");
+    TORCH_CHECK(D <= MAXD, "attend: head_dim above ", MAXD);
+    TORCH_CHECK(kind >= FULL && kind <= CHUNKED, "attend: kind 0 full, 1 sliding, 2 chunked");
+    TORCH_CHECK(kind == FULL || wc >= 1, "attend: window / chunk must be >= 1");
+    TORCH_CHECK(isa >= 0 && isa <= best_isa(), "attend: ISA path ", isa, " not supported by this CPU");
+    auto out = torch::empty({T, Hq * D}, torch::kFloat32);
+    if (T == 0 || Hq == 0) return out;
+    Params P;
+    P.q = q.data_ptr<float>();
+    P.qsh = q.stride(0);
+    P.qst = q.stride(1);
+    P.k = k.data_ptr<float>();
+    P.ksh = k.stride(0);
+    P.kst = k.stride(1);
+    P.v = v.data_ptr<float>();
+    P.vsh = v.stride(0);
+    P.vst = v.stride(1);
+    P.out = out.data_ptr<float>();
+    P.Hq = (int)Hq;
+    P.Hk = (int)Hk;
+    P.T = (int)T;
+    P.S = (int)S;
+    P.D = (int)D;
+    P.q_pos0 = q_pos0;
+    P.k_pos0 = k_pos0;
+    P.wc = wc;
+    P.kind = (int)kind;
+    P.scale = (float)scale;
+    P.softcap = softcap > 0 ? (float)softcap : 0.f;
+    // every query sees all keys present (queries before any key see none: they would be a bug)
+    for (int64_t t : {int64_t(0), T - 1}) {
+        int64_t lo, hi;
+        visible(P, q_pos0 + t, lo, hi);
+        TORCH_CHECK(lo <= hi, "attend: query at ", q_pos0 + t, " sees no key (keys at ", k_pos0, "..", k_pos0 + S - 1, ")");
+    }
+    const UnitFn fn = kUnit[isa];
+    // units (head, query), head-major; a thread gets >= ~128K multiply-adds of work
+    const int64_t units = Hq * T;
+    int64_t keys = S;
+    if (kind != FULL) keys = std::min<int64_t>(S, wc);
+    const int64_t per_unit = std::max<int64_t>(1, keys * D * 2);
+    const int64_t grain = std::max<int64_t>(1, ((int64_t)1 << 17) / per_unit);
+    at::parallel_for(0, units, grain, [&](int64_t b, int64_t e) {
+        for (int64_t u = b; u < e; u++) fn(P, (int)(u / T), (int)(u % T));
+    });
+    return out;
+}
+
+}  // namespace tkv_attn
+
+// Registered by hand rather than with TORCH_LIBRARY_FRAGMENT: a process that already loaded an
+// older build (`python -m turnkv.kernels.build` imports turnkv.kernels first) loads the new binary
+// too, and a second registration of the same schema would abort it.
+namespace {
+const bool g_registered = [] {
+    if (c10::Dispatcher::singleton().findSchema(c10::OperatorName("turnkv_attn::attend", "")).has_value()) return false;
+    static torch::Library lib(torch::Library::FRAGMENT, "turnkv_attn", std::nullopt, __FILE__, __LINE__);
+    lib.def("attend(Tensor q, Tensor k, Tensor v, int q_pos0, int k_pos0, int kind, int wc, float scale, "
+            "float softcap, int isa) -> Tensor", &tkv_attn::attend);
+    lib.def("best_isa() -> int", &tkv_attn::best_isa);
+    return true;
+}();
+}  // namespace

@@ -1,0 +1,125 @@
+// turnkv GGUF int8-activation matmul: shared declarations (see docs/kernels.md).
+#pragma once
+#include <cstdint>
+#include <cstring>
+#include <cmath>
+#include <vector>
+
+namespace tkv {
+
+// ggml type ids
+enum QType : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+constexpr int TILE = 8;       // weight rows per tile of the scalar path
+constexpr int TILE_MAX = 16;  // the widest tile (512-bit paths); sizes the scratch
+extern int64_t g_prefetch;  // software prefetch distance in bytes
+
+inline bool is_kquant(int qt) { return qt == Q4_K || qt == Q5_K || qt == Q6_K; }
+inline int block_elems(int qt) { return is_kquant(qt) ? 256 : 32; }
+inline int block_bytes(int qt) {
+    switch (qt) {
+        case Q4_0: return 18; case Q4_1: return 20; case Q5_0: return 22; case Q5_1: return 24;
+        case Q8_0: return 34; case Q4_K: return 144; case Q5_K: return 176; case Q6_K: return 210;
+    }
+    return 0;
+}
+
+// exact IEEE half -> float (the same value on every path)
+inline float fp16_to_fp32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, f;
+    if (exp == 0) {
+        if (man == 0) {
+            f = sign;
+        } else {
+            int e = -1;
+            do { e++; man <<= 1; } while (!(man & 0x400));
+            f = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        f = sign | 0x7f800000u | (man << 13);
+    } else {
+        f = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float r;
+    std::memcpy(&r, &f, 4);
+    return r;
+}
+inline uint16_t rd16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+inline float rdh(const uint8_t* p) { return fp16_to_fp32(rd16(p)); }
+
+// Q4_K / Q5_K 6-bit scale and min of sub-block j
+inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// Quantized activations of one call (computed once, read by every thread).
+struct Act {
+    int M = 0, K = 0, QB = 0, nb = 0;  // nb = K / QB
+    int8_t* q = nullptr;               // [M][K]
+    float* d = nullptr;                // [M][nb]   dx
+    float* sx = nullptr;               // [M][K/32] dx * float(bsum32)  (QB == 32 only)
+    int32_t* bs16 = nullptr;           // [M][K/16]
+    int32_t* bs32 = nullptr;           // [M][K/32]
+};
+
+struct Args {
+    const uint8_t* W;
+    int64_t row_bytes;
+    int N, K, M, qt;
+    const Act* a;
+    float* Y;  // [M][N]
+};
+
+// Per-thread tile scratch: a tile's weights unpacked to one byte per value plus its scales.
+struct Scratch {
+    std::vector<uint8_t> buf;
+    uint8_t* w;        // [TILE][K] u8 values (Q8_0: int8)
+    float* d;          // [nblocks][TILE]
+    float* m;          // [nblocks][TILE]   (Q4_1/Q5_1 min, k-quant dmin)
+    int16_t* lsc;      // k-quants: [TILE][K/32][8] per-lane integer scale
+    int32_t* rsc;      // Q4_K/Q5_K: [nsb][8][TILE] mins; Q6_K: [nsb][16][TILE] scales
+    int32_t* csc;      // SIMD Q4_K/Q5_K: [nsb][8][TILE] scales
+    uint16_t* hd;      // SIMD: [nblocks][TILE] the blocks' float16 scale d, as stored
+    uint16_t* hm;      // SIMD: [nblocks][TILE] float16 min m / dmin, as stored
+    uint8_t* zero;     // a row of zero bytes (valid blocks with scale 0) for a tile's missing rows
+    int K = -1;
+    int64_t zero_bytes = 0;
+    void ensure(int K_, int64_t row_bytes) {
+        if (K_ == K && row_bytes <= zero_bytes) return;
+        K = K_;
+        zero_bytes = row_bytes;
+        const size_t T = TILE_MAX;
+        size_t need = T * K + 2 * sizeof(float) * T * (K / 32) + sizeof(int16_t) * T * (K / 32) * 8 +
+                      2 * sizeof(int32_t) * T * (K / 16) + 2 * sizeof(uint16_t) * T * (K / 32) + row_bytes + 64 + 1024;
+        if (buf.size() < need) buf.resize(need);
+        uint8_t* p = buf.data();
+        auto take = [&](size_t n) { uint8_t* r = p; p += (n + 63) & ~(size_t)63; return r; };
+        w = take(T * K);
+        d = (float*)take(sizeof(float) * T * (K / 32));
+        m = (float*)take(sizeof(float) * T * (K / 32));
+        lsc = (int16_t*)take(sizeof(int16_t) * T * (K / 32) * 8);
+        rsc = (int32_t*)take(sizeof(int32_t) * T * (K / 16));
+        csc = (int32_t*)take(sizeof(int32_t) * T * (K / 16));
+        hd = (uint16_t*)take(sizeof(uint16_t) * T * (K / 32));
+        hm = (uint16_t*)take(sizeof(uint16_t) * T * (K / 32));
+        zero = take(row_bytes + 64);
+        std::memset(zero, 0, row_bytes + 64);
+    }
+};
+
+inline void zero_row(Scratch& s, int K, int r, int qt) {
+    std::memset(s.w + (size_t)r * K, 0, K);
+    const int nblk = K / block_elems(qt);
+    for (int b = 0; b < nblk; b++) s.d[b * TILE + r] = s.m[b * TILE + r] = 0.f;
+    std::memset(s.lsc + (size_t)r * (K / 32) * 8, 0, sizeof(int16_t) * (K / 32) * 8);
+    for (int i = 0; i < K / 16; i++) s.rsc[i * TILE + r] = 0;
+}
+
+}  // namespace tkv

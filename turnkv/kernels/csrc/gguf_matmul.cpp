@@ -1,0 +1,369 @@
+// turnkv: Y[M,N] = X[M,K] @ W[N,K]^T with W in GGUF blocks, int8 activations, integer dots.
+//
+// One binary for every x86 CPU: the SIMD bodies are compiled per ISA with function target
+// attributes and picked at run time (__builtin_cpu_supports); a scalar path runs anywhere.
+// Every path computes the same bits as turnkv/kernels/reference.py (docs/kernels.md):
+// exact int32 block dot products, one fixed float32 formula per block, blocks added in
+// order into one accumulator per output. Threads split N (8- or 16-row tiles) only, never K.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cstdlib>
+#include <algorithm>
+
+#include "common.h"
+
+namespace tkv {
+
+// Software prefetch distance (bytes ahead in the weight stream; 0 = off). Off by default:
+// 2048 and 8192 measured no gain over the hardware prefetchers on the Xeon (docs/kernels.md).
+int64_t g_prefetch = [] {
+    const char* e = std::getenv("TURNKV_KERNEL_PREFETCH");
+    return e ? std::atoll(e) : 0;
+}();
+
+__attribute__((noinline)) Scratch& thread_scratch() {
+    static thread_local Scratch s;
+    return s;
+}
+
+// ------------------------------------------------------------------ scalar path
+
+namespace scalar {
+
+static void quantize(const float* X, const Act& a, int m0, int m1) {
+    const int K = a.K, QB = a.QB, nb = a.nb;
+    for (int m = m0; m < m1; m++) {
+        const float* x = X + (int64_t)m * K;
+        int8_t* q = a.q + (int64_t)m * K;
+        for (int b = 0; b < nb; b++) {
+            float amax = 0.f;
+            for (int i = 0; i < QB; i++) {
+                float v = std::fabs(x[b * QB + i]);
+                amax = v > amax ? v : amax;
+            }
+            a.d[(int64_t)m * nb + b] = amax / 127.f;
+            const float id = amax != 0.f ? 127.f / amax : 0.f;
+            for (int i = 0; i < QB; i++) q[b * QB + i] = (int8_t)(int)std::nearbyint(x[b * QB + i] * id);
+        }
+        int32_t* b16 = a.bs16 + (int64_t)m * (K / 16);
+        for (int j = 0; j < K / 16; j++) {
+            int s = 0;
+            for (int i = 0; i < 16; i++) s += q[j * 16 + i];
+            b16[j] = s;
+        }
+        int32_t* b32 = a.bs32 + (int64_t)m * (K / 32);
+        for (int j = 0; j < K / 32; j++) b32[j] = b16[2 * j] + b16[2 * j + 1];
+        if (QB == 32)
+            for (int j = 0; j < nb; j++) a.sx[(int64_t)m * nb + j] = a.d[(int64_t)m * nb + j] * (float)b32[j];
+    }
+}
+
+static void unpack_tile(const Args& g, Scratch& s, int n0, int nv) {
+    const int K = g.K, qt = g.qt, BB = block_bytes(qt), nch = K / 32;
+    for (int r = 0; r < TILE; r++) {
+        if (r >= nv) {
+            zero_row(s, K, r, qt);
+            continue;
+        }
+        uint8_t* w = s.w + (int64_t)r * K;
+        const uint8_t* src = g.W + (int64_t)(n0 + r) * g.row_bytes;
+        if (!is_kquant(qt)) {
+            for (int b = 0; b < K / 32; b++) {
+                const uint8_t* p = src + b * BB;
+                uint8_t* o = w + b * 32;
+                s.d[b * TILE + r] = rdh(p);
+                s.m[b * TILE + r] = (qt == Q4_1 || qt == Q5_1) ? rdh(p + 2) : 0.f;
+                if (qt == Q8_0) {
+                    std::memcpy(o, p + 2, 32);
+                    continue;
+                }
+                const int qs_off = qt == Q4_0 ? 2 : qt == Q4_1 ? 4 : qt == Q5_0 ? 6 : 8;
+                const uint8_t* qs = p + qs_off;
+                uint32_t qh = 0;
+                if (qt == Q5_0 || qt == Q5_1) std::memcpy(&qh, qs - 4, 4);
+                for (int l = 0; l < 16; l++) {
+                    o[l] = (qs[l] & 0xF) | (((qh >> l) & 1) << 4);
+                    o[l + 16] = (qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4);
+                }
+            }
+            continue;
+        }
+        for (int sb = 0; sb < K / 256; sb++) {
+            const uint8_t* p = src + sb * BB;
+            uint8_t* o = w + sb * 256;
+            int16_t* lsc = s.lsc + ((int64_t)r * nch + sb * 8) * 8;
+            if (qt == Q4_K || qt == Q5_K) {
+                s.d[sb * TILE + r] = rdh(p);
+                s.m[sb * TILE + r] = rdh(p + 2);
+                for (int j = 0; j < 8; j++) {
+                    int sc, mn;
+                    scale_min_k4(j, p + 4, &sc, &mn);
+                    for (int l = 0; l < 8; l++) lsc[j * 8 + l] = (int16_t)sc;
+                    s.rsc[(sb * 8 + j) * TILE + r] = mn;
+                }
+                const uint8_t* qs = p + (qt == Q4_K ? 16 : 48);
+                const uint8_t* qh = p + 16;
+                for (int c = 0; c < 4; c++)
+                    for (int l = 0; l < 32; l++) {
+                        int lo = qs[32 * c + l] & 0xF, hi = qs[32 * c + l] >> 4;
+                        if (qt == Q5_K) {
+                            lo |= ((qh[l] >> (2 * c)) & 1) << 4;
+                            hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+                        }
+                        o[64 * c + l] = (uint8_t)lo;
+                        o[64 * c + 32 + l] = (uint8_t)hi;
+                    }
+            } else {  // Q6_K
+                const uint8_t* ql = p;
+                const uint8_t* qh = p + 128;
+                const int8_t* sc = (const int8_t*)(p + 192);
+                s.d[sb * TILE + r] = rdh(p + 208);
+                s.m[sb * TILE + r] = 0.f;
+                for (int c = 0; c < 8; c++)
+                    for (int l = 0; l < 8; l++) lsc[c * 8 + l] = sc[2 * c + (l >= 4)];
+                for (int i = 0; i < 16; i++) s.rsc[(sb * 16 + i) * TILE + r] = sc[i];
+                for (int h = 0; h < 2; h++)
+                    for (int l = 0; l < 32; l++) {
+                        const uint8_t a0 = ql[64 * h + l], a1 = ql[64 * h + 32 + l], hb = qh[32 * h + l];
+                        o[128 * h + l] = (a0 & 0xF) | ((hb & 3) << 4);
+                        o[128 * h + 32 + l] = (a1 & 0xF) | (((hb >> 2) & 3) << 4);
+                        o[128 * h + 64 + l] = (a0 >> 4) | (((hb >> 4) & 3) << 4);
+                        o[128 * h + 96 + l] = (a1 >> 4) | (((hb >> 6) & 3) << 4);
+                    }
+            }
+        }
+    }
+}
+
+// the integer scale of chunk c of tile row r (k-quants; all 8 lanes hold it for Q4_K/Q5_K)
+static inline int16_t lsc_of(const Scratch& s, int r, int nch, int c) { return s.lsc[((int64_t)r * nch + c) * 8]; }
+
+static void dot_tile(const Args& g, const Scratch& s, int n0, int nv) {
+    const Act& a = *g.a;
+    const int K = g.K, qt = g.qt, nch = K / 32;
+    for (int m = 0; m < g.M; m++) {
+        const int8_t* xq = a.q + (int64_t)m * K;
+        for (int r = 0; r < nv; r++) {
+            const uint8_t* w = s.w + (int64_t)r * K;
+            float acc = 0.f;
+            if (!is_kquant(qt)) {
+                const int nb = K / 32, off = qt == Q4_0 ? 8 : qt == Q5_0 ? 16 : 0;
+                for (int b = 0; b < nb; b++) {
+                    int32_t is = 0;
+                    for (int i = 0; i < 32; i++)
+                        is += (qt == Q8_0 ? (int32_t)(int8_t)w[b * 32 + i] : (int32_t)w[b * 32 + i]) * xq[b * 32 + i];
+                    is -= off * a.bs32[(int64_t)m * nb + b];
+                    const float dd = s.d[b * TILE + r] * a.d[(int64_t)m * nb + b];
+                    float t = dd * (float)is;
+                    if (qt == Q4_1 || qt == Q5_1) t = t + s.m[b * TILE + r] * a.sx[(int64_t)m * nb + b];
+                    acc = acc + t;
+                }
+            } else {
+                // per 32-value chunk c (its own activation scale dx_c), in order
+                const int nc = K / 32;
+                for (int c = 0; c < nc; c++) {
+                    const int sb = c / 8;
+                    int32_t d4[8];
+                    for (int l = 0; l < 8; l++) {
+                        d4[l] = 0;
+                        for (int i = 0; i < 4; i++) d4[l] += (int32_t)w[32 * c + 4 * l + i] * xq[32 * c + 4 * l + i];
+                    }
+                    const float dx = a.d[(int64_t)m * nc + c];
+                    const float dd = s.d[sb * TILE + r] * dx;
+                    float t;
+                    if (qt == Q6_K) {
+                        const int i0 = 2 * c, i1 = 2 * c + 1;  // its two 16-value sub-blocks
+                        const int32_t dot0 = d4[0] + d4[1] + d4[2] + d4[3], dot1 = d4[4] + d4[5] + d4[6] + d4[7];
+                        const int32_t is = s.rsc[i0 * TILE + r] * (dot0 - 32 * a.bs16[(int64_t)m * (K / 16) + i0]) +
+                                           s.rsc[i1 * TILE + r] * (dot1 - 32 * a.bs16[(int64_t)m * (K / 16) + i1]);
+                        t = dd * (float)is;
+                    } else {
+                        int32_t dot = 0;
+                        for (int l = 0; l < 8; l++) dot += d4[l];
+                        const int32_t isc = (int32_t)lsc_of(s, r, nch, c) * dot;
+                        const int32_t imn = s.rsc[c * TILE + r] * a.bs32[(int64_t)m * nc + c];
+                        const float dm = s.m[sb * TILE + r] * dx;
+                        t = dd * (float)isc - dm * (float)imn;
+                    }
+                    acc = acc + t;
+                }
+            }
+            g.Y[(int64_t)m * g.N + n0 + r] = acc;
+        }
+    }
+}
+
+static void run_tiles(const Args& g, int64_t t0, int64_t t1) {
+    Scratch& s = thread_scratch();
+    s.ensure(g.K, g.row_bytes);
+    for (int64_t t = t0; t < t1; t++) {
+        const int n0 = (int)(t * TILE), nv = g.N - n0 < TILE ? g.N - n0 : TILE;
+        unpack_tile(g, s, n0, nv);
+        dot_tile(g, s, n0, nv);
+    }
+}
+
+}  // namespace scalar
+
+// ------------------------------------------------------------------ SIMD paths
+
+// Each AVX-512 path is built twice: 8-row tiles (256-bit vectors) for calls with few rows,
+// where they stream the weights faster, and 16-row tiles (512-bit) for many rows. Both do the
+// same operations per output, so which one runs never changes a result.
+#define TKV_NS avx2
+#define TKV_TARGET __attribute__((target("avx2,fma,f16c")))
+#define TKV_VNNI 0
+#define TKV_TILE 8
+#include "simd_body.inc"
+#undef TKV_NS
+#undef TKV_TARGET
+#undef TKV_VNNI
+#undef TKV_TILE
+
+#define TKV_NS avx512_t8
+#define TKV_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")))
+#define TKV_VNNI 0
+#define TKV_TILE 8
+#include "simd_body.inc"
+#undef TKV_NS
+#undef TKV_TARGET
+#undef TKV_VNNI
+#undef TKV_TILE
+
+#define TKV_NS avx512
+#define TKV_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")))
+#define TKV_VNNI 0
+#define TKV_TILE 16
+#include "simd_body.inc"
+#undef TKV_NS
+#undef TKV_TARGET
+#undef TKV_VNNI
+#undef TKV_TILE
+
+#define TKV_NS avx512vnni_t8
+#define TKV_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+#define TKV_VNNI 1
+#define TKV_TILE 8
+#include "simd_body.inc"
+#undef TKV_NS
+#undef TKV_TARGET
+#undef TKV_VNNI
+#undef TKV_TILE
+
+#define TKV_NS avx512vnni
+#define TKV_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+#define TKV_VNNI 1
+#define TKV_TILE 16
+#include "simd_body.inc"
+#undef TKV_NS
+#undef TKV_TARGET
+#undef TKV_VNNI
+#undef TKV_TILE
+
+// ------------------------------------------------------------------ dispatch
+
+enum Isa : int { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512VNNI = 3 };
+
+static int detect_isa() {
+    __builtin_cpu_init();
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const bool f16c = __builtin_cpu_supports("f16c");
+    const bool bw = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    if (!(avx2 && f16c)) return ISA_SCALAR;
+    if (!bw) return ISA_AVX2;
+    if (__builtin_cpu_supports("avx512vnni")) return ISA_AVX512VNNI;
+    return ISA_AVX512;
+}
+
+static int best_isa() {
+    static const int isa = detect_isa();
+    return isa;
+}
+
+using RunFn = void (*)(const Args&, int64_t, int64_t);
+using QuantFn = void (*)(const float*, const Act&, int, int);
+
+// [isa][wide]: wide = 16-row tiles, used from WIDE_MIN_ROWS rows on (AVX-512 paths)
+static const RunFn kRun[][2] = {{scalar::run_tiles, scalar::run_tiles},
+                                {avx2::run_tiles, avx2::run_tiles},
+                                {avx512_t8::run_tiles, avx512::run_tiles},
+                                {avx512vnni_t8::run_tiles, avx512vnni::run_tiles}};
+static const int kTile[][2] = {{TILE, TILE}, {8, 8}, {8, 16}, {8, 16}};
+constexpr int64_t WIDE_MIN_ROWS = 16;
+static const QuantFn kQuant[] = {scalar::quantize, avx2::quantize, avx512::quantize, avx512vnni::quantize};
+
+static torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor w, int64_t qt, int64_t N, int64_t K, int64_t isa) {
+    TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "gguf_matmul: CPU tensors only");
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.size(1) == K,
+                "gguf_matmul: x must be contiguous float32 [M, K]");
+    const int bb = block_bytes((int)qt), be = block_elems((int)qt);
+    TORCH_CHECK(bb > 0, "gguf_matmul: unsupported quantization type ", qt);
+    TORCH_CHECK(K % be == 0, "gguf_matmul: K not a multiple of the block size");
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(0) == N &&
+                    w.size(1) == K / be * bb,
+                "gguf_matmul: w must be contiguous uint8 [N, row_bytes]");
+    TORCH_CHECK(isa >= 0 && isa <= best_isa(), "gguf_matmul: ISA path ", isa, " not supported by this CPU");
+    const int64_t M = x.size(0);
+    auto y = torch::empty({M, N}, torch::kFloat32);
+    if (M == 0 || N == 0) return y;
+
+    // quantized activations: a per-thread buffer reused across calls
+    static thread_local std::vector<uint8_t> abuf;
+    Act a;
+    a.M = (int)M;
+    a.K = (int)K;
+    a.QB = 32;  // 32-value activation blocks for every type (the k-quants too; docs/kernels.md)
+    a.nb = (int)(K / 32);
+    const size_t nq = (size_t)M * K, n32 = (size_t)M * (K / 32), n16 = (size_t)M * (K / 16);
+    const size_t need = nq + 64 + 2 * (n32 * 4 + 64) + (n16 * 4 + 64) + (n32 * 4 + 64);
+    if (abuf.size() < need) abuf.resize(need);
+    uint8_t* p = abuf.data();
+    auto take = [&](size_t n) { uint8_t* r = p; p += (n + 63) & ~(size_t)63; return r; };
+    a.q = (int8_t*)take(nq);
+    a.d = (float*)take(n32 * 4);
+    a.sx = (float*)take(n32 * 4);
+    a.bs16 = (int32_t*)take(n16 * 4);
+    a.bs32 = (int32_t*)take(n32 * 4);
+
+    const float* X = x.data_ptr<float>();
+    const QuantFn qf = kQuant[isa];
+    if (M >= 16) {
+        at::parallel_for(0, M, 4, [&](int64_t b, int64_t e) { qf(X, a, (int)b, (int)e); });
+    } else {
+        qf(X, a, 0, (int)M);
+    }
+
+    Args g;
+    g.W = w.data_ptr<uint8_t>();
+    g.row_bytes = w.size(1);
+    g.N = (int)N;
+    g.K = (int)K;
+    g.M = (int)M;
+    g.qt = (int)qt;
+    g.a = &a;
+    g.Y = y.data_ptr<float>();
+    const int wide = M >= WIDE_MIN_ROWS ? 1 : 0;
+    const int tile = kTile[isa][wide];
+    const int64_t ntiles = (N + tile - 1) / tile;
+    // a thread gets at least ~256 KB of weight-bytes-equivalent work (a tile's bytes, times
+    // 1 + M/4 for the dot products): small calls stay on the calling thread, where a parallel
+    // region's wake-up and barrier would cost more than the work
+    const int64_t tile_work = tile * g.row_bytes * (1 + M / 4);
+    const int64_t grain = std::max<int64_t>(1, ((int64_t)256 << 10) / std::max<int64_t>(1, tile_work));
+    const RunFn rf = kRun[isa][wide];
+    at::parallel_for(0, ntiles, grain, [&](int64_t b, int64_t e) { rf(g, b, e); });
+    return y;
+}
+
+}  // namespace tkv
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "turnkv GGUF int8-activation matmul kernels";
+    // the GIL is released while the kernel runs (other Python threads, e.g. the server's, go on)
+    m.def("gguf_matmul", &tkv::gguf_matmul, "Y = X @ W^T, W in GGUF blocks", py::arg("x"), py::arg("w"), py::arg("qtype"),
+          py::arg("n"), py::arg("k"), py::arg("isa"), py::call_guard<py::gil_scoped_release>());
+    m.def("best_isa", &tkv::best_isa, "best ISA path: 0 scalar, 1 avx2, 2 avx512, 3 avx512vnni");
+}
