@@ -114,7 +114,8 @@ def feed(cache, s: Stream, a: int, b: int, chunk: int | list[int] = 5) -> list:
         if isinstance(cache, StateCache):
             outs.append(step_state(cache, s.x[pos:pos + n]))
         else:
-            keys, values, mask = cache.update_and_fetch(s.k[:, pos:pos + n], s.v[:, pos:pos + n])
+            view = cache.update_and_fetch(s.k[:, pos:pos + n], s.v[:, pos:pos + n])
+            keys, values, mask = view.keys, view.values, view.mask
             out = attend(s.q[:, pos:pos + n], keys, values, mask)
             outs.append((keys.clone(), values.clone(), None if mask is None else mask.clone(), out))
         pos += n

@@ -225,7 +225,8 @@ def test_move_keeps_the_stored_bytes(mode):
 def feed(cache, k, v, step: int):
     outs = []
     for a in range(0, k.shape[1], step):
-        outs.append(cache.update_and_fetch(k[:, a:a + step], v[:, a:a + step]))
+        view = cache.update_and_fetch(k[:, a:a + step], v[:, a:a + step])
+        outs.append((view.keys, view.values, view.mask))
     return outs
 
 

@@ -51,12 +51,13 @@ def test_snapshot_under_one_table_refused_by_another(tiny_models):
     a.generate(prompt)
     hit = a.prompt_cache.lookup(a.namespace(), prompt.prompt_ids)
     assert hit is not None
-    b.generate(request([rand_msg(rng, 20)], 2))         # b's live caches hold something else
-    before = [c.offset for c in b.caches], [c.nbytes for c in b.caches]
+    b.generate(request([rand_msg(rng, 20)], 2))         # b's live slot holds something else
+    caches = b.pool.slots[0].caches
+    before = [c.offset for c in caches], [c.nbytes for c in caches]
     with pytest.raises(SnapshotMismatch) as err:
-        restore_snapshot(b.caches, hit.snapshot, hit.usable, b.family, b.fingerprint, b.modes)
+        restore_snapshot(caches, hit.snapshot, hit.usable, b.family, b.fingerprint, b.modes)
     assert err.value.reason == KV_MODE_MISMATCH
-    assert ([c.offset for c in b.caches], [c.nbytes for c in b.caches]) == before
+    assert ([c.offset for c in caches], [c.nbytes for c in caches]) == before
 
 
 def test_shared_store_counts_kv_mode_mismatch(tiny_models):
@@ -80,7 +81,7 @@ def test_modes_really_used(tiny_models):
     for mode in ["native", "int8", "int4"]:
         eng = engine(model, budget=0, kv_mode=mode)
         results[mode] = eng.generate(prompt).first_logits
-        nbytes[mode] = sum(c.nbytes for c in eng.caches)
+        nbytes[mode] = eng.live_bytes
     assert not torch.equal(results["native"], results["int4"])
     assert (results["native"] - results["int8"]).abs().max() < (results["native"] - results["int4"]).abs().max()
     assert nbytes["int8"] * 3 < nbytes["native"] and nbytes["int4"] * 5 < nbytes["native"]
@@ -132,17 +133,17 @@ def real_engines(real_model, mode, **kw) -> tuple[Engine, Engine]:
 
 
 def record_step_logits(eng: Engine) -> list[torch.Tensor]:
-    """Wraps this engine's forward to keep every next-token logits it computes (test-only)."""
+    """Wraps this engine's per-sequence step to keep every next-token logits a token is sampled
+    from (test-only; one sequence at a time)."""
     seen: list[torch.Tensor] = []
-    forward = eng._forward
+    advance = eng._advance
 
-    def recording(ids, logits):
-        out = forward(ids, logits)
-        if logits == "last":
-            seen.append(out.detach().float().reshape(-1).clone())
-        return out
+    def recording(work, logits):
+        if logits is not None:
+            seen.append(logits.detach().float().reshape(-1).clone())
+        return advance(work, logits)
 
-    eng._forward = recording
+    eng._advance = recording
     return seen
 
 

@@ -30,6 +30,10 @@ class ChunkedCache(KVCache):
     def needed_from(self, t: int) -> int:
         return (t // self.chunk) * self.chunk
 
+    @property
+    def span(self) -> int:
+        return self.chunk
+
     def needed_from_many(self, qpos: torch.Tensor) -> torch.Tensor:
         return torch.div(qpos, self.chunk, rounding_mode="floor") * self.chunk
 

@@ -17,7 +17,7 @@ a snapshot holding positions ``[start, length)`` can be restored to ``t`` iff
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
@@ -84,6 +84,39 @@ def _prefill_mask(q0: int, T: int, k0: int, S: int, needed_from_many, device) ->
     return (kpos <= qpos) & (kpos >= needed_from_many(qpos))
 
 
+@dataclass(eq=False, slots=True)
+class KVView:
+    """What one attention call needs from a layer's cache (``update_and_fetch``'s answer).
+
+    ``keys``/``values`` [heads, S, head_dim] hold absolute positions ``key_pos0 ..`` and the call's
+    ``queries`` queries sit at ``query_pos0 ..``; a query at ``p`` sees the keys at
+    ``needed_from(p) <= pos <= p``, the layer's rule: ``kind`` "full" (0), "sliding"
+    (``p - span + 1``, span = window) or "chunked" (``(p // span) * span``, span = chunk). The native
+    attention kernel reads the rule itself; ``mask`` (for the SDPA fallback) is built only when
+    asked for."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_pos0: int
+    query_pos0: int
+    queries: int
+    kind: str
+    span: int
+    needed_from_many: Callable[[torch.Tensor], torch.Tensor]   # builds the mask (SDPA fallback)
+    _mask: torch.Tensor | None = None
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """Boolean [T, S] (True = attend), or None when every key is visible to every query
+        (a single-token decode)."""
+        if self.queries == 1:
+            return None
+        if self._mask is None:
+            self._mask = _prefill_mask(self.query_pos0, self.queries, self.key_pos0, self.keys.shape[1],
+                                       self.needed_from_many, self.keys.device)
+        return self._mask
+
+
 class KVCache(LayerCache):
     """Full attention: every position is kept."""
 
@@ -105,6 +138,11 @@ class KVCache(LayerCache):
     def needed_from_many(self, qpos: torch.Tensor) -> torch.Tensor:
         """``needed_from`` for a tensor of query positions (builds prefill masks in one op)."""
         return torch.zeros_like(qpos)
+
+    @property
+    def span(self) -> int:
+        """The rule's parameter: window (sliding), chunk (chunked), 0 (full)."""
+        return 0
 
     def retain_from(self, pos: int) -> int:
         """The first position to keep when the next token is at ``pos`` (may be earlier than needed)."""
@@ -153,10 +191,9 @@ class KVCache(LayerCache):
         if n + T > self.store.capacity:
             self.store.grow(grown_capacity(max(n + T, 2 * n), self.store.capacity), keep=n)
 
-    def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor):
-        """Append K/V of ``T`` new tokens ([heads, T, head_dim]); return (keys, values, mask) for them.
-
-        ``mask`` is None when every returned key is visible to every query (single-token decode)."""
+    def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor) -> KVView:
+        """Append K/V of ``T`` new tokens ([heads, T, head_dim]); return the keys/values those
+        queries attend over, with their positions and this layer's visibility rule (``KVView``)."""
         T = k.shape[1]
         self._make_room(T)
         self.store.write(self.used, k, v)
@@ -164,9 +201,7 @@ class KVCache(LayerCache):
         self.offset += T
         first = max(self.floor, self.needed_from(q0))
         keys, values = self.store.read(first - self.start, self.used)
-        if T == 1:
-            return keys, values, None
-        return keys, values, _prefill_mask(q0, T, first, keys.shape[1], self.needed_from_many, k.device)
+        return KVView(keys, values, first, q0, T, self.kind, self.span, self.needed_from_many)
 
     # --- snapshots -------------------------------------------------------------
     def snapshot(self) -> KVSnapshot:

@@ -37,6 +37,10 @@ class SlidingWindowCache(KVCache):
     def needed_from(self, t: int) -> int:
         return max(0, t - self.window + 1)
 
+    @property
+    def span(self) -> int:
+        return self.window
+
     def needed_from_many(self, qpos: torch.Tensor) -> torch.Tensor:
         return (qpos - self.window + 1).clamp(min=0)
 

@@ -16,7 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cache.kv import KVView
 from ..cache.specs import CacheSpec
+from ..kernels.attention import attend_native
+from ..kernels.attention import native_ok as native_attention_ok
 from .batch import Batch
 from .weights import PackedWeight
 
@@ -147,10 +150,18 @@ def is_plain_causal(mask: torch.Tensor) -> bool:
     return int(mask.sum()) == T * (T + 1) // 2 and not bool(mask.triu(1).any())
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-              scale: float, softcap: float | None = None) -> torch.Tensor:
-    """q: [Hq, T, D], k/v: [Hk, S, D] (grouped-query allowed), mask: [T, S] bool or None.
-    Returns [T, Hq * D]."""
+def attention(q: torch.Tensor, view: KVView, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """q: [Hq, T, D] (the queries at ``view.query_pos0 ..``), ``view``: the layer cache's answer to
+    ``update_and_fetch`` (keys/values [Hk, S, D], grouped-query allowed, their positions and the
+    layer's visibility rule). Returns [T, Hq * D].
+
+    float32 on CPU runs turnkv's native kernel (kernels/attention.py): it reduces keys in blocks
+    aligned to absolute positions, so a query's output is bit-identical however the prompt was
+    chunked, cached or batched. Otherwise (other dtypes or devices, no build): SDPA with the mask."""
+    k, v = view.keys, view.values
+    if native_attention_ok(q, k, v):
+        return attend_native(q, k, v, view.query_pos0, view.key_pos0, view.kind, view.span, scale, softcap)
+    mask = view.mask
     Hq, T, D = q.shape
     if softcap is None:
         causal = mask is not None and is_plain_causal(mask)

@@ -70,8 +70,8 @@ class Attention(nn.Module):
         qk = apply_rope(rms_norm(qkv[: hq + hk], None, self.eps).mul_(self.qk_norm), *rope)
 
         def one(s: Span):   # this sequence's rows over its own KV
-            keys, values, mask = s.caches[i].update_and_fetch(qk[hq:, s.rows], qkv[hq + hk:, s.rows])
-            return attention(qk[:hq, s.rows], keys, values, mask, self.scale, self.softcap)
+            view = s.caches[i].update_and_fetch(qk[hq:, s.rows], qkv[hq + hk:, s.rows])
+            return attention(qk[:hq, s.rows], view, self.scale, self.softcap)
         return linear(spans_apply(batch, one), self.wo)
 
 

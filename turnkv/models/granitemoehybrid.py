@@ -107,8 +107,7 @@ class Attention(nn.Module):
             qk = part[: hq + hk]
             if ropes is not None:
                 qk = apply_rope(qk, *ropes[s])
-            keys, values, mask = s.caches[i].update_and_fetch(qk[hq:], part[hq + hk:])
-            return attention(qk[:hq], keys, values, mask, self.scale)
+            return attention(qk[:hq], s.caches[i].update_and_fetch(qk[hq:], part[hq + hk:]), self.scale)
         return linear(spans_apply(batch, one), self.wo, self.bo)
 
 

@@ -51,8 +51,8 @@ class Attention(nn.Module):
         qk = apply_rope(qkv[: hq + hk], *rope)
 
         def one(s: Span):   # this sequence's rows over its own KV
-            keys, values, mask = s.caches[i].update_and_fetch(qk[hq:, s.rows], qkv[hq + hk:, s.rows])
-            return attention(qk[:hq, s.rows], keys, values, mask, self.scale)
+            view = s.caches[i].update_and_fetch(qk[hq:, s.rows], qkv[hq + hk:, s.rows])
+            return attention(qk[:hq, s.rows], view, self.scale)
         return linear(spans_apply(batch, one), self.wo, self.bo)
 
 

@@ -115,8 +115,7 @@ class Attention(nn.Module):
             q, k = qk[:hq], qk[hq:]
             if self.temperature:
                 q = (q * temps[s]).to(x.dtype)
-            keys, values, mask = s.caches[i].update_and_fetch(k, part[hq + hk:])
-            return attention(q, keys, values, mask, self.scale)
+            return attention(q, s.caches[i].update_and_fetch(k, part[hq + hk:]), self.scale)
         return linear(spans_apply(batch, one), self.wo, self.bo)
 
 

@@ -161,8 +161,7 @@ class Attention(nn.Module):
         def one(s: Span):   # this sequence's rows over its own KV
             cos, sin = ropes[s]
             q, k = apply_partial_rope(q_all[:, s.rows], cos, sin), apply_partial_rope(k_all[:, s.rows], cos, sin)
-            keys, values, mask = s.caches[i].update_and_fetch(k, qkv[hq + hk:, s.rows])
-            return attention(q, keys, values, mask, self.scale)
+            return attention(q, s.caches[i].update_and_fetch(k, qkv[hq + hk:, s.rows]), self.scale)
         return linear(spans_apply(batch, one) * torch.sigmoid(gate), self.wo, self.bo)
 
 

@@ -144,8 +144,7 @@ class Attention(nn.Module):
         def one(s: Span):   # this sequence's rows over its own KV
             part = qkv[:, s.rows]
             qk = apply_partial_rope(part[: hq + hk], *ropes[s])
-            keys, values, mask = s.caches[i].update_and_fetch(qk[hq:], part[hq + hk:])
-            return attention(qk[:hq], keys, values, mask, self.scale)
+            return attention(qk[:hq], s.caches[i].update_and_fetch(qk[hq:], part[hq + hk:]), self.scale)
         return linear(spans_apply(batch, one), self.wo, self.bo)
 
 
