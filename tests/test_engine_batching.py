@@ -188,3 +188,50 @@ def test_requests_arriving_together_share_their_common_prefix(models, family):
         assert_same(sink.result, alone(model, req))
     stats = eng.prompt_cache.stats()
     assert stats["tokens_prefilled"] < 150 + 3 * 20, stats
+
+
+# --- the bundled SmolLM2 under the default gguf weights: bit-identical through the engine -----------
+
+@pytest.fixture(scope="module")
+def gguf_smollm2():
+    from turnkv import kernels
+    from turnkv.loading.bundled import find_bundled
+
+    if not kernels.native_available() or not find_bundled("smollm2-135m")[0]:
+        pytest.skip("needs the native kernels and the bundled SmolLM2")
+    from turnkv.engine.engine import Engine
+    return Engine.load("smollm2-135m", weights="gguf", progress=False).model
+
+
+@pytest.mark.real
+def test_gguf_chat_reuse_and_concurrency_are_bit_identical(gguf_smollm2):
+    """Under gguf weights (batch-invariant matmul and attention kernels) the engine's results do
+    not depend on reuse, chunking or who else is in the step: cache on == cache off == four users
+    at once, with torch.equal on the logits each first token was sampled from."""
+    from turnkv.engine.engine import Engine
+    from turnkv.prompt_cache.store import PromptCache
+
+    model = gguf_smollm2
+
+    def make(budget, **kw):
+        return Engine(model, None, fingerprint="smollm2-gguf", prompt_cache=PromptCache(budget), max_context=2048,
+                      **kw)
+
+    rng = random.Random(10)
+    system = rand_tokens(rng, 120)
+    on, off = make(1 << 30, prefill_chunk=64), make(0, prefill_chunk=512)
+    history = [system]
+    for turn in range(3):
+        history.append(rand_tokens(rng, 15))
+        a, b = on.generate(request(history, 6)), off.generate(request(history, 6))
+        assert a.token_ids == b.token_ids and torch.equal(a.first_logits, b.first_logits), turn
+        if turn:
+            assert a.usage.cached_tokens > 0
+        history.append(a.token_ids[:-1])
+    users = [request([system, rand_tokens(rng, 10 + u)], 5) for u in range(4)]
+    many = make(1 << 30, max_seqs=4, max_batch_tokens=48, prefill_chunk=32)
+    sinks, _ = run_all(many, users)
+    for req, sink in zip(users, sinks):
+        ref = make(0).generate(req)
+        assert sink.result.token_ids == ref.token_ids
+        assert torch.equal(sink.result.first_logits, ref.first_logits)
