@@ -174,6 +174,30 @@ def test_batch_invariance(qtype):
     assert torch.equal(w.matmul(x[17:18], native=False)[0], w.matmul(x, native=False)[17])
 
 
+@pytest.mark.parametrize("qtype", ALL, ids=lambda q: q.name)
+def test_decode_fast_path_equals_general(qtype):
+    """M = 1..4 (decode: the fused path of the 32-value block types, weights decoded straight
+    into registers) == the same rows inside an M = 9 call (unpack + dot path), on every path;
+    N = 67 (a partial tile) and N = 1000 (split across threads)."""
+    for n in (N, 1000):
+        w = random_weight(qtype, n=n, seed=n)
+        x = _x(9) * 5
+        for isa in ISAS:
+            full = w.matmul(x, isa=isa)
+            for m in (1, 2, 3, 4):
+                for r0 in (0, 9 - m):
+                    assert torch.equal(w.matmul(x[r0 : r0 + m], isa=isa), full[r0 : r0 + m]), (isa, n, m, r0)
+
+
+def test_decode_fast_path_equals_general_real(real_weights):
+    for name, w in real_weights:
+        x = _x(9, w.shape[1]) * 3
+        for isa in ISAS:
+            full = w.matmul(x, isa=isa)
+            for m in (1, 2, 3, 4):
+                assert torch.equal(w.matmul(x[:m], isa=isa), full[:m]), (name, isa, m)
+
+
 def test_thread_count_invariance():
     w = random_weight(Q.Q4_K, n=1000)
     x = _x(33)

@@ -13,6 +13,8 @@ enum QType : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, 
 constexpr int TILE = 8;       // weight rows per tile of the scalar path
 constexpr int TILE_MAX = 16;  // the widest tile (512-bit paths); sizes the scratch
 extern int64_t g_prefetch;  // software prefetch distance in bytes
+extern int64_t g_prefetch_fused;  // per-block prefetch distance of full 8-row tiles (TURNKV_KERNEL_PREFETCH_FUSED)
+extern int g_fused;         // 1: the fused M <= 4 path of the 32-value block types (TURNKV_KERNEL_FUSED=0 turns it off)
 
 inline bool is_kquant(int qt) { return qt == Q4_K || qt == Q5_K || qt == Q6_K; }
 inline int block_elems(int qt) { return is_kquant(qt) ? 256 : 32; }

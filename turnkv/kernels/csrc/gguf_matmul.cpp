@@ -23,6 +23,22 @@ int64_t g_prefetch = [] {
     return e ? std::atoll(e) : 0;
 }();
 
+int64_t g_prefetch_fused = [] {
+    const char* e = std::getenv("TURNKV_KERNEL_PREFETCH_FUSED");
+    return e ? std::atoll(e) : 8192;
+}();
+
+int g_fused = [] {
+    const char* e = std::getenv("TURNKV_KERNEL_FUSED");
+    return e ? std::atoi(e) : 1;
+}();
+
+// a call goes parallel only when each thread gets at least this many weight-bytes-equivalent
+int64_t g_par_bytes = [] {
+    const char* e = std::getenv("TURNKV_KERNEL_PAR_BYTES");
+    return e ? std::atoll(e) : ((int64_t)256 << 10);
+}();
+
 __attribute__((noinline)) Scratch& thread_scratch() {
     static thread_local Scratch s;
     return s;
@@ -352,7 +368,7 @@ static torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor w, int64_t qt, i
     // 1 + M/4 for the dot products): small calls stay on the calling thread, where a parallel
     // region's wake-up and barrier would cost more than the work
     const int64_t tile_work = tile * g.row_bytes * (1 + M / 4);
-    const int64_t grain = std::max<int64_t>(1, ((int64_t)256 << 10) / std::max<int64_t>(1, tile_work));
+    const int64_t grain = std::max<int64_t>(1, g_par_bytes / std::max<int64_t>(1, tile_work));
     const RunFn rf = kRun[isa][wide];
     at::parallel_for(0, ntiles, grain, [&](int64_t b, int64_t e) { rf(g, b, e); });
     return y;
