@@ -203,9 +203,10 @@ class Engine:
             except StopIteration as stop:
                 return stop.value
 
-    def run(self, stop: threading.Event) -> None:
-        """The server's engine thread: step while there is work, sleep until a submit otherwise."""
-        while not stop.is_set():
+    def run(self, stop: threading.Event, also: threading.Event | None = None) -> None:
+        """The server's engine loop: step while there is work, sleep until a submit otherwise;
+        returns once ``stop`` (or ``also``) is set."""
+        while not stop.is_set() and not (also is not None and also.is_set()):
             if not self.step():
                 self._wake.wait(0.05)
                 self._wake.clear()

@@ -13,6 +13,8 @@ never reuses (or can time) another's prefix.
 from __future__ import annotations
 
 import asyncio
+import signal
+import threading
 import hashlib
 import json
 import secrets
@@ -244,12 +246,14 @@ async def stream_events(job: Job, reply: Reply) -> AsyncIterator[str]:
 # ---------------------------------------------------------------------------------------- app
 
 
-def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
+def create_app(engine, config: ServerConfig | None = None, engine_thread: bool = True) -> FastAPI:
+    """``engine_thread=False``: the caller runs the engine loop itself (``app.state.worker.run``),
+    as ``serve`` does on the main thread."""
     config = config or ServerConfig()
     config.defaults.validate()
     cache_enabled = engine.prompt_cache is not None and bool(engine.prompt_cache.enabled)
     metrics = ServerMetrics(engine.name, cache_enabled)
-    worker = EngineWorker(engine, on_done=metrics.observe)
+    worker = EngineWorker(engine, on_done=metrics.observe, own_thread=engine_thread)
     metrics.bind(worker.pending, lambda: store_stats(engine))
     started = int(time.time())
 
@@ -436,10 +440,32 @@ def serve(args) -> int:
     with sock:
         engine = engine_from(args)
         print_banner(engine, args.cache_budget_mb, args.prompt_cache)
-        app = create_app(engine, ServerConfig(api_key=args.api_key, defaults=defaults))
+        app = create_app(engine, ServerConfig(api_key=args.api_key, defaults=defaults), engine_thread=False)
         url = address(sock)
         print(f"turnkv: serving {engine.name} at {url} (OpenAI base URL {url}/v1"
               f"{', API key required' if args.api_key else ''})", file=sys.stderr, flush=True)
-        config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
-        uvicorn.Server(config).run(sockets=[sock])
+        server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5))
+        # The engine steps on the main thread, which loaded the model: a second thread running
+        # OpenMP work would start a second team beside the main thread's, and with more OpenMP
+        # threads than cores libgomp stops spinning between parallel regions (each kernel call
+        # then waits on a futex wake-up): measured 2x slower decode. HTTP runs on its own thread.
+        stop = threading.Event()
+
+        def http() -> None:
+            try:
+                server.run(sockets=[sock])
+            finally:
+                stop.set()
+
+        def shut_down(signum, frame) -> None:
+            server.should_exit = True
+            stop.set()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, shut_down)
+        thread = threading.Thread(target=http, name="turnkv-http")
+        thread.start()
+        app.state.worker.run(stop)
+        server.should_exit = True
+        thread.join(10)
     return 0

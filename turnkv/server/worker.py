@@ -68,23 +68,30 @@ class JobOutcome:
 
 
 class EngineWorker:
-    def __init__(self, engine, on_done: Callable[[JobOutcome], None] | None = None):
+    """Runs the engine loop on its own thread (``own_thread``) or on whichever thread calls
+    ``run`` (``turnkv serve`` uses the main thread: see server/app.py ``serve``)."""
+
+    def __init__(self, engine, on_done: Callable[[JobOutcome], None] | None = None, own_thread: bool = True):
         self.engine = engine
         self.on_done = on_done or (lambda outcome: None)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="turnkv-engine", daemon=True)
+        self._running = False
+        self._thread = (threading.Thread(target=self.run, args=(self._stop,), name="turnkv-engine", daemon=True)
+                        if own_thread else None)
 
     # --- called from the HTTP side -------------------------------------------------------------
     def start(self) -> None:
-        self._thread.start()
+        if self._thread is not None:
+            self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        self._thread.join(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._running
 
     def pending(self) -> int:
         """Requests waiting or running."""
@@ -97,12 +104,17 @@ class EngineWorker:
         return job
 
     # --- the engine thread -----------------------------------------------------------------------
-    def _run(self) -> None:
+    def run(self, stop: threading.Event) -> None:
+        """The engine loop until ``stop`` (or ``stop()``) is set."""
+        self._running = True
         try:
-            self.engine.run(self._stop)
+            while not (stop.is_set() or self._stop.is_set()):
+                self.engine.run(stop, also=self._stop)
         except BaseException:  # noqa: BLE001 - /health turns 503; log why
             log.exception("the engine loop died")
             raise
+        finally:
+            self._running = False
 
     def _on_event(self, job: Job, item) -> None:
         if isinstance(item, TokenEvent):
