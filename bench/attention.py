@@ -5,24 +5,19 @@ Median of repeated calls; ``--threads`` (default 1 and 2). See docs/kernels.md."
 from __future__ import annotations
 
 import argparse
-import platform
-import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from turnkv.kernels import attention as A
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # run as a script from anywhere
+
+from bench.machine import cpu_model  # noqa: E402
+from turnkv.kernels import attention as A  # noqa: E402
 
 SHAPES = {"smollm2 (9q/3kv x 64)": (9, 3, 64), "gemma3-270m (4q/1kv x 256)": (4, 1, 256)}
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name"))
-    except Exception:  # noqa: BLE001
-        return platform.processor() or "unknown CPU"
 
 
 def median_us(f, n: int) -> float:

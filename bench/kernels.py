@@ -12,30 +12,26 @@ Each timing is the best of repeated calls within ~0.25 s; the whole run takes ~2
 from __future__ import annotations
 
 import argparse
-import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
-import turnkv.kernels as tk
-from turnkv.kernels import GGUFWeight
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # run as a script from anywhere
+
+import turnkv.kernels as tk  # noqa: E402
+from bench.machine import cpu_model  # noqa: E402
+from turnkv.kernels import GGUFWeight  # noqa: E402
 
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 GEMV = (32768, 2048)
 GEMM = (4096, 2048)
 
 
-def cpu_model() -> str:
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def random_weight(qtype: Q, n: int, k: int, seed: int = 0) -> GGUFWeight:

@@ -26,19 +26,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # run as a script from anywhere
-
 from bench.conversation import USER_TURNS, messages_for_turn  # noqa: E402
+from bench.machine import cpu_model  # noqa: E402
 from bench.multiturn import TurnResult, openai_chat  # noqa: E402
 
 
-def cpu_model() -> str:
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
-            if line.startswith("Model name"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return "unknown CPU"
 
 
 def user_messages(user: int, turn: int, replies: list[str]) -> list[dict]:

@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.machine import cpu_model  # noqa: E402
 
 from turnkv.cache.specs import default_modes, make_caches  # noqa: E402
 from turnkv.launch import RECOMMENDED_MALLOC, configure_process  # noqa: E402
@@ -63,17 +64,6 @@ NLL_CHUNK = 256
 TEXT = Path(__file__).resolve().parent.parent / "turnkv" / "data" / "coriolanus.txt"
 
 
-def cpu_model() -> str:
-    try:
-        import subprocess
-
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return "unknown CPU"
 
 
 def read_bandwidth_gbs(reps: int = 7) -> float:

@@ -91,10 +91,6 @@ class StatePool:
         self.slots.append(slot)
         return slot
 
-    @property
-    def available(self) -> int:
-        return len(self.free) + self.size - len(self.slots)
-
     def acquire(self, prompt: list[int]) -> SeqState:
         """The free slot whose held tokens share the longest prefix with ``prompt`` (a fresh slot
         when none shares any and the pool may still grow)."""

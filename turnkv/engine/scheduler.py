@@ -79,7 +79,3 @@ class Scheduler:
             work.append(Work(seq, seq.prompt[seq.pos:end], LAST if end == len(seq.prompt) else NONE, prefill=True))
             budget -= n
         return work
-
-    @property
-    def idle(self) -> bool:
-        return not self.waiting and not self.running

@@ -126,9 +126,6 @@ class Sequence:
     def done(self) -> bool:
         return self.status == FINISHED
 
-    def prefill_left(self) -> int:
-        return len(self.prompt) - self.pos
-
     def next_stop(self) -> int:
         """Where the current prefill chunk must end at the latest (a checkpoint or the prompt end)."""
         return self.stops[0] if self.stops else len(self.prompt)

@@ -71,10 +71,6 @@ class Batch:
         tokens = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         return cls(tokens.to(device=device, dtype=torch.long), tuple(spans))
 
-    @property
-    def size(self) -> int:
-        return self.tokens.shape[0]
-
     def logit_rows(self) -> torch.Tensor | slice | None:
         """Rows of the final hidden states whose logits are wanted: None (no row), a slice (a
         contiguous run, no gather), or an index tensor."""
