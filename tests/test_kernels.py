@@ -176,25 +176,26 @@ def test_batch_invariance(qtype):
 
 @pytest.mark.parametrize("qtype", ALL, ids=lambda q: q.name)
 def test_decode_fast_path_equals_general(qtype):
-    """M = 1..4 (decode: the fused path of the 32-value block types, weights decoded straight
-    into registers) == the same rows inside an M = 9 call (unpack + dot path), on every path;
-    N = 67 (a partial tile) and N = 1000 (split across threads)."""
+    """M = 1..8 (decode and decode batches: the fused path of the 32-value block types, weights
+    decoded straight into registers, rows dotted in groups of up to 4) == the same rows inside
+    an M = 13 call (unpack + dot path), on every path; N = 67 (a partial tile) and N = 1000
+    (split across threads)."""
     for n in (N, 1000):
         w = random_weight(qtype, n=n, seed=n)
-        x = _x(9) * 5
+        x = _x(13) * 5
         for isa in ISAS:
             full = w.matmul(x, isa=isa)
-            for m in (1, 2, 3, 4):
-                for r0 in (0, 9 - m):
+            for m in range(1, 9):
+                for r0 in (0, 13 - m):
                     assert torch.equal(w.matmul(x[r0 : r0 + m], isa=isa), full[r0 : r0 + m]), (isa, n, m, r0)
 
 
 def test_decode_fast_path_equals_general_real(real_weights):
     for name, w in real_weights:
-        x = _x(9, w.shape[1]) * 3
+        x = _x(13, w.shape[1]) * 3
         for isa in ISAS:
             full = w.matmul(x, isa=isa)
-            for m in (1, 2, 3, 4):
+            for m in range(1, 9):
                 assert torch.equal(w.matmul(x[:m], isa=isa), full[:m]), (name, isa, m)
 
 
