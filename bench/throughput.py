@@ -55,7 +55,7 @@ from turnkv.cache.specs import default_modes, make_caches  # noqa: E402
 from turnkv.launch import RECOMMENDED_MALLOC, configure_process  # noqa: E402
 from turnkv.loading import load_checkpoint  # noqa: E402
 from turnkv.models import family_class  # noqa: E402
-from turnkv.models.weights import load_model  # noqa: E402
+from turnkv.models.weights import load_model, model_nbytes  # noqa: E402
 
 PREFILL_GOAL, DECODE_GOAL = 1.5, 3.0
 DEFAULT_FORMATS = "float32:native,bfloat16:native,float32:auto,bfloat16:auto,float32:gguf"
@@ -77,22 +77,6 @@ def read_bandwidth_gbs(reps: int = 7) -> float:
         times.append(time.perf_counter() - t)
     return x.numel() * 4 / statistics.median(times) / 1e9
 
-
-def model_bytes(model) -> int:
-    """Bytes of every weight the model holds (each read once per decoded token: the head of
-    these models is tied to the embedding, so the whole table is read too)."""
-    from turnkv.models.weights import GGUFPacked
-
-    seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    for m in model.modules():
-        if isinstance(m, GGUFPacked) and id(m) not in seen:
-            seen.add(id(m))
-            total += m.nbytes
-    return total
 
 
 class LlamaServer:
@@ -235,7 +219,7 @@ def bench_model(name: str, args) -> list[tuple]:
         else:
             model = load_model(cls, ckpt.config, ckpt.tensors, dtype, weights)
         engines[spec] = (model, dtype, kv)
-        samples[spec] = Sample(load_s=time.perf_counter() - t, bytes=model_bytes(model))
+        samples[spec] = Sample(load_s=time.perf_counter() - t, bytes=model_nbytes(model))
     hf = None
     if not args.no_transformers:
         t = time.perf_counter()

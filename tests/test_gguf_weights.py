@@ -21,7 +21,7 @@ import torch
 
 from tests.tiny import tiny_gemma3, tiny_llama
 from turnkv.cache.specs import make_caches
-from turnkv.models.weights import GGUFPacked, PackedWeight, load_model
+from turnkv.models.weights import GGUFPacked, PackedWeight, load_model, model_nbytes
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
@@ -50,19 +50,6 @@ def kernels_native() -> bool:
 
 needs_native = pytest.mark.skipif(not kernels_native(), reason="native GGUF kernels not built "
                                   "(python -m turnkv.kernels.build)")
-
-
-def model_bytes(model) -> int:
-    seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    for m in model.modules():
-        if isinstance(m, GGUFPacked) and id(m) not in seen:
-            seen.add(id(m))
-            total += m.nbytes
-    return total
 
 
 # ------------------------------------------------------------------ tiny models, no GGUF file
@@ -244,7 +231,7 @@ def test_no_float32_copy_and_own_cache_namespace(pair):
     assert all(isinstance(m, GGUFPacked) for m in proj) and len(proj) >= 4 * len(eng.model.layers) + 1
     big = {tuple(p.shape) for p in native.model.parameters() if p.ndim == 2}
     assert not [p for p in eng.model.parameters() if p.ndim == 2 and tuple(p.shape) in big]
-    assert model_bytes(eng.model) < model_bytes(native.model) / 3
+    assert model_nbytes(eng.model) < model_nbytes(native.model) / 3
 
 
 @pytest.mark.real

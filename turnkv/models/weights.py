@@ -677,6 +677,21 @@ def load_gguf_model(cls, config: dict, tensors: dict, quantized: dict, dtype: to
     return model
 
 
+def model_nbytes(model: nn.Module) -> int:
+    """Bytes of every weight a model holds, shared tensors once: parameters, buffers and GGUF
+    blocks (a decode step reads all of them once: the bundled models' heads are tied tables)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    for m in model.modules():
+        if isinstance(m, GGUFPacked) and id(m) not in seen:
+            seen.add(id(m))
+            total += m.nbytes
+    return total
+
+
 def native_kernels_built() -> bool:
     """True when turnkv.kernels imports and its native extension is compiled (not the pure
     PyTorch fallback)."""
