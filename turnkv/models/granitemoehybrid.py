@@ -98,16 +98,14 @@ class Attention(nn.Module):
         self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
         self.bo = param(take(t, f"{p}.o_proj.bias"), dtype) if a.attention_bias else None
 
-    def forward(self, x, batch: Batch, i: int, ropes):
+    def forward(self, x, batch: Batch, i: int, rope):
         hq, hk = self.hq, self.hk
         qkv = linear(x, self.wqkv, self.bqkv).view(x.shape[0], hq + 2 * hk, self.d).transpose(0, 1)
+        qk = qkv[: hq + hk] if rope is None else apply_rope(qkv[: hq + hk], *rope)
 
         def one(s: Span):   # this sequence's rows over its own KV
-            part = qkv[:, s.rows]
-            qk = part[: hq + hk]
-            if ropes is not None:
-                qk = apply_rope(qk, *ropes[s])
-            return attention(qk[:hq], s.caches[i].update_and_fetch(qk[hq:], part[hq + hk:]), self.scale)
+            return attention(qk[:hq, s.rows], s.caches[i].update_and_fetch(qk[hq:, s.rows], qkv[hq + hk:, s.rows]),
+                             self.scale)
         return linear(spans_apply(batch, one), self.wo, self.bo)
 
 
@@ -160,9 +158,9 @@ class Block(nn.Module):
         self.moe = MoE(a, t, f"{p}.block_sparse_moe", dtype) if a.num_local_experts > 0 else None
         self.shared = SharedMLP(t, f"{p}.shared_mlp", dtype)
 
-    def forward(self, x, batch, i, ropes):
+    def forward(self, x, batch, i, rope):
         h = rms_norm(x, self.ln_in, self.eps)
-        h = self.mixer.forward(h, batch, i) if self.is_mamba else self.mixer.forward(h, batch, i, ropes)
+        h = self.mixer.forward(h, batch, i) if self.is_mamba else self.mixer.forward(h, batch, i, rope)
         x = x + h * self.res
         h = rms_norm(x, self.ln_post, self.eps)
         h = self.shared.forward(h) if self.moe is None else self.moe.forward(h) + self.shared.forward(h)
@@ -195,11 +193,10 @@ class GraniteMoeHybridModel(Model):
         return [mamba if lt == MAMBA else specs.full(a.num_key_value_heads, a.head_dim) for lt in a.layer_types]
 
     def forward(self, batch):
-        ropes = ({s: self.rope.table(s.position, s.length) for s in batch.spans}
-                 if self.rope is not None else None)
+        rope = self.rope.rows(batch) if self.rope is not None else None
         x = F.embedding(batch.tokens, self.embed) * self.args.embedding_multiplier
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, batch, i, ropes)
+            x = layer.forward(x, batch, i, rope)
         x = select_rows(x, batch)
         if x is None:
             return None

@@ -83,16 +83,15 @@ class Attention(nn.Module):
         self.q_norm = param(take(t, f"{p}.q_layernorm.weight"), dtype)
         self.k_norm = param(take(t, f"{p}.k_layernorm.weight"), dtype)
 
-    def forward(self, x, batch: Batch, i: int, ropes):
+    def forward(self, x, batch: Batch, i: int, rope):
         hq, hk = self.hq, self.hk
         qkv = linear(x, self.wqkv).view(x.shape[0], hq + 2 * hk, self.d).transpose(0, 1)
-        q_all = rms_norm(qkv[:hq], self.q_norm, self.eps)
-        k_all = rms_norm(qkv[hq: hq + hk], self.k_norm, self.eps)
+        q = apply_rope(rms_norm(qkv[:hq], self.q_norm, self.eps), *rope)
+        k = apply_rope(rms_norm(qkv[hq: hq + hk], self.k_norm, self.eps), *rope)
 
         def one(s: Span):   # this sequence's rows over its own KV
-            cos, sin = ropes[s]
-            q, k = apply_rope(q_all[:, s.rows], cos, sin), apply_rope(k_all[:, s.rows], cos, sin)
-            return attention(q, s.caches[i].update_and_fetch(k, qkv[hq + hk:, s.rows]), self.scale)
+            return attention(q[:, s.rows], s.caches[i].update_and_fetch(k[:, s.rows], qkv[hq + hk:, s.rows]),
+                             self.scale)
         return linear(spans_apply(batch, one), self.wo)
 
 
@@ -118,9 +117,9 @@ class Block(nn.Module):
         self.mixer = Attention(a, t, f"{p}.self_attn", dtype) if self.is_attention else ShortConv(a, t, f"{p}.conv", dtype)
         self.mlp = MLP(t, f"{p}.feed_forward", dtype)
 
-    def forward(self, x, batch, i, ropes):
+    def forward(self, x, batch, i, rope):
         h = rms_norm(x, self.ln_op, self.eps)
-        x = x + (self.mixer.forward(h, batch, i, ropes) if self.is_attention else self.mixer.forward(h, batch, i))
+        x = x + (self.mixer.forward(h, batch, i, rope) if self.is_attention else self.mixer.forward(h, batch, i))
         return x + self.mlp.forward(rms_norm(x, self.ln_ffn, self.eps))
 
 
@@ -148,10 +147,10 @@ class Lfm2Model(Model):
                 else specs.full(a.num_key_value_heads, a.head_dim) for lt in a.layer_types]
 
     def forward(self, batch):
-        ropes = {s: self.rope.table(s.position, s.length) for s in batch.spans}
+        rope = self.rope.rows(batch)
         x = F.embedding(batch.tokens, self.embed)
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, batch, i, ropes)
+            x = layer.forward(x, batch, i, rope)
         x = select_rows(x, batch)
         if x is None:
             return None

@@ -101,21 +101,18 @@ class Attention(nn.Module):
         self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
         self.bo = param(take(t, f"{p}.o_proj.bias"), dtype) if a.attention_bias else None
 
-    def forward(self, x, batch: Batch, i: int, ropes, temps):
+    def forward(self, x, batch: Batch, i: int, rope, temps):
         hq, hk = self.hq, self.hk
         qkv = linear(x, self.wqkv, self.bqkv).view(x.shape[0], hq + 2 * hk, self.d).transpose(0, 1)
+        qk = apply_rope(qkv[: hq + hk], *rope) if self.use_rope else qkv[: hq + hk]
+        if self.qk_norm:   # after the rotation, as transformers does
+            qk = l2_norm(qk, self.eps)
 
         def one(s: Span):   # this sequence's rows over its own KV, at its own positions
-            part = qkv[:, s.rows]
-            qk = part[: hq + hk]
-            if self.use_rope:
-                qk = apply_rope(qk, *ropes[s])
-            if self.qk_norm:   # after the rotation, as transformers does
-                qk = l2_norm(qk, self.eps)
-            q, k = qk[:hq], qk[hq:]
+            q = qk[:hq, s.rows]
             if self.temperature:
                 q = (q * temps[s]).to(x.dtype)
-            return attention(q, s.caches[i].update_and_fetch(k, part[hq + hk:]), self.scale)
+            return attention(q, s.caches[i].update_and_fetch(qk[hq:, s.rows], qkv[hq + hk:, s.rows]), self.scale)
         return linear(spans_apply(batch, one), self.wo, self.bo)
 
 
@@ -166,8 +163,8 @@ class Block(nn.Module):
         self.attn = Attention(a, t, f"{p}.self_attn", dtype, self.use_rope)
         self.ff = MoE(a, t, f"{p}.feed_forward", dtype) if i in a.moe_layers else MLP(t, f"{p}.feed_forward", dtype)
 
-    def forward(self, x, batch, i, ropes, temps):
-        x = x + self.attn.forward(rms_norm(x, self.ln_attn, self.eps), batch, i, ropes, temps)
+    def forward(self, x, batch, i, rope, temps):
+        x = x + self.attn.forward(rms_norm(x, self.ln_attn, self.eps), batch, i, rope, temps)
         return x + self.ff.forward(rms_norm(x, self.ln_mlp, self.eps))
 
 
@@ -197,12 +194,12 @@ class Llama4Model(Model):
 
     def forward(self, batch):
         a = self.args
-        ropes = {s: self.rope.table(s.position, s.length) for s in batch.spans}
+        rope = self.rope.rows(batch)
         temps = ({s: temperature_scales(s.position, s.length, a.floor_scale, a.attn_scale).to(self.embed.device)
                   for s in batch.spans} if self.any_temperature else None)
         x = F.embedding(batch.tokens, self.embed)
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, batch, i, ropes, temps)
+            x = layer.forward(x, batch, i, rope, temps)
         x = select_rows(x, batch)
         if x is None:
             return None

@@ -151,17 +151,16 @@ class Attention(nn.Module):
         self.q_norm = _norm_weight(take(t, f"{p}.q_norm.weight"), dtype)
         self.k_norm = _norm_weight(take(t, f"{p}.k_norm.weight"), dtype)
 
-    def forward(self, x, batch: Batch, i: int, ropes):
+    def forward(self, x, batch: Batch, i: int, rope):
         hq, hk, d = self.hq, self.hk, self.d
         qkv, gate = linear(x, self.wqkvg, self.bqkvg).split([(hq + 2 * hk) * d, hq * d], dim=-1)
         qkv = qkv.view(x.shape[0], hq + 2 * hk, d).transpose(0, 1)
-        q_all = rms_norm(qkv[:hq], self.q_norm, self.eps)
-        k_all = rms_norm(qkv[hq:hq + hk], self.k_norm, self.eps)
+        q = apply_partial_rope(rms_norm(qkv[:hq], self.q_norm, self.eps), *rope)
+        k = apply_partial_rope(rms_norm(qkv[hq:hq + hk], self.k_norm, self.eps), *rope)
 
         def one(s: Span):   # this sequence's rows over its own KV
-            cos, sin = ropes[s]
-            q, k = apply_partial_rope(q_all[:, s.rows], cos, sin), apply_partial_rope(k_all[:, s.rows], cos, sin)
-            return attention(q, s.caches[i].update_and_fetch(k, qkv[hq + hk:, s.rows]), self.scale)
+            return attention(q[:, s.rows], s.caches[i].update_and_fetch(k[:, s.rows], qkv[hq + hk:, s.rows]),
+                             self.scale)
         return linear(spans_apply(batch, one) * torch.sigmoid(gate), self.wo, self.bo)
 
 
@@ -230,9 +229,9 @@ class Block(nn.Module):
             raise ValueError(f"unknown Qwen3-Next layer type {self.kind!r}")
         self.mlp = SparseMoE(a, t, f"{p}.mlp", dtype) if a.is_moe(i) else MLP(t, f"{p}.mlp", dtype)
 
-    def forward(self, x, batch, i, ropes):
+    def forward(self, x, batch, i, rope):
         h = rms_norm(x, self.ln_in, self.eps)
-        h = self.mixer.forward(h, batch, i) if self.kind == LINEAR else self.mixer.forward(h, batch, i, ropes)
+        h = self.mixer.forward(h, batch, i) if self.kind == LINEAR else self.mixer.forward(h, batch, i, rope)
         x = x + h
         return x + self.mlp.forward(rms_norm(x, self.ln_post, self.eps))
 
@@ -263,10 +262,10 @@ class Qwen3NextModel(Model):
                 else specs.full(a.num_key_value_heads, a.head_dim) for layer in self.layers]
 
     def forward(self, batch):
-        ropes = {s: self.rope.table(s.position, s.length) for s in batch.spans}
+        rope = self.rope.rows(batch)
         x = F.embedding(batch.tokens, self.embed)
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, batch, i, ropes)
+            x = layer.forward(x, batch, i, rope)
         x = select_rows(x, batch)
         if x is None:
             return None

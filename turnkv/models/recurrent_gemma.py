@@ -137,14 +137,14 @@ class Attention(nn.Module):
         self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
         self.bo = param(take(t, f"{p}.o_proj.bias"), dtype)  # o_proj always has a bias
 
-    def forward(self, x, batch: Batch, i: int, ropes):
+    def forward(self, x, batch: Batch, i: int, rope):
         hq, hk = self.hq, self.hk
         qkv = linear(x, self.wqkv, self.bqkv).view(x.shape[0], hq + 2 * hk, self.d).transpose(0, 1)
+        qk = apply_partial_rope(qkv[: hq + hk], *rope)
 
         def one(s: Span):   # this sequence's rows over its own KV
-            part = qkv[:, s.rows]
-            qk = apply_partial_rope(part[: hq + hk], *ropes[s])
-            return attention(qk[:hq], s.caches[i].update_and_fetch(qk[hq:], part[hq + hk:]), self.scale)
+            return attention(qk[:hq, s.rows], s.caches[i].update_and_fetch(qk[hq:, s.rows], qkv[hq + hk:, s.rows]),
+                             self.scale)
         return linear(spans_apply(batch, one), self.wo, self.bo)
 
 
@@ -177,9 +177,9 @@ class Block(nn.Module):
             raise ValueError(f"unknown RecurrentGemma block type {self.kind!r}")
         self.mlp = MLP(t, f"{p}.mlp_block", dtype)
 
-    def forward(self, x, batch, i, ropes):
+    def forward(self, x, batch, i, rope):
         h = rms_norm(x, self.ln_temporal, self.eps)
-        h = self.temporal.forward(h, batch, i) if self.kind == RECURRENT else self.temporal.forward(h, batch, i, ropes)
+        h = self.temporal.forward(h, batch, i) if self.kind == RECURRENT else self.temporal.forward(h, batch, i, rope)
         x = x + h
         return x + self.mlp.forward(rms_norm(x, self.ln_channel, self.eps))
 
@@ -213,10 +213,10 @@ class RecurrentGemmaModel(Model):
                 for layer in self.layers]
 
     def forward(self, batch):
-        ropes = {s: self.rope.table(s.position, s.length) for s in batch.spans}
+        rope = self.rope.rows(batch)
         x = F.embedding(batch.tokens, self.embed) * self.embed_scale
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, batch, i, ropes)
+            x = layer.forward(x, batch, i, rope)
         x = select_rows(x, batch)
         if x is None:
             return None
