@@ -12,9 +12,11 @@ cache at most 20% of turn 8 without it, for every family, recurrent ones include
     python bench/families.py                                   # every family, default size
     python bench/families.py --families mamba2,lfm2 --layers 4 --hidden 512 --turns 4
 
-Families (HF model_type): llama4_text, mamba2, lfm2, qwen3_next, granitemoehybrid, recurrent_gemma.
-Llama 4 runs with attention_chunk_size 256 (real checkpoints use 8192) so the ~1000-token chat
-crosses the chunk size and the chunked caches really drop blocks.
+Families (HF model_type): llama4_text, mamba2, lfm2, qwen3_next, granitemoehybrid, recurrent_gemma,
+exaone4, ministral3, gpt_oss, qwen3_5_moe_text, glm4_moe, afmoe, gemma4_text, kimi_linear, bailing_hybrid,
+muse_glimmer. Llama 4 runs with attention_chunk_size 256 (real checkpoints use
+8192), EXAONE 4, Ministral 3 and AFMoE with a 256-token sliding window (gpt-oss with its own 128), so the
+~1000-token chat crosses them and the chunked / sliding caches really drop blocks.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ SYSTEM_TOKENS, USER_TOKENS = 400, 60
 REPLY_RANGE = (16, 32)
 GOAL = 0.20
 LLAMA4_CHUNK = 256
+WINDOW = 256         # EXAONE 4 / Ministral 3 sliding window (real checkpoints: 4096 and more)
 
 
 # ------------------------------------------------------------------------------- random configs
@@ -122,9 +125,126 @@ def _recurrent_gemma(s: Size):
         w_init_variance_scale=4.0))
 
 
+def _exaone4(s: Size):
+    from transformers import Exaone4Config, Exaone4ForCausalLM
+    return Exaone4ForCausalLM(Exaone4Config(
+        vocab_size=VOCAB, hidden_size=s.hidden, intermediate_size=4 * s.hidden, num_hidden_layers=s.layers,
+        num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=64, sliding_window=WINDOW,
+        sliding_window_pattern=4, max_position_embeddings=8192, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
+def _ministral3(s: Size):
+    from transformers import Ministral3Config, Ministral3ForCausalLM
+    return Ministral3ForCausalLM(Ministral3Config(
+        vocab_size=VOCAB, hidden_size=s.hidden, intermediate_size=4 * s.hidden, num_hidden_layers=s.layers,
+        num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=64, sliding_window=WINDOW,
+        max_position_embeddings=8192, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
+def _gpt_oss(s: Size):
+    from transformers import GptOssConfig, GptOssForCausalLM
+    return GptOssForCausalLM(GptOssConfig(
+        vocab_size=VOCAB, hidden_size=s.hidden, intermediate_size=s.hidden, num_hidden_layers=s.layers,
+        num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=64, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=128, max_position_embeddings=8192, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2))
+
+
 BUILDERS: dict[str, Callable] = {"llama4_text": _llama4, "mamba2": _mamba2, "lfm2": _lfm2,
                                  "qwen3_next": _qwen3_next, "granitemoehybrid": _granitemoehybrid,
-                                 "recurrent_gemma": _recurrent_gemma}
+                                 "recurrent_gemma": _recurrent_gemma, "exaone4": _exaone4,
+                                 "ministral3": _ministral3, "gpt_oss": _gpt_oss}
+
+
+def _qwen3_5_moe_text(s: Size):
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    heads = max(2, s.hidden // 128)
+    return Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(
+        vocab_size=VOCAB, hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 4), head_dim=128, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_num_key_heads=max(1, heads // 2), linear_num_value_heads=heads,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=s.hidden // 2,
+        shared_expert_intermediate_size=s.hidden,
+        layer_types=["full_attention" if i in s.every(4, 3) else "linear_attention" for i in range(s.layers)],
+        max_position_embeddings=8192))
+
+
+def _glm4_moe(s: Size):
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+    return Glm4MoeForCausalLM(Glm4MoeConfig(
+        vocab_size=VOCAB, hidden_size=s.hidden, intermediate_size=3 * s.hidden, num_hidden_layers=s.layers,
+        num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=64, moe_intermediate_size=s.hidden // 2,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, use_qk_norm=True, attention_bias=True,
+        max_position_embeddings=8192, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
+def _afmoe(s: Size):
+    from transformers import AfmoeConfig, AfmoeForCausalLM
+    return AfmoeForCausalLM(AfmoeConfig(
+        vocab_size=VOCAB, hidden_size=s.hidden, intermediate_size=3 * s.hidden, moe_intermediate_size=s.hidden // 2,
+        num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=64,
+        num_experts=4, num_experts_per_tok=2, num_shared_experts=1, sliding_window=WINDOW,
+        global_attn_every_n_layers=4, max_position_embeddings=8192, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
+BUILDERS.update({"qwen3_5_moe_text": _qwen3_5_moe_text, "glm4_moe": _glm4_moe, "afmoe": _afmoe})
+
+
+def _gemma4_text(s: Size):
+    # the E2B-like shape: 5 sliding : 1 full, wider full heads, per-layer embeddings, the last third
+    # of the layers sharing KV
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+    full = s.every(6, 5)
+    shared = s.layers // 3 if s.layers - s.layers // 3 > full[0] else 0   # a full owner must come first
+    return Gemma4ForCausalLM(Gemma4TextConfig(
+        vocab_size=VOCAB, hidden_size=s.hidden, intermediate_size=4 * s.hidden, num_hidden_layers=s.layers,
+        num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=64, global_head_dim=128,
+        sliding_window=WINDOW, layer_types=["full_attention" if i in full else "sliding_attention"
+                                            for i in range(s.layers)],
+        vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=64, num_kv_shared_layers=shared,
+        max_position_embeddings=8192, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
+def _kimi_linear(s: Size):
+    # 3 KDA : 1 MLA, as the released model
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+    return KimiLinearForCausalLM(KimiLinearConfig(
+        vocab_size=VOCAB, hidden_size=s.hidden, intermediate_size=3 * s.hidden, moe_intermediate_size=s.hidden // 2,
+        num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.heads, kv_lora_rank=128,
+        q_lora_rank=None, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, num_local_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, linear_head_dim=64, linear_num_heads=s.heads,
+        layer_types=["full_attention" if i in s.every(4, 3) else "linear_attention" for i in range(s.layers)],
+        max_position_embeddings=8192, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
+BUILDERS.update({"gemma4_text": _gemma4_text, "kimi_linear": _kimi_linear})
+
+
+def _bailing_hybrid(s: Size):
+    # 3 KDA : 1 MLA (the release groups 6), the first layer dense
+    from transformers import BailingHybridConfig, BailingHybridForCausalLM
+    return BailingHybridForCausalLM(BailingHybridConfig(
+        vocab_size=VOCAB, hidden_size=s.hidden, intermediate_size=3 * s.hidden, moe_intermediate_size=s.hidden // 2,
+        num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.heads, kv_lora_rank=128,
+        q_lora_rank=None, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, head_dim=64, num_local_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+        layer_types=["full_attention" if i in s.every(4, 3) else "linear_attention" for i in range(s.layers)],
+        max_position_embeddings=8192, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
+def _muse_glimmer(s: Size):
+    # the text decoder of the VLM (a one-layer vision tower that never runs): 3 sliding : 1 full NoPE
+    from transformers import MuseGlimmerConfig, MuseGlimmerForConditionalGeneration
+    text = dict(vocab_size=VOCAB, hidden_size=s.hidden, intermediate_size=3 * s.hidden, num_hidden_layers=s.layers,
+                num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=64, sliding_window=WINDOW,
+                max_position_embeddings=8192, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    vision = dict(hidden_size=32, num_hidden_layers=1, intermediate_size=48, num_attention_heads=2)
+    return MuseGlimmerForConditionalGeneration(MuseGlimmerConfig(
+        text_config=text, vision_config=vision, out_hidden_size=128, projector_hidden_size=64,
+        image_token_id=VOCAB + 1, video_token_id=VOCAB + 2))
+
+
+BUILDERS.update({"bailing_hybrid": _bailing_hybrid, "muse_glimmer": _muse_glimmer})
 
 
 def build(model_type: str, size: Size):

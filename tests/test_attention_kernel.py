@@ -6,6 +6,7 @@
   bit-identical (torch.equal) whether computed in one call over all queries, in chunks of 1, 7 or
   64 queries (each chunk with the keys a cache would hand it), alone, with extra invisible keys in
   front of the key range, or on 1 vs 2 threads; only the visible keys matter;
+- attention sinks (gpt-oss): native vs reference on every ISA path, and the same invariance;
 - through the cache interface (``KVView``) the kernel agrees with the SDPA fallback;
 - end to end on the bundled models with ``--weights gguf``: the logits of a 400 / 600-token prompt
   are bit-identical prefilled in one chunk, in chunks of 64, as the first N tokens then the rest
@@ -120,6 +121,64 @@ def test_only_visible_keys_matter(isa, kind, span):
     v3 = v.clone()
     v3[:, p - 1] += 1e-3
     assert not torch.equal(A.attend(q[:, p:p + 1], k[:, :p + 1], v3[:, :p + 1], p, 0, kind, span, 0.2, isa=isa), base)
+
+
+@needs_attn
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind,span", RULES)
+@pytest.mark.parametrize("T", [1, 100])
+def test_sinks_native_matches_reference_and_stay_invariant(isa, kind, span, T):
+    """Sinks join the denominator: native vs reference within ATOL (sinks above and below the
+    scores' max, so both branches of the rescale run), they change the rows, and the rows of
+    [a, b) stay bit-identical whatever the chunking and the key range."""
+    assert A.native_sinks_available()
+    Hq, Hk, D, S = 6, 2, 64, 230
+    q, k, v = rand_qkv(Hq, Hk, S, S, D, seed=11, strided_q=True)
+    sinks = torch.tensor([-3.0, 0.0, 1.5, 4.0, 9.0, -30.0])
+    q0 = S - T
+    k0 = lo(kind, span, q0)
+    got = A.attend(q[:, q0:], k[:, k0:], v[:, k0:], q0, k0, kind, span, 0.3, isa=isa, sinks=sinks)
+    want = A.reference(q[:, q0:], k[:, k0:], v[:, k0:], q0, k0, kind, span, 0.3, sinks=sinks)
+    assert (got - want).abs().max().item() < ATOL
+    plain = A.attend(q[:, q0:], k[:, k0:], v[:, k0:], q0, k0, kind, span, 0.3, isa=isa)
+    assert (got - plain).abs().max().item() > 1e-2
+    whole = A.attend(q, k, v, 0, 0, kind, span, 0.3, isa=isa, sinks=sinks)[150:200]
+    for chunk in (1, 7, 50):
+        out = []
+        for t0 in range(150, 200, chunk):
+            t1 = min(200, t0 + chunk)
+            k1 = lo(kind, span, t0)
+            out.append(A.attend(q[:, t0:t1], k[:, k1:t1], v[:, k1:t1], t0, k1, kind, span, 0.3, isa=isa,
+                                sinks=sinks))
+        assert torch.equal(torch.cat(out), whole), chunk
+
+
+@needs_attn
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("sinks", [False, True])
+def test_many_spans_in_one_call_equal_each_span_alone(isa, sinks):
+    """attend_many (one native call for a batch of sequences): every span's rows are bit-identical
+    to ``attend`` on that span alone, whatever the other spans are (kinds, lengths, decode rows of
+    one query, a prefill chunk, strided q), on every ISA path."""
+    assert A.native_many_available()
+    Hq, Hk, D = 6, 2, 64
+    sink = torch.tensor([-3.0, 0.0, 1.5, 4.0, 9.0, -30.0]) if sinks else None
+    cases = [("full", 0, 1, 300), ("sliding", 37, 1, 90), ("chunked", 50, 20, 130), ("full", 0, 64, 64),
+             ("sliding", 37, 1, 5), ("full", 0, 1, 1)]
+    qs, ks, vs, q0s, k0s, kinds, spans, alone = [], [], [], [], [], [], [], []
+    for j, (kind, span, T, S) in enumerate(cases):
+        q, k, v = rand_qkv(Hq, Hk, S, S, D, seed=20 + j, strided_q=True)
+        q0 = S - T
+        k0 = lo(kind, span, q0)
+        qs.append(q[:, q0:]), ks.append(k[:, k0:]), vs.append(v[:, k0:])
+        q0s.append(q0), k0s.append(k0), kinds.append(kind), spans.append(span)
+        alone.append(A.attend(q[:, q0:], k[:, k0:], v[:, k0:], q0, k0, kind, span, 0.3, softcap=None, isa=isa,
+                              sinks=sink))
+    got = A.attend_many_native(qs, ks, vs, q0s, k0s, kinds, spans, 0.3, isa=isa, sinks=sink)
+    assert torch.equal(got, torch.cat(alone))
+    # one span is the plain call; other spans' presence changes nothing
+    assert torch.equal(A.attend_many_native(qs[2:3], ks[2:3], vs[2:3], q0s[2:3], k0s[2:3], kinds[2:3], spans[2:3],
+                                            0.3, isa=isa, sinks=sink), alone[2])
 
 
 def make_cache(kind):

@@ -25,6 +25,7 @@ class CacheSpec:
     window: int = 0                                       # sliding
     chunk: int = 0                                        # chunked
     fields: tuple[tuple[str, tuple[int, ...]], ...] = ()  # recurrent: (name, shape) pairs
+    state_dtype: str | None = None                        # recurrent: held in this dtype, not the cache's
 
     @property
     def is_attention(self) -> bool:
@@ -52,8 +53,10 @@ def chunked(heads: int, head_dim: int, chunk: int) -> CacheSpec:
     return CacheSpec(CHUNKED, heads, head_dim, chunk=chunk)
 
 
-def recurrent(**fields: tuple[int, ...]) -> CacheSpec:
-    return CacheSpec(RECURRENT, fields=tuple((k, tuple(v)) for k, v in fields.items()))
+def recurrent(state_dtype: str | None = None, **fields: tuple[int, ...]) -> CacheSpec:
+    """``state_dtype`` ("float32"): hold the state in that dtype whatever the cache dtype (a state
+    that transformers keeps in float32, where rounding it to bfloat16 between chunks would add up)."""
+    return CacheSpec(RECURRENT, fields=tuple((k, tuple(v)) for k, v in fields.items()), state_dtype=state_dtype)
 
 
 def all_trimmable(specs: list[CacheSpec]) -> bool:
@@ -77,7 +80,8 @@ def make_caches(specs: list[CacheSpec], dtype: torch.dtype = torch.float32, devi
         elif spec.kind == CHUNKED:
             caches.append(ChunkedCache(spec.heads, spec.head_dim, spec.chunk, dtype, device, mode))
         elif spec.kind == RECURRENT:
-            caches.append(StateCache(dict(spec.fields), dtype, device))
+            state_dtype = getattr(torch, spec.state_dtype) if spec.state_dtype else dtype
+            caches.append(StateCache(dict(spec.fields), state_dtype, device))
         else:
             raise ValueError(f"unknown cache kind {spec.kind!r}")
     return caches

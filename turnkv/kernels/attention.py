@@ -1,10 +1,11 @@
 """Chunk- and batch-invariant float32 attention for one sequence (csrc/attention.cpp).
 
-``attend(q, k, v, q_pos0, k_pos0, kind, window_or_chunk, scale, softcap)``: q [Hq, T, D] at
-absolute positions ``q_pos0 ..``, k/v [Hk, S, D] at ``k_pos0 ..`` (grouped-query: Hq % Hk == 0,
-any row / head strides, last dim contiguous). A query at ``p`` sees the keys at ``lo(p) <= pos <=
-p``: ``lo = 0`` (``kind="full"``), ``p - W + 1`` (``"sliding"``, W = window), ``(p // C) * C``
-(``"chunked"``, C = chunk). Returns [T, Hq * D] float32.
+``attend(q, k, v, q_pos0, k_pos0, kind, window_or_chunk, scale, softcap, sinks=None)``: q
+[Hq, T, D] at absolute positions ``q_pos0 ..``, k/v [Hk, S, D] at ``k_pos0 ..`` (grouped-query:
+Hq % Hk == 0, any row / head strides, last dim contiguous). A query at ``p`` sees the keys at
+``lo(p) <= pos <= p``: ``lo = 0`` (``kind="full"``), ``p - W + 1`` (``"sliding"``, W = window),
+``(p // C) * C`` (``"chunked"``, C = chunk). ``sinks`` [Hq] (gpt-oss): a logit per query head that
+joins the softmax denominator as a key without a value. Returns [T, Hq * D] float32.
 
 The native kernel reduces every query's keys in blocks aligned to absolute positions, in an order
 that depends only on those positions (docs/kernels.md), so a query's output row is bit-identical
@@ -24,18 +25,20 @@ import torch
 
 from . import native_available
 
-__all__ = ["attend", "reference", "native_attention_available", "attention_isas", "KINDS"]
+__all__ = ["attend", "reference", "native_attention_available", "native_sinks_available", "attention_isas", "KINDS"]
 
 KINDS = {"full": 0, "sliding": 1, "chunked": 2}
 ISAS = ("scalar", "avx2", "avx512")
 
 _op = None
+_op_many = None   # several sequences in one call (a build from before it has none)
 _best = -1
 _default = -1
+_sinks = False     # the build takes ``sinks`` (a build from before them does not)
 
 
 def _init() -> None:
-    global _op, _best, _default
+    global _op, _op_many, _best, _default, _sinks
     if not native_available() or os.environ.get("TURNKV_ATTENTION", "").strip().lower() == "reference":
         return
     try:
@@ -45,6 +48,12 @@ def _init() -> None:
         _op = None
         return
     _default = _best
+    _op_many = getattr(torch.ops.turnkv_attn, "attend_many", None)
+    try:
+        _op_many = _op_many.default if _op_many is not None else None
+    except (AttributeError, RuntimeError):
+        _op_many = None
+    _sinks = any(a.name == "sinks" for a in _op.default._schema.arguments)
     want = os.environ.get("TURNKV_KERNEL_ISA", "").strip().lower()
     if want == "avx512vnni":
         want = "avx512"
@@ -57,6 +66,10 @@ _init()
 
 def native_attention_available() -> bool:
     return _op is not None
+
+
+def native_sinks_available() -> bool:
+    return _op is not None and _sinks
 
 
 def attention_isas() -> list[str]:
@@ -87,8 +100,10 @@ def visibility_mask(q_pos0: int, T: int, k_pos0: int, S: int, kind: str, span: i
 
 
 def reference(q, k, v, q_pos0: int, k_pos0: int, kind: str = "full", window_or_chunk: int = 0,
-              scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
-    """The same math in PyTorch (float32 accumulation): scores, softcap, positional mask, softmax, P.V."""
+              scale: float | None = None, softcap: float | None = None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The same math in PyTorch (float32 accumulation): scores, softcap, positional mask, softmax
+    (with the sink column when given, dropped after it), P.V."""
     Hq, T, D = q.shape
     Hk, S = k.shape[0], k.shape[1]
     scale = D ** -0.5 if scale is None else scale
@@ -100,38 +115,68 @@ def reference(q, k, v, q_pos0: int, k_pos0: int, kind: str = "full", window_or_c
         scores = torch.tanh(scores / softcap) * softcap
     mask = visibility_mask(q_pos0, T, k_pos0, S, kind, window_or_chunk, q.device)
     scores = scores.masked_fill(~mask, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), vf)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        column = sinks.float().view(Hq, 1, 1).expand(Hq, T, 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    out = torch.matmul(probs, vf)
     return out.transpose(0, 1).reshape(T, Hq * D).to(q.dtype)
 
 
-def native_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the native kernel takes these tensors (float32 on CPU, head_dim <= 1024)."""
+def native_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None) -> bool:
+    """Whether the native kernel takes these tensors (float32 on CPU, head_dim <= 1024; sinks
+    float32 on CPU and a build that has them)."""
     return (_op is not None and q.dtype == torch.float32 and k.dtype == torch.float32 and v.dtype == torch.float32
             and q.device.type == "cpu" and k.device.type == "cpu" and v.device.type == "cpu"
-            and q.shape[-1] <= 1024)
+            and q.shape[-1] <= 1024
+            and (sinks is None or (_sinks and sinks.dtype == torch.float32 and sinks.device.type == "cpu")))
 
 
 def attend_native(q, k, v, q_pos0: int, k_pos0: int, kind: str, window_or_chunk: int, scale: float,
-                  softcap: float | None = None, isa: str | None = None) -> torch.Tensor:
+                  softcap: float | None = None, isa: str | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel itself (``native_ok`` must hold); any head / row strides, a copy only when the
     last dim is not contiguous."""
     i = _default if isa is None else ISAS.index(isa)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    return _op(q, k, v, int(q_pos0), int(k_pos0), KINDS[kind], int(window_or_chunk or 0), float(scale),
-               float(softcap) if softcap else 0.0, i)
+    args = (q, k, v, int(q_pos0), int(k_pos0), KINDS[kind], int(window_or_chunk or 0), float(scale),
+            float(softcap) if softcap else 0.0, i)
+    if sinks is None:
+        return _op(*args)
+    return _op(*args, sinks.contiguous())
+
+
+def native_many_available() -> bool:
+    return _op_many is not None
+
+
+def attend_many_native(qs, ks, vs, q_pos0s, k_pos0s, kinds, spans, scale: float, softcap: float | None = None,
+                       isa: str | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Several sequences' attention in one native call (``native_ok`` must hold for each): span j's
+    queries ``qs[j]`` [Hq, T_j, D] over ``ks[j]``/``vs[j]``; returns their rows stacked in order,
+    [sum T_j, Hq * D], each bit-identical to ``attend_native`` on that span alone."""
+    i = _default if isa is None else ISAS.index(isa)
+    fix = (lambda t: t if t.stride(-1) == 1 else t.contiguous())
+    return _op_many([fix(q) for q in qs], [fix(k) for k in ks], [fix(v) for v in vs],
+                    [int(p) for p in q_pos0s], [int(p) for p in k_pos0s], [KINDS[k] for k in kinds],
+                    [int(w or 0) for w in spans], float(scale), float(softcap) if softcap else 0.0, i,
+                    None if sinks is None else sinks.contiguous())
 
 
 def attend(q, k, v, q_pos0: int, k_pos0: int, kind: str = "full", window_or_chunk: int = 0,
            scale: float | None = None, softcap: float | None = None, isa: str | None = None,
-           native: bool | None = None) -> torch.Tensor:
+           native: bool | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """[T, Hq * D]; ``native`` None = the kernel when it takes the tensors, else the reference;
     ``isa`` picks a native path (tests)."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    use = native_ok(q, k, v) if native is None else native
+    use = native_ok(q, k, v, sinks) if native is None else native
     if use:
         if _op is None:
             raise RuntimeError("native attention kernel unavailable (python -m turnkv.kernels.build)")
-        return attend_native(q, k, v, q_pos0, k_pos0, kind, window_or_chunk, scale, softcap, isa)
-    return reference(q, k, v, q_pos0, k_pos0, kind, window_or_chunk, scale, softcap)
+        if sinks is not None and not _sinks:
+            raise RuntimeError("this build of the attention kernel has no sinks (python -m turnkv.kernels.build)")
+        return attend_native(q, k, v, q_pos0, k_pos0, kind, window_or_chunk, scale, softcap, isa, sinks)
+    return reference(q, k, v, q_pos0, k_pos0, kind, window_or_chunk, scale, softcap, sinks)

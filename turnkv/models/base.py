@@ -18,9 +18,9 @@ from torch import nn
 
 from ..cache.kv import KVView
 from ..cache.specs import CacheSpec
-from ..kernels.attention import attend_native
+from ..kernels.attention import attend_many_native, attend_native, native_many_available
 from ..kernels.attention import native_ok as native_attention_ok
-from .batch import Batch
+from .batch import Batch, Span
 from .weights import PackedWeight
 
 
@@ -150,20 +150,47 @@ def is_plain_causal(mask: torch.Tensor) -> bool:
     return int(mask.sum()) == T * (T + 1) // 2 and not bool(mask.triu(1).any())
 
 
-def attention(q: torch.Tensor, view: KVView, scale: float, softcap: float | None = None) -> torch.Tensor:
+def attention_spans(batch: Batch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Every span's attention for one layer: each span writes its rows' K/V (``k``, ``v``:
+    [Hk, R, D], the batch's rows) into its own cache ``span.caches[layer]`` and attends its
+    queries (``q`` [Hq, R, D]) over what that cache returns. Returns [R, Hq * D] in row order.
+
+    With more than one span and the native kernel, all spans run in one native call (one parallel
+    region per layer instead of one per sequence: decode of many sequences is many tiny
+    attentions); each row is bit-identical to ``attention`` on its span alone."""
+    spans: list[Span] = batch.spans
+    views = [s.caches[layer].update_and_fetch(k[:, s.rows], v[:, s.rows]) for s in spans]
+    qs = [q[:, s.rows] for s in spans]
+    if (len(spans) > 1 and native_many_available()
+            and all(native_attention_ok(qq, w.keys, w.values, sinks) for qq, w in zip(qs, views))):
+        return attend_many_native(qs, [w.keys for w in views], [w.values for w in views],
+                                  [w.query_pos0 for w in views], [w.key_pos0 for w in views],
+                                  [w.kind for w in views], [w.span for w in views], scale, softcap, sinks=sinks)
+    outs = [attention(qq, w, scale, softcap, sinks) for qq, w in zip(qs, views)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def attention(q: torch.Tensor, view: KVView, scale: float, softcap: float | None = None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [Hq, T, D] (the queries at ``view.query_pos0 ..``), ``view``: the layer cache's answer to
     ``update_and_fetch`` (keys/values [Hk, S, D], grouped-query allowed, their positions and the
     layer's visibility rule). Returns [T, Hq * D].
 
-    float32 on CPU runs turnkv's native kernel (kernels/attention.py): it reduces keys in blocks
-    aligned to absolute positions, so a query's output is bit-identical however the prompt was
-    chunked, cached or batched. Otherwise (other dtypes or devices, no build): SDPA with the mask."""
+    ``sinks`` [Hq] (gpt-oss): one learned logit per query head that joins every query's softmax
+    denominator (a key with no value): ``p_s = exp(s) / (exp(sink) + sum_s' exp(s'))``.
+
+    float32 on CPU runs turnkv's native kernel (kernels/attention.py), sinks included: it reduces
+    keys in blocks aligned to absolute positions, so a query's output is bit-identical however the
+    prompt was chunked, cached or batched. Otherwise (other dtypes or devices, no build, or a build
+    from before sinks): SDPA with the mask, or the explicit masked softmax (softcap, sinks)."""
     k, v = view.keys, view.values
-    if native_attention_ok(q, k, v):
-        return attend_native(q, k, v, view.query_pos0, view.key_pos0, view.kind, view.span, scale, softcap)
+    if native_attention_ok(q, k, v, sinks):
+        return attend_native(q, k, v, view.query_pos0, view.key_pos0, view.kind, view.span, scale, softcap,
+                             sinks=sinks)
     mask = view.mask
     Hq, T, D = q.shape
-    if softcap is None:
+    if softcap is None and sinks is None:
         causal = mask is not None and is_plain_causal(mask)
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=None if causal else mask,
                                              is_causal=causal, scale=scale, enable_gqa=k.shape[0] != Hq)[0]
@@ -172,10 +199,17 @@ def attention(q: torch.Tensor, view: KVView, scale: float, softcap: float | None
         k = k.repeat_interleave(rep, 0) if rep > 1 else k
         v = v.repeat_interleave(rep, 0) if rep > 1 else v
         scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-        scores = torch.tanh(scores / softcap) * softcap
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
+        wide = torch.promote_types(scores.dtype, torch.float32)   # bf16 / f16 scores: a float32 softmax
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1, dtype=wide)
+        else:   # the sink is one more column of the softmax, dropped after it
+            column = sinks.to(scores.dtype).view(Hq, 1, 1).expand(Hq, T, 1)
+            probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1, dtype=wide)[..., :-1]
+        out = torch.matmul(probs.to(q.dtype), v)
     return out.transpose(0, 1).reshape(T, Hq * D)
 
 

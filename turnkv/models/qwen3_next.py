@@ -80,19 +80,22 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = a.linear_conv_kernel_dim
         self.eps = a.rms_norm_eps
-        r = self.nv // self.nk
-        H = a.hidden_size
-        # transformers interleaves q|k|v|z (and b|a) per key-head group; regroup the rows once so one
-        # matmul yields [q_all, k_all, v_all, z_all, b_all, a_all] and q|k|v is a contiguous slice
-        qkvz = take(t, f"{p}.in_proj_qkvz.weight").view(self.nk, 2 * self.dk + 2 * r * self.dv, H)
-        q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=1)
-        b, a_ = take(t, f"{p}.in_proj_ba.weight").view(self.nk, 2 * r, H).split([r, r], dim=1)
-        self.w_in = param(torch.cat([w.reshape(-1, H) for w in (q, k, v, z, b, a_)]), dtype)
+        self.w_in = param(self.input_weight(t, p, a.hidden_size), dtype)
         self.w_conv = param(take(t, f"{p}.conv1d.weight").reshape(self.conv_dim, self.kernel), dtype)
         self.dt_bias = param(take(t, f"{p}.dt_bias"), torch.float32)
         self.neg_A = param(-take(t, f"{p}.A_log").float().exp(), torch.float32)
         self.w_norm = param(take(t, f"{p}.norm.weight"), dtype)
         self.w_out = param(take(t, f"{p}.out_proj.weight"), dtype)
+
+    def input_weight(self, t: dict, p: str, H: int) -> torch.Tensor:
+        """The fused input projection, rows [q_all, k_all, v_all, z_all, b_all, a_all]."""
+        r = self.nv // self.nk
+        # transformers interleaves q|k|v|z (and b|a) per key-head group; regroup the rows once so one
+        # matmul yields [q_all, k_all, v_all, z_all, b_all, a_all] and q|k|v is a contiguous slice
+        qkvz = take(t, f"{p}.in_proj_qkvz.weight").view(self.nk, 2 * self.dk + 2 * r * self.dv, H)
+        q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=1)
+        b, a_ = take(t, f"{p}.in_proj_ba.weight").view(self.nk, 2 * r, H).split([r, r], dim=1)
+        return torch.cat([w.reshape(-1, H) for w in (q, k, v, z, b, a_)])
 
     def state_fields(self) -> dict[str, tuple[int, ...]]:
         return {"conv": (self.kernel - 1, self.conv_dim), "recurrent": (self.nv, self.dk, self.dv)}
@@ -214,6 +217,8 @@ class SparseMoE(nn.Module):
 
 
 class Block(nn.Module):
+    delta_net = GatedDeltaNet   # qwen3_5.py swaps in its un-interleaved projections
+
     def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
         super().__init__()
         p = f"model.layers.{i}"
@@ -222,7 +227,7 @@ class Block(nn.Module):
         self.ln_in = _norm_weight(take(t, f"{p}.input_layernorm.weight"), dtype)
         self.ln_post = _norm_weight(take(t, f"{p}.post_attention_layernorm.weight"), dtype)
         if self.kind == LINEAR:
-            self.mixer = GatedDeltaNet(a, t, f"{p}.linear_attn", dtype)
+            self.mixer = self.delta_net(a, t, f"{p}.linear_attn", dtype)
         elif self.kind == FULL:
             self.mixer = Attention(a, t, f"{p}.self_attn", dtype)
         else:
@@ -238,12 +243,13 @@ class Block(nn.Module):
 
 class Qwen3NextModel(Model):
     family = "qwen3_next"
+    block = Block
 
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
         super().__init__()
         self.args, self.dtype = args, dtype
         self.embed = param(take(tensors, "model.embed_tokens.weight"), dtype)
-        self.layers = nn.ModuleList(Block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(self.block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
         self.norm = _norm_weight(take(tensors, "model.norm.weight"), dtype)
         head = tensors.get("lm_head.weight")
         self.lm_head = self.embed if head is None or args.tie_word_embeddings else param(head, dtype)

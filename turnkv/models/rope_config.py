@@ -45,4 +45,39 @@ def inv_freq_for(params: dict[str, Any], head_dim: int, partial_rotary_factor: f
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        return _yarn(params, dim, base)
     raise ValueError(f"unsupported rope_type {kind!r}")
+
+
+def _yarn(params: dict[str, Any], dim: int, base: float) -> tuple[torch.Tensor, float]:
+    """YaRN as transformers' ``_compute_yarn_parameters`` (Ministral 3, gpt-oss): a per-dimension
+    blend of the original and the ``factor``-interpolated frequencies, and an attention factor that
+    scales cos/sin."""
+    old = float(params["original_max_position_embeddings"])
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else float(params["max_position_embeddings"]) / old
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    interpolated = 1.0 / (factor * pos_freqs)     # as transformers rounds it (not inv_freq / factor)
+    return interpolated * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation, float(attention)

@@ -225,7 +225,8 @@ class Int8Weight(PackedWeight):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows <= INT8_MAX_ROWS:
+        # torch's int8 kernel reads 16 input features at a time: other widths crash it (segfault)
+        if rows <= INT8_MAX_ROWS and self.in_features % 16 == 0:
             flat = x.to(torch.bfloat16).reshape(rows, self.in_features).contiguous()
             out = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scale_bf16)
             return out.view(*x.shape[:-1], self.out_features).to(x.dtype)

@@ -2,7 +2,8 @@
 //
 // out[t, h*D:(h+1)*D] = softmax_s(score(q[h,t], k[h/rep, s])) @ v[h/rep, s] over the keys s a
 // query at absolute position p = q_pos0 + t may see: lo(p) <= k_pos0 + s <= p, with
-// lo = 0 (full), p - W + 1 (sliding window W) or (p / C) * C (chunked, chunk C).
+// lo = 0 (full), p - W + 1 (sliding window W) or (p / C) * C (chunked, chunk C). With attention
+// sinks (gpt-oss), head h's softmax denominator has one more term exp(sinks[h]) (no value).
 //
 // The result of a query depends only on its vector, its position and the K/V of its visible keys:
 //   - keys are visited in blocks aligned to absolute positions [64 j, 64 j + 64), j increasing;
@@ -16,7 +17,7 @@
 // Nothing depends on how many queries the call has, where its key range starts, or the thread
 // count: threads split (head, query) units, never a query's keys. Each ISA path is invariant on
 // its own; the paths differ from each other by rounding (their exp and FMA use differ).
-// Registered as torch.ops.turnkv_attn.{attend,best_isa} (a library fragment, so it shares the
+// Registered as torch.ops.turnkv_attn.{attend,attend_many,best_isa} (a library fragment, so it shares the
 // extension binary with gguf_matmul.cpp without touching its Python module).
 
 #include <torch/extension.h>
@@ -28,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace tkv_attn {
@@ -50,6 +52,7 @@ struct Params {
     int64_t q_pos0, k_pos0, wc;
     int kind;
     float scale, softcap;  // softcap <= 0: none
+    const float* sinks;    // [Hq] attention-sink logits (gpt-oss), nullptr: none
 };
 
 // visible absolute positions [lo, hi] of the query at p, limited to the keys present
@@ -64,6 +67,17 @@ static inline void visible(const Params& P, int64_t p, int64_t& lo, int64_t& hi)
 static inline int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 
 static inline float cap(float s, float softcap) { return std::tanh(s / softcap) * softcap; }
+
+// The factor that turns the accumulator into the output: 1 / l, or, with an attention sink, the
+// sink's exp(sink) as one more softmax term without a value, rescaled to max(m, sink) like one
+// more block. Depends only on the head and the query's own (m, l): invariance is unchanged.
+static inline float out_scale(const Params& P, int h, float m, float l) {
+    if (P.sinks == nullptr) return 1.f / l;
+    const float sk = P.sinks[h];
+    const float mn = std::max(m, sk);
+    const float alpha = std::exp(m - mn);
+    return alpha / (l * alpha + std::exp(sk - mn));
+}
 
 // ------------------------------------------------------------------ scalar (plain C++, W = 16 emulated)
 
@@ -121,7 +135,7 @@ static void unit(const Params& P, int h, int t) {
         }
         m = mn;
     }
-    const float inv = 1.f / l;
+    const float inv = out_scale(P, h, m, l);
     for (int d = 0; d < D; d++) o[d] = acc[d] * inv;
 }
 
@@ -264,8 +278,10 @@ static int64_t best_isa() {
 using UnitFn = void (*)(const Params&, int, int);
 static const UnitFn kUnit[] = {scalar::unit, avx2::unit, avx512::unit};
 
-static torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t q_pos0, int64_t k_pos0,
-                            int64_t kind, int64_t wc, double scale, double softcap, int64_t isa) {
+// Checks one sequence's tensors and fills its Params (``out`` set by the caller).
+static Params make_params(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t q_pos0,
+                          int64_t k_pos0, int64_t kind, int64_t wc, double scale, double softcap, int64_t isa,
+                          const std::optional<torch::Tensor>& sinks) {
     TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "attend: q [Hq, T, D], k/v [Hk, S, D]");
     TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
                     v.scalar_type() == torch::kFloat32, "attend: float32 tensors");
@@ -278,8 +294,11 @@ static torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, i
     TORCH_CHECK(kind >= FULL && kind <= CHUNKED, "attend: kind 0 full, 1 sliding, 2 chunked");
     TORCH_CHECK(kind == FULL || wc >= 1, "attend: window / chunk must be >= 1");
     TORCH_CHECK(isa >= 0 && isa <= best_isa(), "attend: ISA path ", isa, " not supported by this CPU");
-    auto out = torch::empty({T, Hq * D}, torch::kFloat32);
-    if (T == 0 || Hq == 0) return out;
+    if (sinks.has_value()) {
+        const torch::Tensor& s = *sinks;
+        TORCH_CHECK(s.dim() == 1 && s.size(0) == Hq && s.scalar_type() == torch::kFloat32 && s.device().is_cpu() &&
+                        s.is_contiguous(), "attend: sinks must be a contiguous float32 CPU tensor [Hq]");
+    }
     Params P;
     P.q = q.data_ptr<float>();
     P.qsh = q.stride(0);
@@ -290,7 +309,7 @@ static torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, i
     P.v = v.data_ptr<float>();
     P.vsh = v.stride(0);
     P.vst = v.stride(1);
-    P.out = out.data_ptr<float>();
+    P.out = nullptr;
     P.Hq = (int)Hq;
     P.Hk = (int)Hk;
     P.T = (int)T;
@@ -302,21 +321,83 @@ static torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, i
     P.kind = (int)kind;
     P.scale = (float)scale;
     P.softcap = softcap > 0 ? (float)softcap : 0.f;
+    P.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
     // every query sees all keys present (queries before any key see none: they would be a bug)
-    for (int64_t t : {int64_t(0), T - 1}) {
-        int64_t lo, hi;
-        visible(P, q_pos0 + t, lo, hi);
-        TORCH_CHECK(lo <= hi, "attend: query at ", q_pos0 + t, " sees no key (keys at ", k_pos0, "..", k_pos0 + S - 1, ")");
+    if (T > 0) {
+        for (int64_t t : {int64_t(0), T - 1}) {
+            int64_t lo, hi;
+            visible(P, q_pos0 + t, lo, hi);
+            TORCH_CHECK(lo <= hi, "attend: query at ", q_pos0 + t, " sees no key (keys at ", k_pos0, "..",
+                        k_pos0 + S - 1, ")");
+        }
     }
+    return P;
+}
+
+// (head, query) units per thread: a thread gets >= ~128K multiply-adds of work
+static int64_t grain_for(int64_t keys, int64_t D) {
+    const int64_t per_unit = std::max<int64_t>(1, keys * D * 2);
+    return std::max<int64_t>(1, ((int64_t)1 << 17) / per_unit);
+}
+
+static torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t q_pos0, int64_t k_pos0,
+                            int64_t kind, int64_t wc, double scale, double softcap, int64_t isa,
+                            const std::optional<torch::Tensor>& sinks) {
+    Params P = make_params(q, k, v, q_pos0, k_pos0, kind, wc, scale, softcap, isa, sinks);
+    const int64_t Hq = P.Hq, T = P.T, D = P.D, S = P.S;
+    auto out = torch::empty({T, Hq * D}, torch::kFloat32);
+    if (T == 0 || Hq == 0) return out;
+    P.out = out.data_ptr<float>();
     const UnitFn fn = kUnit[isa];
-    // units (head, query), head-major; a thread gets >= ~128K multiply-adds of work
+    // units (head, query), head-major
     const int64_t units = Hq * T;
     int64_t keys = S;
     if (kind != FULL) keys = std::min<int64_t>(S, wc);
-    const int64_t per_unit = std::max<int64_t>(1, keys * D * 2);
-    const int64_t grain = std::max<int64_t>(1, ((int64_t)1 << 17) / per_unit);
-    at::parallel_for(0, units, grain, [&](int64_t b, int64_t e) {
+    at::parallel_for(0, units, grain_for(keys, D), [&](int64_t b, int64_t e) {
         for (int64_t u = b; u < e; u++) fn(P, (int)(u / T), (int)(u % T));
+    });
+    return out;
+}
+
+// Several sequences' attention in one call (one parallel region for a whole batch of spans): span
+// j's queries qs[j] over its own keys/values; the output stacks the spans' rows in order
+// [sum T_j, Hq * D]. Every (span, head, query) unit runs the same code as ``attend`` on the same
+// Params, so each row is bit-identical to that span's ``attend`` call.
+static torch::Tensor attend_many(std::vector<torch::Tensor> qs, std::vector<torch::Tensor> ks,
+                                 std::vector<torch::Tensor> vs, std::vector<int64_t> q_pos0,
+                                 std::vector<int64_t> k_pos0, std::vector<int64_t> kind, std::vector<int64_t> wc,
+                                 double scale, double softcap, int64_t isa, const std::optional<torch::Tensor>& sinks) {
+    const size_t n = qs.size();
+    TORCH_CHECK(n > 0 && ks.size() == n && vs.size() == n && q_pos0.size() == n && k_pos0.size() == n &&
+                    kind.size() == n && wc.size() == n, "attend_many: one q, k, v, positions and kind per span");
+    std::vector<Params> P;
+    P.reserve(n);
+    std::vector<int64_t> first_unit(n + 1, 0), first_row(n + 1, 0);
+    int64_t Hq = -1, D = -1, cost = 0;
+    for (size_t j = 0; j < n; j++) {
+        P.push_back(make_params(qs[j], ks[j], vs[j], q_pos0[j], k_pos0[j], kind[j], wc[j], scale, softcap, isa, sinks));
+        const Params& p = P.back();
+        TORCH_CHECK(Hq < 0 || (p.Hq == Hq && p.D == D), "attend_many: every span must have the same heads and head_dim");
+        Hq = p.Hq;
+        D = p.D;
+        first_unit[j + 1] = first_unit[j] + (int64_t)p.Hq * p.T;
+        first_row[j + 1] = first_row[j] + p.T;
+        const int64_t keys = p.kind == FULL ? p.S : std::min<int64_t>(p.S, p.wc);
+        cost += keys * (int64_t)p.Hq * p.T;
+    }
+    auto out = torch::empty({first_row[n], Hq * D}, torch::kFloat32);
+    const int64_t units = first_unit[n];
+    if (units == 0) return out;
+    float* base = out.data_ptr<float>();
+    for (size_t j = 0; j < n; j++) P[j].out = base + first_row[j] * Hq * D;
+    const UnitFn fn = kUnit[isa];
+    at::parallel_for(0, units, grain_for(std::max<int64_t>(1, cost / units), D), [&](int64_t b, int64_t e) {
+        size_t j = std::upper_bound(first_unit.begin(), first_unit.end(), b) - first_unit.begin() - 1;
+        for (int64_t u = b; u < e; u++) {
+            while (u >= first_unit[j + 1]) j++;
+            const int64_t local = u - first_unit[j], T = P[j].T;
+            fn(P[j], (int)(local / T), (int)(local % T));
+        }
     });
     return out;
 }
@@ -331,7 +412,9 @@ const bool g_registered = [] {
     if (c10::Dispatcher::singleton().findSchema(c10::OperatorName("turnkv_attn::attend", "")).has_value()) return false;
     static torch::Library lib(torch::Library::FRAGMENT, "turnkv_attn", std::nullopt, __FILE__, __LINE__);
     lib.def("attend(Tensor q, Tensor k, Tensor v, int q_pos0, int k_pos0, int kind, int wc, float scale, "
-            "float softcap, int isa) -> Tensor", &tkv_attn::attend);
+            "float softcap, int isa, Tensor? sinks=None) -> Tensor", &tkv_attn::attend);
+    lib.def("attend_many(Tensor[] q, Tensor[] k, Tensor[] v, int[] q_pos0, int[] k_pos0, int[] kind, int[] wc, "
+            "float scale, float softcap, int isa, Tensor? sinks=None) -> Tensor", &tkv_attn::attend_many);
     lib.def("best_isa() -> int", &tkv_attn::best_isa);
     return true;
 }();

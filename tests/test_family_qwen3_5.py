@@ -1,0 +1,139 @@
+"""Qwen 3.5 text, dense (Qwen3_5ForCausalLM) and MoE (Qwen3_5MoeForCausalLM), against transformers on
+tiny random configs: gated delta-net with separate in_proj_qkv / z / b / a, gated full attention with
+partial (M-)RoPE, dense MLP or shared-expert MoE on every layer; and the text decoder of a
+vision-language folder (Qwen3_5ForConditionalGeneration, the released layout). (8-turn chat reuse
+== cold, edits, regenerate: tests/test_family_reuse.py; batched == alone: tests/test_batching.py.)"""
+
+import pytest
+import torch
+from transformers import (Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
+                          Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeTextConfig,
+                          Qwen3_5TextConfig)
+
+from ssm_family_checks import (check_parity, check_reuse, fresh, greedy, hf_greedy, perturb_vectors, save_and_load,
+                               single_thread)
+from turnkv.cache.specs import FULL, RECURRENT
+from turnkv.models import ARCHITECTURES, family_class
+from turnkv.models.qwen3_5 import Qwen3_5Model
+from window_family_checks import KV_MODES, check_kv_mode_reuse, check_long_prompt
+
+VOCAB = 256
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=8,
+              linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=1024,
+              initializer_range=0.05)
+
+
+def dense_config():
+    return Qwen3_5TextConfig(intermediate_size=96, **COMMON)
+
+
+def moe_config():
+    return Qwen3_5MoeTextConfig(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=48, **COMMON)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    with single_thread():
+        yield
+
+
+def _pair(cls, config, path):
+    torch.manual_seed(0)
+    hf = cls(config).eval()
+    perturb_vectors(hf)
+    return save_and_load(hf, path), hf
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    return _pair(Qwen3_5ForCausalLM, dense_config(), tmp_path_factory.mktemp("qwen3_5"))
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    return _pair(Qwen3_5MoeForCausalLM, moe_config(), tmp_path_factory.mktemp("qwen3_5_moe"))
+
+
+def prompt(n, seed=3):
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def test_registered():
+    for model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
+        assert ARCHITECTURES[model_type] == "qwen3_5:Qwen3_5Model"
+        assert family_class(model_type) is Qwen3_5Model
+    for model_type in ("qwen3_5", "qwen3_5_moe"):    # vision-language folders (tests/test_family_qwen3_5_vl.py)
+        assert issubclass(family_class(model_type), Qwen3_5Model)
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_cache_specs(request, variant):
+    model, _ = request.getfixturevalue(variant)
+    specs = model.cache_specs()
+    assert [s.kind for s in specs] == [RECURRENT, RECURRENT, RECURRENT, FULL]
+    # conv over q|k|v (2 * 2 * 16 + 4 * 8 channels), recurrent state [value heads, k dim, v dim]
+    assert dict(specs[0].fields) == {"conv": (3, 96), "recurrent": (4, 16, 8)}
+    assert (specs[3].heads, specs[3].head_dim) == (2, 16)
+
+
+def test_feed_forward_kind(dense, moe):
+    from turnkv.models.qwen3_next import MLP, SparseMoE
+    assert all(isinstance(layer.mlp, MLP) for layer in dense[0].layers)
+    assert all(isinstance(layer.mlp, SparseMoE) for layer in moe[0].layers)
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_long_prompt_and_chunks_match_transformers(request, variant):
+    # 300 tokens: crosses the delta rule's 64-token chunk four times in one prefill; the chunked
+    # run's 37-token pieces straddle it; the last 8 tokens go one by one through the decode path
+    model, hf = request.getfixturevalue(variant)
+    p = prompt(300)
+    check_long_prompt(model, hf, p)
+    diffs = check_parity(model, hf, p, chunk=37, decode=8)
+    print(f"qwen3_5 {variant} parity", diffs)
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_greedy_matches_generate(request, variant):
+    model, hf = request.getfixturevalue(variant)
+    p = prompt(30, seed=7)
+    assert greedy(model, p, 32) == hf_greedy(hf, p, 32)
+
+
+def test_reuse_is_exact(moe):
+    check_reuse(moe[0], prompt(70, seed=11), L=41)
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_text_decoder_of_a_vision_language_folder(tmp_path, variant):
+    """The released layout: Qwen3_5(Moe)ForConditionalGeneration's folder (text_config, decoder
+    under model.language_model., a vision tower) serves text exactly like the ForCausalLM."""
+    torch.manual_seed(0)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+    if variant == "dense":
+        hf = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=dense_config().to_dict(),
+                                                           vision_config=vision))
+    else:
+        hf = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=moe_config().to_dict(),
+                                                                 vision_config=vision))
+    hf = hf.eval()
+    perturb_vectors(hf)
+    model = save_and_load(hf, tmp_path)
+    assert isinstance(model, Qwen3_5Model)
+    assert any(n.startswith("model.visual.") for n in hf.state_dict())   # a real VLM folder
+    from turnkv.models.qwen3_next import SparseMoE
+    assert isinstance(model.layers[0].mlp, SparseMoE) == (variant == "moe")
+    p = prompt(80, seed=5)
+    with torch.no_grad():
+        ref = hf(input_ids=p[None], use_cache=False).logits[0, -1].float()
+        ours = model.step(p, fresh(model), logits="last")
+    assert (ours - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("mode", KV_MODES)
+def test_reuse_exact_in_every_kv_mode(moe, mode):
+    # the full-attention layer stores its KV in ``mode``; the delta-net state stays float32
+    check_kv_mode_reuse(moe[0], mode)

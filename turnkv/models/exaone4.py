@@ -1,0 +1,151 @@
+"""EXAONE 4: sliding-window attention on local layers, full attention on the global ones (every
+``sliding_window_pattern``-th, and as ``layer_types`` says), QK RMS-norm, post-norm residual
+branches (no pre-norm), SiLU MLP. With a sliding window set, only the local layers use RoPE: the
+global layers are NoPE; without one every layer is global and rotated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache import specs
+from .batch import Batch, Span, select_rows, spans_apply
+from .base import BaseArgs, Model, Rope, apply_rope, attention, embedding, linear, param, rms_norm, take
+from .rope_config import inv_freq_for, rope_params
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@dataclass
+class ModelArgs(BaseArgs):
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    sliding_window: int | None = 4096
+    sliding_window_pattern: int | str | None = 4
+    layer_types: list | None = None
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        if self.hidden_act != "silu":
+            raise ValueError(f"exaone4: hidden_act {self.hidden_act!r} is not supported (silu only)")
+        if self.sliding_window is None:
+            self.layer_types = [FULL] * self.num_hidden_layers
+        elif not self.layer_types:
+            self.layer_types = [self._pattern_type(i) for i in range(self.num_hidden_layers)]
+
+    def _pattern_type(self, i: int) -> str:
+        # transformers' rule for an int pattern; a "LLLG" string repeats, the last layer is global
+        p = self.sliding_window_pattern
+        if isinstance(p, str):
+            if i == self.num_hidden_layers - 1:
+                return FULL
+            return FULL if p[i % len(p)].upper() == "G" else SLIDING
+        return FULL if not p or (i + 1) % p == 0 else SLIDING
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, p: str, dtype, sliding: bool):
+        super().__init__()
+        self.hq, self.hk, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        self.scale = self.d ** -0.5
+        self.eps = a.rms_norm_eps
+        # NoPE global layers when the model has a window (transformers: ``sliding_window is None
+        # or is_sliding``)
+        self.rotate = a.sliding_window is None or sliding
+        self.wqkv = param(torch.cat([take(t, f"{p}.q_proj.weight"), take(t, f"{p}.k_proj.weight"),
+                                     take(t, f"{p}.v_proj.weight")]), dtype)
+        self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
+        # q_norm over the query heads and k_norm over the kv heads, [hq + hk, 1, D]: one op for both
+        q_norm = take(t, f"{p}.q_norm.weight")[None].expand(self.hq, -1)
+        k_norm = take(t, f"{p}.k_norm.weight")[None].expand(self.hk, -1)
+        self.qk_norm = param(torch.cat([q_norm, k_norm])[:, None], dtype)
+
+    def forward(self, x, batch: Batch, i: int, rope):
+        hq, hk = self.hq, self.hk
+        qkv = linear(x, self.wqkv).view(x.shape[0], hq + 2 * hk, self.d).transpose(0, 1)
+        qk = rms_norm(qkv[: hq + hk], None, self.eps).mul_(self.qk_norm)
+        if self.rotate:
+            qk = apply_rope(qk, *rope)
+
+        def one(s: Span):   # this sequence's rows over its own KV
+            view = s.caches[i].update_and_fetch(qk[hq:, s.rows], qkv[hq + hk:, s.rows])
+            return attention(qk[:hq, s.rows], view, self.scale)
+        return linear(spans_apply(batch, one), self.wo)
+
+
+class MLP(nn.Module):
+    def __init__(self, t: dict, p: str, dtype):
+        super().__init__()
+        self.wgu = param(torch.cat([take(t, f"{p}.gate_proj.weight"), take(t, f"{p}.up_proj.weight")]), dtype)
+        self.wdown = param(take(t, f"{p}.down_proj.weight"), dtype)
+
+    def forward(self, x):
+        g, u = linear(x, self.wgu).chunk(2, dim=-1)
+        return linear(F.silu(g, inplace=True).mul_(u), self.wdown)
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
+        super().__init__()
+        p = f"model.layers.{i}"
+        self.eps = a.rms_norm_eps
+        self.sliding = a.layer_types[i] == SLIDING
+        self.ln_post_attn = param(take(t, f"{p}.post_attention_layernorm.weight"), dtype)
+        self.ln_post_ff = param(take(t, f"{p}.post_feedforward_layernorm.weight"), dtype)
+        self.attn = Attention(a, t, f"{p}.self_attn", dtype, self.sliding)
+        self.mlp = MLP(t, f"{p}.mlp", dtype)
+
+    def forward(self, x, batch, i, rope):
+        # post-norm branches: the attention and the MLP read the raw residual stream
+        x += rms_norm(self.attn.forward(x, batch, i, rope), self.ln_post_attn, self.eps)
+        x += rms_norm(self.mlp.forward(x), self.ln_post_ff, self.eps)
+        return x
+
+
+class Exaone4Model(Model):
+    family = "exaone4"
+    packable_weights = ("wqkv", "wo", "wgu", "wdown")
+    head_weights = ("lm_head",)
+    embedding_weights = ("embed",)
+
+    def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
+        super().__init__()
+        self.args, self.dtype = args, dtype
+        self.embed = param(take(tensors, "model.embed_tokens.weight"), dtype)
+        self.layers = nn.ModuleList(Block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
+        self.norm = param(take(tensors, "model.norm.weight"), dtype)
+        head = tensors.get("lm_head.weight")
+        self.lm_head = self.embed if head is None or args.tie_word_embeddings else param(head, dtype)
+        inv_freq, scaling = inv_freq_for(rope_params(config), args.head_dim)
+        self.rope = Rope(args.head_dim, 0.0, dtype, inv_freq=inv_freq, attention_scaling=scaling)
+
+    @classmethod
+    def from_checkpoint(cls, config, tensors, dtype):
+        return cls(ModelArgs.from_dict(config), config, tensors, dtype)
+
+    def cache_specs(self):
+        a = self.args
+        return [specs.sliding(a.num_key_value_heads, a.head_dim, a.sliding_window) if lt == SLIDING
+                else specs.full(a.num_key_value_heads, a.head_dim) for lt in a.layer_types]
+
+    def forward(self, batch):
+        rope = self.rope.rows(batch)
+        x = embedding(batch.tokens, self.embed, self.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x, batch, i, rope)
+        x = select_rows(x, batch)
+        if x is None:
+            return None
+        return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)

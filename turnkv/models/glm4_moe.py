@@ -1,0 +1,197 @@
+"""GLM-4 MoE (GLM-4.5 / 4.6 / 4.7, ``glm4_moe``): full attention on every layer with biased q/k/v,
+an optional per-head RMS QK-norm before RoPE, partial RoPE (half-split on the first
+``partial_rotary_factor`` of each head, 0.5 by default); dense SwiGLU MLPs on the first
+``first_k_dense_replace`` layers and a DeepSeek-V3-style MoE on the rest: a float32 router, sigmoid
+scores, an ``e_score_correction_bias`` that only steers the choice, group-limited selection (the
+``topk_group`` groups whose best two biased scores sum highest, out of ``n_group``), top-k of the
+biased scores within them, weights = the chosen *unbiased* sigmoid scores, renormalised
+(``norm_topk_prob``, + 1e-20) and multiplied by ``routed_scaling_factor``; plus shared experts (one
+SwiGLU of ``moe_intermediate_size * n_shared_experts``) on every MoE layer.
+
+The released checkpoints carry one MTP (next-token prediction) layer after the last decoder layer
+(``model.layers.{num_hidden_layers}``); it is not part of the decoder and is ignored."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache import specs
+from .base import BaseArgs, Model, Rope, attention, embedding, linear, param, rms_norm, take
+from .batch import Batch, Span, select_rows, spans_apply
+from .qwen3_next import _expert_weights, apply_partial_rope
+from .rope_config import inv_freq_for, rope_params
+
+DEFAULT_PARTIAL_ROTARY = 0.5
+
+
+@dataclass
+class ModelArgs(BaseArgs):
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    use_qk_norm: bool = False
+    moe_intermediate_size: int = 1408
+    num_experts_per_tok: int = 8
+    n_shared_experts: int = 1
+    n_routed_experts: int = 128
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    first_k_dense_replace: int = 1
+    norm_topk_prob: bool = True
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
+        super().__init__()
+        self.hq, self.hk, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        self.scale = self.d ** -0.5
+        self.eps = a.rms_norm_eps
+        self.wqkv = param(torch.cat([take(t, f"{p}.q_proj.weight"), take(t, f"{p}.k_proj.weight"),
+                                     take(t, f"{p}.v_proj.weight")]), dtype)
+        self.bqkv = (param(torch.cat([take(t, f"{p}.q_proj.bias"), take(t, f"{p}.k_proj.bias"),
+                                      take(t, f"{p}.v_proj.bias")]), dtype) if a.attention_bias else None)
+        self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)            # o_proj never has a bias
+        self.q_norm = self.k_norm = None
+        if a.use_qk_norm:
+            self.q_norm = param(take(t, f"{p}.q_norm.weight"), dtype)
+            self.k_norm = param(take(t, f"{p}.k_norm.weight"), dtype)
+
+    def forward(self, x, batch: Batch, i: int, rope):
+        hq, hk = self.hq, self.hk
+        qkv = linear(x, self.wqkv, self.bqkv).view(x.shape[0], hq + 2 * hk, self.d).transpose(0, 1)
+        q, k = qkv[:hq], qkv[hq:hq + hk]
+        if self.q_norm is not None:   # per head, before RoPE
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        q, k = apply_partial_rope(q, *rope), apply_partial_rope(k, *rope)
+
+        def one(s: Span):   # this sequence's rows over its own KV
+            view = s.caches[i].update_and_fetch(k[:, s.rows], qkv[hq + hk:, s.rows])
+            return attention(q[:, s.rows], view, self.scale)
+        return linear(spans_apply(batch, one), self.wo)
+
+
+class MLP(nn.Module):
+    """SwiGLU without biases: the dense layers, every routed expert and the shared experts."""
+
+    def __init__(self, wgu: torch.Tensor, wdown: torch.Tensor, dtype):
+        super().__init__()
+        self.wgu, self.wdown = param(wgu, dtype), param(wdown, dtype)
+
+    @classmethod
+    def named(cls, t: dict, p: str, dtype) -> "MLP":
+        return cls(torch.cat([take(t, f"{p}.gate_proj.weight"), take(t, f"{p}.up_proj.weight")]),
+                   take(t, f"{p}.down_proj.weight"), dtype)
+
+    def forward(self, x):
+        g, u = linear(x, self.wgu).chunk(2, dim=-1)
+        return linear(F.silu(g) * u, self.wdown)
+
+
+class MoE(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
+        super().__init__()
+        self.top_k, self.n_group, self.topk_group = a.num_experts_per_tok, a.n_group, a.topk_group
+        self.norm_topk, self.scaling = a.norm_topk_prob, a.routed_scaling_factor
+        self.n_experts = a.n_routed_experts
+        # transformers keeps the router and its bias in float32 whatever the model's dtype
+        self.w_router = param(take(t, f"{p}.gate.weight"), torch.float32)
+        bias = t.get(f"{p}.gate.e_score_correction_bias")
+        self.score_bias = param(bias if bias is not None else torch.zeros(self.n_experts), torch.float32)
+        gu, down = _expert_weights(t, p, self.n_experts)
+        self.experts = nn.ModuleList(MLP(gu[e], down[e], dtype) for e in range(self.n_experts))
+        self.shared = MLP.named(t, f"{p}.shared_experts", dtype)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [N, k] float32, experts [N, k]) exactly as transformers' Glm4MoeTopkRouter."""
+        scores = F.linear(x.float(), self.w_router).sigmoid()
+        choice = scores + self.score_bias
+        N, G = x.shape[0], self.n_group
+        group_scores = choice.view(N, G, -1).topk(2, dim=-1)[0].sum(dim=-1)           # [N, G]
+        groups = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()
+        keep = keep[:, :, None].expand(N, G, self.n_experts // G).reshape(N, self.n_experts)
+        chosen = torch.topk(choice.masked_fill(~keep, float("-inf")), k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, chosen)
+        if self.norm_topk:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, chosen
+
+    def forward(self, x):
+        weights, chosen = self.route(x)
+        out = torch.zeros_like(x)
+        # experts in ascending id, as transformers visits them (the same summation order per row)
+        for e in torch.unique(chosen).tolist():
+            rows, slot = torch.where(chosen == e)
+            y = self.experts[e].forward(x[rows]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y.to(x.dtype))
+        return out + self.shared.forward(x)
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
+        super().__init__()
+        p = f"model.layers.{i}"
+        self.eps = a.rms_norm_eps
+        self.ln_attn = param(take(t, f"{p}.input_layernorm.weight"), dtype)
+        self.ln_mlp = param(take(t, f"{p}.post_attention_layernorm.weight"), dtype)
+        self.attn = Attention(a, t, f"{p}.self_attn", dtype)
+        self.mlp = MoE(a, t, f"{p}.mlp", dtype) if i >= a.first_k_dense_replace else MLP.named(t, f"{p}.mlp", dtype)
+
+    def forward(self, x, batch, i, rope):
+        x += self.attn.forward(rms_norm(x, self.ln_attn, self.eps), batch, i, rope)
+        x += self.mlp.forward(rms_norm(x, self.ln_mlp, self.eps))
+        return x
+
+
+class Glm4MoeModel(Model):
+    family = "glm4_moe"
+    packable_weights = ("wqkv", "wo", "wgu", "wdown")
+    head_weights = ("lm_head",)
+    embedding_weights = ("embed",)
+
+    def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
+        super().__init__()
+        self.args, self.dtype = args, dtype
+        self.embed = param(take(tensors, "model.embed_tokens.weight"), dtype)
+        self.layers = nn.ModuleList(Block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
+        self.norm = param(take(tensors, "model.norm.weight"), dtype)
+        head = tensors.get("lm_head.weight")
+        self.lm_head = self.embed if head is None or args.tie_word_embeddings else param(head, dtype)
+        params = rope_params(config)
+        partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", DEFAULT_PARTIAL_ROTARY))
+        inv_freq, scaling = inv_freq_for(params, args.head_dim, partial)
+        self.rope = Rope(args.head_dim, 0.0, dtype, inv_freq=inv_freq, attention_scaling=scaling)
+
+    @classmethod
+    def from_checkpoint(cls, config, tensors, dtype):
+        return cls(ModelArgs.from_dict(config), config, tensors, dtype)
+
+    def cache_specs(self):
+        a = self.args
+        return [specs.full(a.num_key_value_heads, a.head_dim) for _ in range(a.num_hidden_layers)]
+
+    def forward(self, batch):
+        rope = self.rope.rows(batch)
+        x = embedding(batch.tokens, self.embed, self.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x, batch, i, rope)
+        x = select_rows(x, batch)
+        if x is None:
+            return None
+        return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)

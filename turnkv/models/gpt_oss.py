@@ -1,0 +1,206 @@
+"""gpt-oss: alternating sliding-window / full attention with attention sinks (a learned per-head
+logit in every softmax denominator), biased q/k/v/o, YaRN RoPE, and a top-k MoE on every layer
+(router with bias, softmax over the chosen logits, clamped SwiGLU experts with biases).
+
+Expert weights come as save_pretrained writes them (``experts.gate_up_proj`` [E, hidden,
+2 * intermediate] with gate and up interleaved by column, ``experts.down_proj`` [E, intermediate,
+hidden], each with a bias) or as the released checkpoints store them, MXFP4 blocks + scales
+(``*_blocks`` / ``*_scales``), which are dequantized to float once at load, exactly as
+transformers' ``convert_moe_packed_tensors`` does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..cache import specs
+from .batch import Batch, Span, select_rows, spans_apply
+from .base import BaseArgs, Model, MissingWeight, Rope, apply_rope, attention, embedding, linear, param, rms_norm, take
+from .rope_config import inv_freq_for, rope_params
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+DEFAULT_THETA = 150_000.0
+
+# the 16 values of an FP4 (e2m1) nibble, as transformers' integrations/mxfp4.py lists them
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+@dataclass
+class ModelArgs(BaseArgs):
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    num_local_experts: int
+    num_experts_per_tok: int = 4
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    sliding_window: int | None = 128
+    layer_types: list | None = None
+    attention_bias: bool = True
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        if not self.layer_types:   # transformers' default: sliding, full, sliding, full, ...
+            self.layer_types = [SLIDING if (i + 1) % 2 else FULL for i in range(self.num_hidden_layers)]
+        if self.sliding_window is None:
+            self.layer_types = [FULL] * self.num_hidden_layers
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """MXFP4 -> float: ``blocks`` [E, rows, G, 16] uint8 (two FP4 values a byte, low nibble first),
+    ``scales`` [E, rows, G] uint8 (a power of two per 32 values, exponent + 127). Returns
+    [E, G * 32, rows], the layout of the float ``gate_up_proj`` / ``down_proj`` (input dim first)."""
+    lut = torch.tensor(FP4_VALUES, dtype=dtype)
+    blocks = blocks.to(torch.uint8)
+    *prefix, G, B = blocks.shape
+    out = torch.empty(*prefix, G, B * 2, dtype=dtype)
+    out[..., 0::2] = lut[(blocks & 0x0F).long()]
+    out[..., 1::2] = lut[(blocks >> 4).long()]
+    out = torch.ldexp(out, (scales.to(torch.int32) - 127)[..., None])
+    return out.reshape(*prefix, G * B * 2).transpose(1, 2).contiguous()
+
+
+def expert_tensor(t: dict, name: str) -> torch.Tensor:
+    """``name`` ([E, in, out]) from the float tensor, or from its MXFP4 blocks and scales."""
+    if name in t:
+        return t[name]
+    if f"{name}_blocks" in t and f"{name}_scales" in t:
+        return dequantize_mxfp4(t[f"{name}_blocks"], t[f"{name}_scales"])
+    raise MissingWeight(f"checkpoint has no tensor {name!r} (nor {name}_blocks / {name}_scales)")
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, p: str, dtype, sliding: bool):
+        super().__init__()
+        self.hq, self.hk, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        self.scale = self.d ** -0.5
+        self.wqkv = param(torch.cat([take(t, f"{p}.q_proj.weight"), take(t, f"{p}.k_proj.weight"),
+                                     take(t, f"{p}.v_proj.weight")]), dtype)
+        self.bqkv = (param(torch.cat([take(t, f"{p}.q_proj.bias"), take(t, f"{p}.k_proj.bias"),
+                                      take(t, f"{p}.v_proj.bias")]), dtype) if a.attention_bias else None)
+        self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
+        self.bo = param(take(t, f"{p}.o_proj.bias"), dtype) if a.attention_bias else None
+        self.sinks = param(take(t, f"{p}.sinks"), dtype)
+
+    def forward(self, x, batch: Batch, i: int, rope):
+        hq, hk = self.hq, self.hk
+        qkv = linear(x, self.wqkv, self.bqkv).view(x.shape[0], hq + 2 * hk, self.d).transpose(0, 1)
+        qk = apply_rope(qkv[: hq + hk], *rope)
+
+        def one(s: Span):   # this sequence's rows over its own KV
+            view = s.caches[i].update_and_fetch(qk[hq:, s.rows], qkv[hq + hk:, s.rows])
+            return attention(qk[:hq, s.rows], view, self.scale, sinks=self.sinks)
+        return linear(spans_apply(batch, one), self.wo, self.bo)
+
+
+class Expert(nn.Module):
+    """One clamped SwiGLU expert: ``(clamp(up) + 1) * g * sigmoid(alpha * g)``, g = clamp(gate, max)."""
+
+    def __init__(self, wgu, bgu, wdown, bdown, alpha: float, limit: float, dtype):
+        super().__init__()
+        self.wgu, self.bgu = param(wgu, dtype), param(bgu, dtype)
+        self.wdown, self.bdown = param(wdown, dtype), param(bdown, dtype)
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, x):
+        gate, up = linear(x, self.wgu, self.bgu).chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return linear((up + 1) * (gate * torch.sigmoid(gate * self.alpha)), self.wdown, self.bdown)
+
+
+class MoE(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
+        super().__init__()
+        self.top_k = a.num_experts_per_tok
+        self.w_router = param(take(t, f"{p}.router.weight"), dtype)
+        self.b_router = param(take(t, f"{p}.router.bias"), dtype)
+        gate_up = expert_tensor(t, f"{p}.experts.gate_up_proj")        # [E, hidden, 2I], gate/up interleaved
+        gate_up_b = take(t, f"{p}.experts.gate_up_proj_bias")           # [E, 2I]
+        down = expert_tensor(t, f"{p}.experts.down_proj")               # [E, I, hidden]
+        down_b = take(t, f"{p}.experts.down_proj_bias")                 # [E, hidden]
+        experts = []
+        for e in range(a.num_local_experts):
+            w = gate_up[e].t()                                          # [2I, hidden] rows interleaved
+            wgu = torch.cat([w[0::2], w[1::2]])                         # gate rows, then up rows
+            bgu = torch.cat([gate_up_b[e, 0::2], gate_up_b[e, 1::2]])
+            experts.append(Expert(wgu, bgu, down[e].t(), down_b[e], a.swiglu_alpha, a.swiglu_limit, dtype))
+        self.experts = nn.ModuleList(experts)
+
+    def forward(self, x):
+        logits = linear(x, self.w_router, self.b_router)
+        top, chosen = torch.topk(logits, self.top_k, dim=-1)                 # [N, k]
+        weights = torch.softmax(top, dim=-1)
+        out = torch.zeros_like(x)
+        # experts in ascending id, as transformers visits them (the same summation order per row)
+        for e in torch.unique(chosen).tolist():
+            rows, slot = torch.where(chosen == e)
+            y = self.experts[e].forward(x[rows]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y.to(x.dtype))
+        return out
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
+        super().__init__()
+        p = f"model.layers.{i}"
+        self.eps = a.rms_norm_eps
+        self.sliding = a.layer_types[i] == SLIDING
+        self.ln_attn = param(take(t, f"{p}.input_layernorm.weight"), dtype)
+        self.ln_mlp = param(take(t, f"{p}.post_attention_layernorm.weight"), dtype)
+        self.attn = Attention(a, t, f"{p}.self_attn", dtype, self.sliding)
+        self.mlp = MoE(a, t, f"{p}.mlp", dtype)
+
+    def forward(self, x, batch, i, rope):
+        x += self.attn.forward(rms_norm(x, self.ln_attn, self.eps), batch, i, rope)
+        x += self.mlp.forward(rms_norm(x, self.ln_mlp, self.eps))
+        return x
+
+
+class GptOssModel(Model):
+    family = "gpt_oss"
+    packable_weights = ("wqkv", "wo", "wgu", "wdown")
+    head_weights = ("lm_head",)
+    embedding_weights = ("embed",)
+
+    def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
+        super().__init__()
+        self.args, self.dtype = args, dtype
+        self.embed = param(take(tensors, "model.embed_tokens.weight"), dtype)
+        self.layers = nn.ModuleList(Block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
+        self.norm = param(take(tensors, "model.norm.weight"), dtype)
+        head = tensors.get("lm_head.weight")
+        self.lm_head = self.embed if head is None or args.tie_word_embeddings else param(head, dtype)
+        params = dict(rope_params(config))
+        if "rope_theta" not in (config.get("rope_parameters") or {}) and "rope_theta" not in config:
+            params["rope_theta"] = DEFAULT_THETA
+        inv_freq, scaling = inv_freq_for(params, args.head_dim)
+        self.rope = Rope(args.head_dim, 0.0, dtype, inv_freq=inv_freq, attention_scaling=scaling)
+
+    @classmethod
+    def from_checkpoint(cls, config, tensors, dtype):
+        return cls(ModelArgs.from_dict(config), config, tensors, dtype)
+
+    def cache_specs(self):
+        a = self.args
+        return [specs.sliding(a.num_key_value_heads, a.head_dim, a.sliding_window) if lt == SLIDING
+                else specs.full(a.num_key_value_heads, a.head_dim) for lt in a.layer_types]
+
+    def forward(self, batch):
+        rope = self.rope.rows(batch)
+        x = embedding(batch.tokens, self.embed, self.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x, batch, i, rope)
+        x = select_rows(x, batch)
+        if x is None:
+            return None
+        return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)

@@ -1,0 +1,147 @@
+"""Ministral (``ministral``: Ministral 8B, sliding and full layers as ``layer_types`` says) and
+Ministral 3 (``ministral3``: the text model of Ministral 3, one ``sliding_window`` for every layer
+when set, YaRN RoPE and Llama-4-style query scaling by absolute position). Otherwise Llama:
+pre-norm blocks, grouped-query attention, SiLU MLP."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache import specs
+from .batch import Batch, Span, select_rows, spans_apply
+from .base import BaseArgs, Model, Rope, apply_rope, attention, embedding, linear, param, rms_norm, take
+from .rope_config import inv_freq_for, rope_params
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@dataclass
+class ModelArgs(BaseArgs):
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    sliding_window: int | None = None
+    layer_types: list | None = None
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        if self.hidden_act != "silu":
+            raise ValueError(f"{self.model_type}: hidden_act {self.hidden_act!r} is not supported (silu only)")
+        # Ministral 3 windows every layer alike (transformers ignores layer_types there); Ministral
+        # follows layer_types, which default to the window on every layer when one is set.
+        if self.model_type == "ministral3" or not self.layer_types:
+            self.layer_types = [SLIDING if self.sliding_window else FULL] * self.num_hidden_layers
+
+
+def llama4_query_scale(positions: torch.Tensor, beta: float, original_max: int) -> torch.Tensor:
+    """``1 + beta * log(1 + floor(pos / original_max))`` per row, as transformers computes it
+    (float32): the query of a token is scaled by its absolute position."""
+    return 1 + beta * torch.log(1 + torch.floor(positions / original_max))
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
+        super().__init__()
+        self.hq, self.hk, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        self.scale = self.d ** -0.5
+        self.wqkv = param(torch.cat([take(t, f"{p}.q_proj.weight"), take(t, f"{p}.k_proj.weight"),
+                                     take(t, f"{p}.v_proj.weight")]), dtype)
+        self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
+
+    def forward(self, x, batch: Batch, i: int, rope, q_scale):
+        hq, hk = self.hq, self.hk
+        qkv = linear(x, self.wqkv).view(x.shape[0], hq + 2 * hk, self.d).transpose(0, 1)
+        qk = apply_rope(qkv[: hq + hk], *rope)
+        q = qk[:hq] if q_scale is None else qk[:hq] * q_scale
+
+        def one(s: Span):   # this sequence's rows over its own KV
+            view = s.caches[i].update_and_fetch(qk[hq:, s.rows], qkv[hq + hk:, s.rows])
+            return attention(q[:, s.rows], view, self.scale)
+        return linear(spans_apply(batch, one), self.wo)
+
+
+class MLP(nn.Module):
+    def __init__(self, t: dict, p: str, dtype):
+        super().__init__()
+        self.wgu = param(torch.cat([take(t, f"{p}.gate_proj.weight"), take(t, f"{p}.up_proj.weight")]), dtype)
+        self.wdown = param(take(t, f"{p}.down_proj.weight"), dtype)
+
+    def forward(self, x):
+        g, u = linear(x, self.wgu).chunk(2, dim=-1)
+        return linear(F.silu(g, inplace=True).mul_(u), self.wdown)
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
+        super().__init__()
+        p = f"model.layers.{i}"
+        self.eps = a.rms_norm_eps
+        self.ln_attn = param(take(t, f"{p}.input_layernorm.weight"), dtype)
+        self.ln_mlp = param(take(t, f"{p}.post_attention_layernorm.weight"), dtype)
+        self.attn = Attention(a, t, f"{p}.self_attn", dtype)
+        self.mlp = MLP(t, f"{p}.mlp", dtype)
+
+    def forward(self, x, batch, i, rope, q_scale):
+        x += self.attn.forward(rms_norm(x, self.ln_attn, self.eps), batch, i, rope, q_scale)
+        x += self.mlp.forward(rms_norm(x, self.ln_mlp, self.eps))
+        return x
+
+
+class MinistralModel(Model):
+    family = "ministral"
+    packable_weights = ("wqkv", "wo", "wgu", "wdown")
+    head_weights = ("lm_head",)
+    embedding_weights = ("embed",)
+
+    def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
+        super().__init__()
+        self.args, self.dtype = args, dtype
+        self.embed = param(take(tensors, "model.embed_tokens.weight"), dtype)
+        self.layers = nn.ModuleList(Block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
+        self.norm = param(take(tensors, "model.norm.weight"), dtype)
+        head = tensors.get("lm_head.weight")
+        self.lm_head = self.embed if head is None or args.tie_word_embeddings else param(head, dtype)
+        params = rope_params(config)
+        inv_freq, scaling = inv_freq_for(params, args.head_dim)
+        self.rope = Rope(args.head_dim, 0.0, dtype, inv_freq=inv_freq, attention_scaling=scaling)
+        beta = params.get("llama_4_scaling_beta") if args.model_type == "ministral3" else None
+        self.q_scaling = (float(beta), int(params["original_max_position_embeddings"])) if beta else None
+
+    @classmethod
+    def from_checkpoint(cls, config, tensors, dtype):
+        return cls(ModelArgs.from_dict(config), config, tensors, dtype)
+
+    def cache_specs(self):
+        a = self.args
+        return [specs.sliding(a.num_key_value_heads, a.head_dim, a.sliding_window) if lt == SLIDING
+                else specs.full(a.num_key_value_heads, a.head_dim) for lt in a.layer_types]
+
+    def _query_scale(self, batch: Batch) -> torch.Tensor | None:
+        if self.q_scaling is None:
+            return None
+        dev = batch.tokens.device
+        positions = torch.cat([torch.arange(s.position, s.position + s.length, device=dev) for s in batch.spans])
+        return llama4_query_scale(positions, *self.q_scaling).to(self.dtype)[:, None]
+
+    def forward(self, batch):
+        rope, q_scale = self.rope.rows(batch), self._query_scale(batch)
+        x = embedding(batch.tokens, self.embed, self.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x, batch, i, rope, q_scale)
+        x = select_rows(x, batch)
+        if x is None:
+            return None
+        return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
