@@ -4,8 +4,8 @@ Several sequences of different lengths run through one ``model.forward(Batch)`` 
 chunks, single decode tokens and ``none`` / ``last`` / ``all`` logits mixed in the same call), and
 every logit row they asked for is compared with the same sequence run alone through ``model.step``
 with the same chunking: greedy argmax equal and logits within ATOL (float32). The sequences cross
-Gemma 3's / RecurrentGemma's 16-token window, Llama 4's 16-token attention chunk and the SSM scan
-chunks. A sequence that read another's rows or another span's caches would get another history, so
+the 16-token windows of Gemma 3, RecurrentGemma, EXAONE 4, Ministral 3 / Ministral and gpt-oss,
+Llama 4's 16-token attention chunk and the SSM scan chunks. A sequence that read another's rows or another span's caches would get another history, so
 its logits would move by far more than ATOL; test_the_check_catches_* show that the comparison
 does fail for both kinds of bug.
 """
@@ -34,7 +34,9 @@ from turnkv.models.batch import Batch
 # llama, gemma3, lfm2 and recurrent_gemma come out bit-identical.
 ATOL = 1e-4
 FAMILIES = ["llama", "gemma3", "llama4_text", "mamba2", "lfm2", "qwen3_next", "granitemoehybrid",
-            "recurrent_gemma"]
+            "recurrent_gemma", "exaone4", "ministral3", "ministral",
+            "gpt_oss", "qwen3_5_text", "qwen3_5_moe_text", "glm4_moe", "afmoe", "gemma4_text", "kimi_linear",
+            "bailing_hybrid", "muse_glimmer"]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,9 @@ sampled token is not in the cache, as a chat client appends only the text it got
 attention_chunk_size 16, so the conversation (~170 tokens) crosses the chunk size ten times, and
 the system prompt ends in the first 64-position KV block while user 1 ends in the second: no
 longer entry can be truncated back to user 1's start, so its edit must come from the system
-checkpoint.
+checkpoint. EXAONE 4, Ministral 3 / Ministral and gpt-oss run with a 16-token sliding window, so
+the conversation crosses it ten times too (AFMoE as well). GLM-4 MoE is all full attention
+(ALL_FULL): its reuse truncates the end-of-generation snapshot, and its regenerate prefills one token.
 """
 
 from __future__ import annotations
@@ -39,8 +41,11 @@ VOCAB = 256
 ATOL = 1e-4
 SYSTEM, USER, REPLY_TOKENS, TURNS = 60, 12, 6, 8
 CHUNK = 16           # Llama 4 attention_chunk_size
+WINDOW = 16          # sliding window of the attention-only families (exaone4, ministral, gpt_oss)
 EDIT_LATE = 4        # the later user message edited (1-based)
-COVERED = {"llama", "gemma3", "gemma3_text"}   # tests/test_engine_reuse.py
+COVERED = {"llama", "gemma3", "gemma3_text",   # tests/test_engine_reuse.py
+           "idefics3", "smolvlm",               # tests/test_family_smolvlm.py (reuse with and without images)
+           "lfm2_vl"}                           # tests/test_family_lfm2_vl.py (gemma3: test_family_gemma3_vision.py)
 
 
 # --------------------------------------------------------------------- tiny configs, per family
@@ -100,8 +105,125 @@ def _granitemoehybrid():
         initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2))
 
 
+def _exaone4():
+    from transformers import Exaone4Config, Exaone4ForCausalLM
+    return Exaone4ForCausalLM(Exaone4Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, sliding_window_pattern=3,
+        initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
+def _ministral3():
+    from transformers import Ministral3Config, Ministral3ForCausalLM
+    rope = {"rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 16.0, "original_max_position_embeddings": 64,
+            "max_position_embeddings": 1024, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+            "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}   # query scale steps every 64 positions
+    return Ministral3ForCausalLM(Ministral3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, max_position_embeddings=1024,
+        rope_parameters=rope, initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
+def _ministral():
+    from transformers import MinistralConfig, MinistralForCausalLM
+    return MinistralForCausalLM(MinistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, initializer_range=0.1,
+        layer_types=["sliding_attention", "full_attention"] * 2, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
+def _gpt_oss():
+    from transformers import GptOssConfig, GptOssForCausalLM
+    return GptOssForCausalLM(GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+        initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
 BUILDERS = {"mamba2": _mamba2, "qwen3_next": _qwen3_next, "recurrent_gemma": _recurrent_gemma,
-            "llama4_text": _llama4, "lfm2": _lfm2, "granitemoehybrid": _granitemoehybrid}
+            "llama4_text": _llama4, "lfm2": _lfm2, "granitemoehybrid": _granitemoehybrid,
+            "exaone4": _exaone4, "ministral3": _ministral3, "ministral": _ministral,
+            "gpt_oss": _gpt_oss}
+
+
+def _gemma4_text():
+    from test_family_gemma4 import build   # 16-token window, KV sharing, per-layer embeddings
+    return build()
+
+
+def _kimi_linear():
+    from test_family_kimi_linear import build   # KDA recurrent state + MLA latent KV + MoE
+    return build()
+
+
+BUILDERS.update({"gemma4_text": _gemma4_text, "kimi_linear": _kimi_linear})
+
+
+def _bailing_hybrid():
+    from test_family_bailing_hybrid import build   # KDA (bounded gate) + MLA with RoPE and head gate + MoE
+    return build()
+
+
+BUILDERS["bailing_hybrid"] = _bailing_hybrid
+
+
+def _muse_glimmer():
+    from test_family_muse_glimmer import build   # 16-token window, NoPE full layer, text path of the VLM
+    return build()
+
+
+BUILDERS["muse_glimmer"] = _muse_glimmer
+# the released Gemma 4 folders load the same text model (tests/test_family_gemma4.py)
+COVERED.add("gemma4")
+
+
+def _qwen3_5_text():
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    return Qwen3_5ForCausalLM(Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+        linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, initializer_range=0.05))
+
+
+def _qwen3_5_moe_text():
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    return Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, initializer_range=0.05))
+
+
+def _glm4_moe():
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+    return Glm4MoeForCausalLM(Glm4MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=4, topk_group=2, use_qk_norm=True, attention_bias=True, routed_scaling_factor=2.5,
+        initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
+def _afmoe():
+    from transformers import AfmoeConfig, AfmoeForCausalLM
+    hf = AfmoeForCausalLM(AfmoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        num_shared_experts=1, route_scale=2.0, global_attn_every_n_layers=2, sliding_window=WINDOW,
+        mup_enabled=True, initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    with torch.no_grad():   # transformers zero-inits the router, which would route every token alike
+        for layer in hf.model.layers[1:]:
+            layer.mlp.router.gate.weight.normal_(0.0, 0.3)
+    return hf
+
+
+BUILDERS.update({"qwen3_5_text": _qwen3_5_text, "qwen3_5_moe_text": _qwen3_5_moe_text, "glm4_moe": _glm4_moe,
+                 "afmoe": _afmoe})
+# families whose layers are all full attention: no prefill checkpoints, every reuse truncates the
+# end-of-generation snapshot to the common prefix (as llama in tests/test_engine_reuse.py)
+ALL_FULL = {"glm4_moe"}
+# the vision-language folders of Qwen 3.5 load the same text model (tests/test_family_qwen3_5.py) under
+# M-RoPE with the vision tower (tests/test_family_qwen3_5_vl.py)
+COVERED |= {"qwen3_5", "qwen3_5_moe"}
 FAMILIES = sorted(t for t in ARCHITECTURES if t not in COVERED)
 
 
@@ -192,7 +314,7 @@ def played(tmp_path_factory, single_threaded):
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_eight_turns_cache_on_equals_off(played, model_type):
     p = played(model_type)
-    assert any(s.kind != FULL for s in p.on.specs), "expected a family with non-trimmable layers"
+    assert (model_type in ALL_FULL) == all(s.kind == FULL for s in p.on.specs), "ALL_FULL is out of date"
     for turn, (a, b) in enumerate(zip(p.results_on, p.results_off), start=1):
         same(a, b)
         assert b.usage.cached_tokens == 0
@@ -213,9 +335,15 @@ def test_edit_first_user_message_restores_system_checkpoint(played, model_type):
     a, b = p.on.generate(request(edited, REPLY_TOKENS)), p.off.generate(request(edited, REPLY_TOKENS))
     same(a, b)
     edit_at = boundary_before(edited, 1)
-    # the system prompt's end is a message boundary: the prefill of turn 1 snapshotted it
-    assert a.stats.restored_origin == "checkpoint", a.stats
-    assert 0 < a.stats.restored_entry_length <= edit_at, (a.stats, edit_at)
+    if a.stats.reuse_from == "truncated":
+        # attention-only families whose sliding window has not dropped the edit position yet
+        # (exaone4, ministral, gpt_oss): a longer entry cut back to the edit is exact
+        assert all(s.is_attention for s in p.on.specs), a.stats
+        assert a.stats.restored_entry_length > edit_at, (a.stats, edit_at)
+    else:
+        # the system prompt's end is a message boundary: the prefill of turn 1 snapshotted it
+        assert a.stats.restored_origin == "checkpoint", a.stats
+        assert 0 < a.stats.restored_entry_length <= edit_at, (a.stats, edit_at)
     assert a.usage.cached_tokens == edit_at == SYSTEM
 
 
@@ -246,6 +374,12 @@ def test_regenerate_last_turn(played, model_type):
     last = p.history
     a = p.on.generate(request(last, REPLY_TOKENS))
     same(a, p.results_off[-1])
+    if model_type in ALL_FULL:
+        # no prompt-end snapshot (nothing needs one): turn 8's end-of-generation snapshot is cut back
+        # to the prompt less its last token, whose logits were not stored
+        assert a.stats.reuse_from == "truncated" and a.stats.restored_origin == "generation", a.stats
+        assert a.usage.cached_tokens == a.usage.prompt_tokens - 1, (a.usage, a.stats)
+        return
     # the prompt-end snapshot of turn 8 holds its logits: nothing is prefilled
     assert a.usage.cached_tokens == a.usage.prompt_tokens, (a.usage, a.stats)
     assert a.stats.reuse_from == "exact" and a.stats.restored_origin == "prompt", a.stats

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from ..images import image_run_cut
 from ..models.batch import LAST, NONE
 from .sequence import DECODE, PREFILL, Sequence
 
@@ -34,13 +35,16 @@ class Work:
 
 class Scheduler:
     def __init__(self, max_seqs: int = DEFAULT_MAX_SEQS, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
-                 max_queue: int = DEFAULT_MAX_QUEUE, prefill_chunk: int = 512):
+                 max_queue: int = DEFAULT_MAX_QUEUE, prefill_chunk: int = 512, whole_images: bool = False):
         if max_seqs < 1 or max_queue < 0 or max_batch_tokens < 1 or prefill_chunk < 1:
             raise ValueError("max_seqs, max_batch_tokens and prefill_chunk must be >= 1, max_queue >= 0")
         self.max_seqs, self.max_queue = max_seqs, max_queue
         # a full decode batch plus at least one prefill token, so a prompt always progresses
         self.max_batch_tokens = max(max_batch_tokens, max_seqs + 1)
         self.prefill_chunk = prefill_chunk
+        # families whose image tokens attend to each other both ways (Gemma 3): a prefill chunk
+        # never splits an image's run of keys
+        self.whole_images = whole_images
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -76,6 +80,11 @@ class Scheduler:
                 continue
             n = min(self.prefill_chunk, seq.next_stop() - seq.pos, budget)
             end = seq.pos + n
+            if self.whole_images:
+                end = image_run_cut(seq.prompt, seq.pos, end)
+                while seq.stops and seq.stops[0] < end:     # a stop inside an image: not reachable
+                    seq.stops.pop(0)
+                n = end - seq.pos
             work.append(Work(seq, seq.prompt[seq.pos:end], LAST if end == len(seq.prompt) else NONE, prefill=True))
             budget -= n
         return work

@@ -17,7 +17,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import tokenizers
 
@@ -42,6 +42,17 @@ def shipped_template(name: str) -> str:
     return (TEMPLATES_DIR / f"{name}.jinja").read_text(encoding="utf-8")
 
 
+def chat_template_source(spec: str) -> str:
+    """``--chat-template``: a shipped template's name or a template file's path."""
+    if (TEMPLATES_DIR / f"{spec}.jinja").is_file():
+        return shipped_template(spec)
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    shipped = ", ".join(sorted(p.stem for p in TEMPLATES_DIR.glob("*.jinja")))
+    raise ModelLoadError(f"--chat-template {spec}: no such file and no shipped template of that name ({shipped})")
+
+
 @dataclass
 class RenderedChat:
     text: str
@@ -60,6 +71,9 @@ def _content_text(content: Any, where: str) -> str:
     if isinstance(content, (list, tuple)):
         texts = []
         for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") in ("image_url", "image"):
+                raise ValueError(f"{where}.content[{j}] is an image, and this model does not take images "
+                                 "(it has no vision encoder)")
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError(
                     f"{where}.content[{j}] must be a text part {{\"type\": \"text\", \"text\": \"...\"}}; "
@@ -88,6 +102,42 @@ def normalize_messages(messages: Any) -> list[dict]:
         clean["content"] = _content_text(message["content"], where)
         out.append(clean)
     return out
+
+
+def normalize_vision_messages(messages: Any) -> tuple[list[dict], list[str]]:
+    """For a vision model: every message's content becomes a list of ``{"type": "text", "text"}``
+    and ``{"type": "image"}`` parts (what transformers' processors hand their chat templates), and
+    the image URLs in order of appearance. Raises ValueError."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list of {role, content} objects")
+    out, urls = [], []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        images = isinstance(content, (list, tuple)) and any(
+            isinstance(p, dict) and p.get("type") in ("image_url", "image") for p in content)
+        if not images:
+            clean = normalize_messages([message])[0]
+            clean["content"] = [{"type": "text", "text": clean["content"]}]
+            out.append(clean)
+            continue
+        where = f"messages[{i}]"
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise ValueError(f"{where}.content[{j}] must be a text part or an image_url part")
+            if part.get("type") == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+                continue
+            image = part.get("image_url")
+            url = image.get("url") if isinstance(image, dict) else image
+            if part.get("type") != "image_url" or not isinstance(url, str):
+                raise ValueError(f"{where}.content[{j}] must be a text part or an image_url part with a url")
+            parts.append({"type": "image"})
+            urls.append(url)
+        clean = normalize_messages([{**message, "content": ""}])[0]
+        clean["content"] = parts
+        out.append(clean)
+    return out, urls
 
 
 # ---------------------------------------------------------------- templates
@@ -217,20 +267,33 @@ class Tokenizer:
 
     # -- chat
 
-    def render_text(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template's text for already normalized messages; ValueError if it refuses them."""
+    def with_template(self, chat_template: str) -> "Tokenizer":
+        """The same tokenizer under another chat template (``--chat-template``); end-of-turn tokens
+        the new template uses stop generation too."""
+        return Tokenizer(self.backend, special_tokens=self.special_tokens, chat_template=chat_template,
+                         extra_eos_ids=self.eos_token_ids, source=self.source,
+                         clean_up_tokenization_spaces=self._clean_up)
+
+    def render_text(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
+                    template_kwargs: dict | None = None) -> str:
+        """The chat template's text for already normalized messages; ValueError if it refuses them.
+
+        ``tools`` (OpenAI tool objects) and ``template_kwargs`` (extra template variables, e.g.
+        ``enable_thinking``) reach the template as transformers' ``apply_chat_template`` passes them."""
         if self._template is None:
             raise ValueError("this model has no chat template; use the completions endpoint")
         try:
             return self._template.render(
-                messages=messages, tools=None, documents=None,
-                add_generation_prompt=add_generation_prompt, **self.special_tokens,
+                **{**self.special_tokens, **(template_kwargs or {})},
+                messages=messages, tools=tools or None, documents=None,
+                add_generation_prompt=add_generation_prompt,
             )
         except Exception as e:  # raise_exception() in the template, or a template bug
             raise ValueError(f"the chat template rejected the messages: {e}") from None
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    boundary_messages: int | None = None) -> RenderedChat:
+                    boundary_messages: int | None = None, tools: list | None = None,
+                    template_kwargs: dict | None = None) -> RenderedChat:
         """Render and tokenize; ``boundaries`` are the token offsets where messages end.
 
         Finding a boundary renders the conversation up to that message, so ``boundary_messages``
@@ -239,7 +302,16 @@ class Tokenizer:
         normally the last few), 0 none (a model whose state can be truncated anywhere needs none).
         """
         msgs = normalize_messages(messages)
-        text = self.render_text(msgs, add_generation_prompt)
+        text = self.render_text(msgs, add_generation_prompt, tools, template_kwargs)
+        return self.tokenize_chat(msgs, text, boundary_messages, tools, template_kwargs)
+
+    def tokenize_chat(self, msgs: list[dict], text: str, boundary_messages: int | None = None,
+                        tools: list | None = None, template_kwargs: dict | None = None,
+                        expand: Callable[[str], str] | None = None) -> RenderedChat:
+        """Tokenize ``text`` (the template's rendering of the normalized ``msgs``, after ``expand``)
+        and find the message boundaries in it. ``expand`` maps a rendered prefix of the chat to the
+        text the prompt holds for it (vision families: each image marker expanded as the processor
+        expands it); None keeps the rendering."""
         encoding = self.backend.encode(text, add_special_tokens=False)
         ids = encoding.ids
         offsets = encoding.offsets
@@ -252,7 +324,9 @@ class Tokenizer:
             wanted = ([1] if boundary_messages > 0 and msgs else []) + list(tail if boundary_messages > 0 else [])
         for i in wanted:
             try:
-                prefix = self.render_text(msgs[:i], add_generation_prompt=False)
+                prefix = self.render_text(msgs[:i], False, tools, template_kwargs)
+                if expand is not None:
+                    prefix = expand(prefix)
             except ValueError:
                 continue
             n = len(prefix)
@@ -260,7 +334,10 @@ class Tokenizer:
                 continue
             # The prefix must hold this message (Gemma folds the system prompt into
             # the first user turn: rendering [system] alone gives just "<bos>").
-            content = msgs[i - 1]["content"].strip()
+            content = msgs[i - 1]["content"]
+            if isinstance(content, list):   # vision content parts: the longest text part
+                content = max((p.get("text", "") for p in content), key=len, default="")
+            content = content.strip()
             if content and content not in text[prev_chars:n]:
                 continue
             k = bisect_right(ends, n)

@@ -8,13 +8,31 @@ import importlib
 ARCHITECTURES: dict[str, str] = {
     "llama": "llama:LlamaModel",
     "gemma3_text": "gemma3:Gemma3Model",
-    "gemma3": "gemma3:Gemma3Model",
+    "gemma3": "gemma3_vision:Gemma3VisionModel",   # Gemma3ForConditionalGeneration (vision + text)
     "llama4_text": "llama4:Llama4Model",
     "lfm2": "lfm2:Lfm2Model",
     "granitemoehybrid": "granitemoehybrid:GraniteMoeHybridModel",
     "mamba2": "mamba2:Mamba2Model",
     "qwen3_next": "qwen3_next:Qwen3NextModel",
+    "qwen3_5_text": "qwen3_5:Qwen3_5Model",
+    "qwen3_5_moe_text": "qwen3_5:Qwen3_5Model",
+    "qwen3_5": "qwen3_5_vl:Qwen3_5VlModel",     # the released vision-language folders (text-only without a tower)
+    "qwen3_5_moe": "qwen3_5_vl:Qwen3_5VlModel",
+    "glm4_moe": "glm4_moe:Glm4MoeModel",
+    "afmoe": "afmoe:AfmoeModel",
     "recurrent_gemma": "recurrent_gemma:RecurrentGemmaModel",
+    "exaone4": "exaone4:Exaone4Model",
+    "ministral": "ministral:MinistralModel",
+    "ministral3": "ministral:MinistralModel",
+    "gpt_oss": "gpt_oss:GptOssModel",
+    "gemma4_text": "gemma4:Gemma4Model",
+    "gemma4": "gemma4:Gemma4Model",                # the released folders: text decoder only
+    "kimi_linear": "kimi_linear:KimiLinearModel",
+    "bailing_hybrid": "bailing_hybrid:BailingHybridModel",
+    "muse_glimmer": "muse_glimmer:MuseGlimmerModel",   # MuseGlimmerForConditionalGeneration: text decoder only
+    "idefics3": "idefics3:Idefics3Model",
+    "smolvlm": "idefics3:Idefics3Model",
+    "lfm2_vl": "lfm2_vl:Lfm2VlModel",
 }
 
 

@@ -52,9 +52,12 @@ class Span:
 class Batch:
     tokens: torch.Tensor          # [N] int64: every span's tokens, back to back
     spans: tuple[Span, ...]
+    # image_id -> embeddings [n, hidden] of the images whose keys (turnkv/images.py) are in tokens
+    images: dict | None = None
 
     @classmethod
-    def build(cls, parts: Sequence[tuple[Sequence[int] | torch.Tensor, Sequence, str]], device="cpu") -> "Batch":
+    def build(cls, parts: Sequence[tuple[Sequence[int] | torch.Tensor, Sequence, str]], device="cpu",
+              images: dict | None = None) -> "Batch":
         """``parts``: (tokens, caches, logits) per sequence, in the order their logits come back."""
         spans, pieces, row = [], [], 0
         for tokens, caches, logits in parts:
@@ -69,7 +72,7 @@ class Batch:
         if not spans:
             raise ValueError("an empty batch")
         tokens = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        return cls(tokens.to(device=device, dtype=torch.long), tuple(spans))
+        return cls(tokens.to(device=device, dtype=torch.long), tuple(spans), images or None)
 
     def logit_rows(self) -> torch.Tensor | slice | None:
         """Rows of the final hidden states whose logits are wanted: None (no row), a slice (a

@@ -9,8 +9,10 @@ import torch
 from torch import nn
 
 from ..cache import specs
+from ..images import IMAGE_KEY_BASE
 from .batch import Batch, Span, select_rows, spans_apply
-from .base import BaseArgs, Model, Rope, apply_rope, attention, embedding, linear, param, rms_norm, take
+from .base import (BaseArgs, Model, Rope, apply_rope, attention, attention_spans, embedding, linear, param,
+                   rms_norm, take)
 from .rope_config import inv_freq_for, rope_params
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -63,16 +65,68 @@ class Attention(nn.Module):
         k_norm = take(t, f"{p}.k_norm.weight")[None].expand(self.hk, -1)
         self.qk_norm = _norm_weight(torch.cat([q_norm, k_norm])[:, None], dtype)
 
-    def forward(self, x, batch: Batch, i: int, rope):
+    def forward(self, x, batch: Batch, i: int, rope, blocks: dict | None = None):
         hq, hk = self.hq, self.hk
         qkv = linear(x, self.wqkv).view(x.shape[0], hq + 2 * hk, self.d).transpose(0, 1)
         # same order as transformers' Gemma3RMSNorm: normalize, then scale by (1 + w)
         qk = apply_rope(rms_norm(qkv[: hq + hk], None, self.eps).mul_(self.qk_norm), *rope)
+        if blocks is None:      # text only: every sequence's rows over its own KV, one native call
+            return linear(attention_spans(batch, i, qk[:hq], qk[hq:], qkv[hq + hk:], self.scale, self.softcap),
+                          self.wo)
 
         def one(s: Span):   # this sequence's rows over its own KV
             view = s.caches[i].update_and_fetch(qk[hq:, s.rows], qkv[hq + hk:, s.rows])
-            return attention(qk[:hq, s.rows], view, self.scale, self.softcap)
+            out = attention(qk[:hq, s.rows], view, self.scale, self.softcap)
+            if blocks is not None and s in blocks:   # image rows: their whole image too (Gemma 3 vision)
+                rows, same = blocks[s]
+                out[rows] = image_rows_attention(qk[:hq, s.rows], view, rows, same, self.scale, self.softcap)
+            return out
         return linear(spans_apply(batch, one), self.wo)
+
+
+def image_blocks(batch: Batch) -> dict | None:
+    """Per span with image keys (turnkv/images.py): (its image rows [R], bool [R, T] "the same
+    image run"): transformers' token_type_ids block mask, a run of consecutive image tokens being
+    one block (get_block_sequence_ids_for_mask). The scheduler never splits a run (whole_images)."""
+    out = {}
+    for s in batch.spans:
+        img = batch.tokens[s.rows] >= IMAGE_KEY_BASE
+        if s.length < 2 or not bool(img.any()):
+            continue
+        start = img & ~torch.cat([img.new_zeros(1), img[:-1]])
+        run = torch.cumsum(start.long(), 0)
+        rows = img.nonzero().flatten()
+        same = (run[rows][:, None] == run[None, :]) & img[None, :]
+        out[s] = (rows, same)
+    return out or None
+
+
+def image_rows_attention(q, view, rows, same, scale, softcap):
+    """Attention of the image rows ``rows`` of this call's queries: the layer's rule (causal, and the
+    window on sliding layers) OR the rows of the same image, AND the window (transformers'
+    create_masks_for_vision_model). Explicit masked softmax over the view's keys."""
+    T = q.shape[1]
+    S = view.keys.shape[1]
+    qpos = view.query_pos0 + rows
+    kpos = view.key_pos0 + torch.arange(S)
+    mask = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] >= view.needed_from_many(qpos)[:, None])
+    off = view.query_pos0 - view.key_pos0         # the call's own keys are the view's last T
+    extra = torch.zeros_like(mask)
+    extra[:, off:off + T] = same
+    if view.kind == "sliding":
+        extra &= kpos[None, :] > qpos[:, None] - view.span
+    mask |= extra
+    qi = q[:, rows]
+    k, v = view.keys, view.values
+    rep = qi.shape[0] // k.shape[0]
+    k = k.repeat_interleave(rep, 0) if rep > 1 else k
+    v = v.repeat_interleave(rep, 0) if rep > 1 else v
+    scores = torch.matmul(qi, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+    out = torch.matmul(probs.to(qi.dtype), v)
+    return out.transpose(0, 1).reshape(len(rows), -1)
 
 
 class MLP(nn.Module):
@@ -100,9 +154,9 @@ class Block(nn.Module):
         self.attn = Attention(a, t, f"{p}.self_attn", dtype, self.sliding)
         self.mlp = MLP(t, f"{p}.mlp", dtype)
 
-    def forward(self, x, batch, i, rope):
+    def forward(self, x, batch, i, rope, blocks=None):
         # x is the model's own residual buffer (fresh from the embedding): accumulate in place
-        h = self.attn.forward(rms_norm(x, self.ln_in, self.eps), batch, i, rope)
+        h = self.attn.forward(rms_norm(x, self.ln_in, self.eps), batch, i, rope, blocks)
         x += rms_norm(h, self.ln_post_attn, self.eps)
         h = self.mlp.forward(rms_norm(x, self.ln_pre_ff, self.eps))
         x += rms_norm(h, self.ln_post_ff, self.eps)
@@ -146,10 +200,14 @@ class Gemma3Model(Model):
                 else specs.full(a.num_key_value_heads, a.head_dim) for lt in a.layer_types]
 
     def forward(self, batch):
+        return self.forward_embeds(embedding(batch.tokens, self.embed, self.dtype) * self.embed_scale, batch)
+
+    def forward_embeds(self, x, batch, blocks: dict | None = None):
+        """The decoder over input embeddings ``x`` [N, hidden]; ``blocks`` (Gemma 3 vision) maps a
+        span to its image rows and their same-image table (``image_blocks``)."""
         rope_g, rope_l = self.rope_global.rows(batch), self.rope_local.rows(batch)
-        x = embedding(batch.tokens, self.embed, self.dtype) * self.embed_scale
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, batch, i, rope_l if layer.sliding else rope_g)
+            x = layer.forward(x, batch, i, rope_l if layer.sliding else rope_g, blocks)
         x = select_rows(x, batch)
         if x is None:
             return None

@@ -147,8 +147,11 @@ class Lfm2Model(Model):
                 else specs.full(a.num_key_value_heads, a.head_dim) for lt in a.layer_types]
 
     def forward(self, batch):
+        return self.forward_embeds(F.embedding(batch.tokens, self.embed), batch)
+
+    def forward_embeds(self, x, batch):
+        """The decoder over input embeddings ``x`` [N, hidden] (LFM2-VL puts image rows in them)."""
         rope = self.rope.rows(batch)
-        x = F.embedding(batch.tokens, self.embed)
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, batch, i, rope)
         x = select_rows(x, batch)

@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
-from .batch import Batch, Span, select_rows, spans_apply
-from .base import BaseArgs, Model, Rope, apply_rope, attention, embedding, linear, param, rms_norm, take
+from .batch import Batch, select_rows
+from .base import (BaseArgs, Model, Rope, apply_rope, attention_spans, embedding, linear, param, rms_norm,
+                   take)
 from .rope_config import inv_freq_for, rope_params
 
 
@@ -49,11 +50,9 @@ class Attention(nn.Module):
         hq, hk = self.hq, self.hk
         qkv = linear(x, self.wqkv, self.bqkv).view(x.shape[0], hq + 2 * hk, self.d).transpose(0, 1)
         qk = apply_rope(qkv[: hq + hk], *rope)
-
-        def one(s: Span):   # this sequence's rows over its own KV
-            view = s.caches[i].update_and_fetch(qk[hq:, s.rows], qkv[hq + hk:, s.rows])
-            return attention(qk[:hq, s.rows], view, self.scale)
-        return linear(spans_apply(batch, one), self.wo, self.bo)
+        # each sequence's rows over its own KV
+        out = attention_spans(batch, i, qk[:hq], qk[hq:], qkv[hq + hk:], self.scale)
+        return linear(out, self.wo, self.bo)
 
 
 class MLP(nn.Module):
@@ -114,8 +113,12 @@ class LlamaModel(Model):
         return [specs.full(a.num_key_value_heads, a.head_dim) for _ in range(a.num_hidden_layers)]
 
     def forward(self, batch):
+        return self.forward_embeds(embedding(batch.tokens, self.embed, self.dtype), batch)
+
+    def forward_embeds(self, x, batch):
+        """The decoder over given input embeddings [N, hidden] (a fresh buffer: the blocks add into
+        it in place); a vision family (models/idefics3.py) puts image rows in."""
         rope = self.rope.rows(batch)
-        x = embedding(batch.tokens, self.embed, self.dtype)
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, batch, i, rope)
         x = select_rows(x, batch)
