@@ -1,0 +1,184 @@
+"""Tool calling without a model: the tool-call parsers (Hermes <tool_call> and Llama 3 JSON), the
+streaming parser against the whole-text one, template format detection, and the chat template
+rendering a past call and a tool result back so that the next turn's prompt extends the previous
+turn's prompt + reply (the condition for reuse across tool rounds). Rendering uses the real
+SmolLM2 tokenizer with the shipped chatml-tools template; the HTTP round trip is in
+test_server_extras.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from turnkv.loading import load_tokenizer, shipped_template
+from turnkv.loading.bundled import find_bundled
+from turnkv.server import tools as T
+from turnkv.server.schemas import ChatCompletionRequest
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+# the tool parts of Llama 3.1's template, in its layout: calls are {"name": ..., "parameters": ...}
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|start_header_id|>system<|end_header_id|>\n\n"
+    "Respond with a JSON {\"name\": function name, \"parameters\": arguments}.\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|eot_id|>{% endif %}"
+    "{% for m in messages %}{% if m.tool_calls %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{% for c in m.tool_calls %}{{ '{\"name\": \"' + c.function.name + '\", \"parameters\": ' }}"
+    "{{ c.function.arguments | tojson }}{{ '}' }}{% endfor %}<|eot_id|>"
+    "{% elif m.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
+    "{% else %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content }}<|eot_id|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def smol():
+    if not find_bundled("smollm2-135m")[0]:
+        pytest.skip("bundled model smollm2-135m is not installed")
+    return load_tokenizer("smollm2-135m")
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def test_hermes_calls_are_parsed_with_the_text_before_them_as_content():
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    content, calls = T.parse(text, T.HERMES)
+    assert content == "Let me check.\n"
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+
+
+def test_text_that_is_not_a_well_formed_call_stays_content():
+    for text in ("plain answer", "<tool_call>\n{not json}\n</tool_call>", '<tool_call>\n["a list"]\n</tool_call>'):
+        assert T.parse(text, T.HERMES) == (text, [])
+    assert T.parse("The answer is {\"name\": 1}", T.LLAMA3_JSON)[1] == []
+
+
+def test_an_unterminated_hermes_call_at_the_end_is_still_a_call():
+    content, calls = T.parse('<tool_call>\n{"name": "get_time", "arguments": {}}', T.HERMES)
+    assert content is None and calls[0]["function"]["name"] == "get_time"
+
+
+def test_llama3_json_calls():
+    content, calls = T.parse('{"name": "get_weather", "parameters": {"city": "Oslo"}}', T.LLAMA3_JSON)
+    assert content is None and calls[0]["function"]["name"] == "get_weather"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    _, calls = T.parse('<|python_tag|>{"name": "get_time", "parameters": {}}; '
+                       '{"name": "get_weather", "parameters": {"city": "Rome"}}', T.LLAMA3_JSON)
+    assert [c["function"]["name"] for c in calls] == ["get_time", "get_weather"]
+
+
+@pytest.mark.parametrize("fmt,text", [
+    (T.HERMES, 'Sure <b>bold</b> < done.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+               '</tool_call>'),
+    (T.HERMES, "No call here, just a < sign and <tool"),
+    (T.LLAMA3_JSON, '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
+    (T.LLAMA3_JSON, "A plain reply with {braces} later."),
+])
+@pytest.mark.parametrize("step", [1, 3, 7])
+def test_streaming_parser_gives_what_the_whole_text_parser_gives(fmt, text, step):
+    parser = T.StreamParser(fmt)
+    streamed = "".join(parser.push(text[i:i + step]) for i in range(0, len(text), step))
+    rest, deltas = parser.finish()
+    content, calls = T.parse(text, fmt)
+    assert streamed + rest == (content or "" if not calls or fmt == T.LLAMA3_JSON else streamed)
+    if calls and fmt == T.HERMES:
+        assert streamed.strip() == (content or "").strip()
+    assert [d["function"] for d in deltas] == [c["function"] for c in calls]
+    assert [d["index"] for d in deltas] == list(range(len(calls)))
+    if fmt == T.HERMES and calls:       # content before the call streams before the call is complete
+        first = T.StreamParser(fmt).push(text[: text.index("<tool_call>") + 4])
+        assert first == text[: text.index("<tool_call>")]
+
+
+# ----------------------------------------------------------------------------- templates
+
+
+def test_template_formats(smol):
+    assert T.template_format(shipped_template("chatml-tools")) == T.HERMES
+    assert T.template_format(LLAMA3_TEMPLATE) == T.LLAMA3_JSON
+    assert T.template_format(smol.chat_template) is None          # SmolLM2's own template has no tools
+    assert T.template_format(shipped_template("gemma3")) is None  # nor Gemma 3's
+
+
+def test_chatml_tools_template_without_tools_renders_what_smollm2_renders(smol):
+    tools_tok = smol.with_template(shipped_template("chatml-tools"))
+    for msgs in ([{"role": "user", "content": "hi"}],
+                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                  {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "bye"}]):
+        assert tools_tok.render_text(msgs) == smol.render_text(msgs)
+
+
+@pytest.mark.parametrize("template,reply", [
+    ("chatml-tools", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
+    (LLAMA3_TEMPLATE, '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
+])
+def test_a_tool_round_renders_back_so_the_next_prompt_extends_prompt_plus_reply(smol, template, reply):
+    tok = smol.with_template(shipped_template(template) if template == "chatml-tools" else template)
+    fmt = T.template_format(tok.chat_template)
+    history = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = tok.render_chat(history, tools=[WEATHER, TIME])
+    content, calls = T.parse(reply, fmt)
+    assert calls and content is None
+    # what an OpenAI client sends back: arguments as a JSON string, content null
+    assistant = {"role": "assistant", "content": "", "tool_calls": calls}
+    history += [T.history_message(assistant),
+                {"role": "tool", "tool_call_id": calls[0]["id"], "content": '{"temp_c": 18}'}]
+    second = tok.render_chat(history, tools=[WEATHER, TIME])
+    assert second.text.startswith(first.text + reply)
+    if fmt == T.HERMES:
+        # and token for token (the Llama layout is rendered with SmolLM2's tokenizer here, whose
+        # pre-tokenizer splits "\n\n{" unlike Llama 3's: only its text is compared)
+        reply_ids = tok.encode(reply, add_special_tokens=False)
+        assert second.ids[: len(first.ids) + len(reply_ids)] == first.ids + reply_ids
+    assert '{"temp_c": 18}' in second.text[len(first.text):]
+
+
+def test_history_tool_call_arguments_must_be_json():
+    bad = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}
+    with pytest.raises(ValueError, match="not valid JSON"):
+        T.history_message(bad)
+
+
+def test_chat_template_kwargs_reach_the_template_and_cannot_replace_reserved_variables(smol):
+    tok = smol.with_template("{% for m in messages %}{{ m.content }}{% endfor %}"
+                             "{% if enable_thinking is defined and not enable_thinking %}/no_think{% endif %}")
+    msgs = [{"role": "user", "content": "hi"}]
+    assert tok.render_text(msgs) == "hi"
+    assert tok.render_text(msgs, template_kwargs={"enable_thinking": False}) == "hi/no_think"
+    ChatCompletionRequest.model_validate({"messages": msgs, "chat_template_kwargs": {"enable_thinking": False}})
+    for key in ("messages", "tools", "add_generation_prompt"):
+        with pytest.raises(Exception, match="cannot be set through chat_template_kwargs"):
+            ChatCompletionRequest.model_validate({"messages": msgs, "chat_template_kwargs": {key: []}})
+
+
+def test_forced_call_choice():
+    tools = T.validate_tools([WEATHER, TIME])
+    assert T.forced_names(tools, None) is None and T.forced_names(tools, "auto") is None
+    assert T.forced_names(tools, "none") is None
+    assert T.forced_names(tools, "required") == ["get_weather", "get_time"]
+    assert T.forced_names(tools, {"type": "function", "function": {"name": "get_time"}}) == ["get_time"]
+    with pytest.raises(ValueError, match="not in tools"):
+        T.forced_names(tools, {"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(ValueError, match="tool_choice must be"):
+        T.forced_names(tools, "sometimes")
+
+
+def test_chat_template_flag_takes_a_shipped_name_or_a_file(tmp_path):
+    from turnkv.loading.errors import ModelLoadError
+    from turnkv.loading.tokenizer import chat_template_source
+
+    assert chat_template_source("chatml-tools") == shipped_template("chatml-tools")
+    own = tmp_path / "mine.jinja"
+    own.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert chat_template_source(str(own)) == own.read_text()
+    with pytest.raises(ModelLoadError, match="chatml-tools"):
+        chat_template_source(str(tmp_path / "missing.jinja"))

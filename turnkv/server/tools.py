@@ -1,0 +1,245 @@
+"""Tool calling: which format a chat template uses, the model's call text parsed into OpenAI
+``tool_calls`` (whole, or while streaming), history messages made template-ready, and the grammar
+that forces a call for ``tool_choice: "required"`` or a named function.
+
+Formats (chosen from what the chat template renders):
+
+- ``hermes``: Hermes / Qwen 2.5+ / ChatML-with-tools templates. A call is
+  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``; text before the first call is content.
+- ``llama3_json``: Llama 3.1+/3.2/3.3 templates. The whole reply is ``{"name": ..., "parameters": {...}}``
+  (optionally after ``<|python_tag|>``; several calls separated by ``;``).
+
+A template that renders neither has no tool support: requests with tools are refused (400) rather
+than silently answered without them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+HERMES, LLAMA3_JSON = "hermes", "llama3_json"
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_PYTHON_TAG = "<|python_tag|>"
+
+
+def template_format(template: str | None) -> str | None:
+    """The tool-call format a chat template renders, or None when it does not render tools."""
+    if not template or "tools" not in template:
+        return None
+    if _HERMES_OPEN in template:
+        return HERMES
+    if _PYTHON_TAG in template or ('"parameters"' in template and "<|eot_id|>" in template):
+        return LLAMA3_JSON
+    return None
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+def history_message(msg: dict) -> dict:
+    """An OpenAI history message (already a template message) with its ``tool_calls`` made the
+    shape templates expect: ``function.arguments`` a JSON object, not the string OpenAI sends
+    (vLLM does the same), so the template renders a past call exactly as the model wrote it."""
+    calls = msg.get("tool_calls")
+    if not calls:
+        return msg
+    out = []
+    for i, call in enumerate(calls):
+        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+            raise ValueError(f"tool_calls[{i}] must be an object with a 'function' object")
+        fn = dict(call["function"])
+        if not isinstance(fn.get("name"), str):
+            raise ValueError(f"tool_calls[{i}].function.name must be a string")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise ValueError(f"tool_calls[{i}].function.arguments is not valid JSON") from None
+        fn["arguments"] = args
+        out.append({**call, "type": call.get("type", "function"), "function": fn})
+    return {**msg, "tool_calls": out}
+
+
+def validate_tools(tools: list) -> list[dict]:
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise ValueError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}")
+        fn = tool.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"tools[{i}].function.name must be a non-empty string")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+        out.append({**tool, "type": "function"})
+    return out
+
+
+def forced_names(tools: list[dict], choice) -> list[str] | None:
+    """The functions a call must name (``required``: any; a named choice: that one), or None
+    when the model is free (``auto``, ``none``). Raises ValueError for a bad choice."""
+    names = [t["function"]["name"] for t in tools]
+    if choice is None or choice in ("auto", "none"):
+        return None
+    if choice == "required":
+        return names
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in names:
+            raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
+        return [name]
+    raise ValueError('tool_choice must be "none", "auto", "required" or '
+                     '{"type": "function", "function": {"name": ...}}')
+
+
+def call_grammar(fmt: str, tools: list[dict], names: list[str], parallel: bool = False) -> str:
+    """A Lark grammar (llguidance) whose sentences are a call in ``fmt`` to one of ``names`` (one or
+    more calls when ``parallel``), arguments matching the function's parameters schema, JSON spaced
+    as the template's tojson. One call unless the request set parallel_tool_calls: small models
+    forced into a call tend to repeat it until max_tokens."""
+    by_name = {t["function"]["name"]: t["function"] for t in tools}
+    key = "arguments" if fmt == HERMES else "parameters"
+    variants = []
+    for name in names:
+        params = by_name[name].get("parameters") or {"type": "object"}
+        variants.append({"type": "object", "properties": {"name": {"const": name}, key: params},
+                         "required": ["name", key], "additionalProperties": False})
+    schema = {"anyOf": variants} if len(variants) > 1 else variants[0]
+    schema["x-guidance"] = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+    body = json.dumps(schema)
+    if fmt == HERMES:
+        start = 'start: call ("\\n" call)*' if parallel else "start: call"
+        return f'{start}\ncall: "<tool_call>\\n" obj "\\n</tool_call>"\nobj: %json {body}\n'
+    start = 'start: obj ("; " obj)*' if parallel else "start: obj"
+    return f"{start}\nobj: %json {body}\n"
+
+
+# ----------------------------------------------------------------------------- replies
+
+
+def _call(name: str, arguments) -> dict:
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def _one(obj, fmt: str) -> dict | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    keys = ("arguments", "parameters") if fmt == HERMES else ("parameters", "arguments")
+    args = next((obj[k] for k in keys if k in obj), {})
+    return _call(obj["name"], args)
+
+
+def _hermes_calls(body: str) -> list[dict] | None:
+    calls = []
+    for m in _HERMES_CALL.finditer(body):
+        try:
+            call = _one(json.loads(m.group(1)), HERMES)
+        except ValueError:
+            return None
+        if call is None:
+            return None
+        calls.append(call)
+    return calls or None
+
+
+def _llama_calls(text: str) -> list[dict] | None:
+    body = text.strip().removeprefix(_PYTHON_TAG).strip()
+    if not body.startswith("{"):
+        return None
+    calls = []
+    decoder = json.JSONDecoder()
+    pos = 0
+    while pos < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, pos)
+        except ValueError:
+            return None
+        call = _one(obj, LLAMA3_JSON)
+        if call is None:
+            return None
+        calls.append(call)
+        rest = body[end:].lstrip()
+        if not rest:
+            break
+        if not rest.startswith(";"):
+            return None
+        pos = len(body) - len(rest[1:].lstrip())
+    return calls or None
+
+
+def parse(text: str, fmt: str) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) of a finished reply; text that is not a well-formed call stays content."""
+    if fmt == HERMES:
+        at = text.find(_HERMES_OPEN)
+        if at >= 0:
+            calls = _hermes_calls(text[at:])
+            if calls:
+                content = text[:at]       # as vLLM's Hermes parser: not stripped, None when blank
+                return (content if content.strip() else None), calls
+    elif fmt == LLAMA3_JSON:
+        calls = _llama_calls(text)
+        if calls:
+            return None, calls
+    return text, []
+
+
+@dataclass
+class StreamParser:
+    """Splits streamed reply text into content deltas and, at the end, tool-call deltas.
+
+    Content streams as it comes, except text that may be the start of a call, which is held back
+    (Hermes: from ``<tool_call>`` on, and any tail that could begin it; Llama 3: a reply that
+    starts with ``{`` or ``<|python_tag|>``). At the end the held text is parsed: calls become
+    ``delta.tool_calls`` (one delta per call, complete), anything else is sent as content."""
+
+    fmt: str
+    held: str = ""
+    in_call: bool = False
+    started: bool = False
+    calls: list[dict] = field(default_factory=list)
+
+    def push(self, text: str) -> str:
+        """Content to send now for newly generated ``text`` ('' when held)."""
+        self.held += text
+        if self.in_call:
+            return ""
+        if self.fmt == LLAMA3_JSON:
+            if not self.started:
+                lead = self.held.lstrip()
+                if not lead:
+                    return ""
+                self.started = True
+                if lead.startswith("{") or lead.startswith(_PYTHON_TAG) or _PYTHON_TAG.startswith(lead):
+                    self.in_call = True
+                    return ""
+            out, self.held = self.held, ""
+            return out
+        at = self.held.find(_HERMES_OPEN)
+        if at >= 0:
+            out, self.held = self.held[:at], self.held[at:]
+            self.in_call = True
+            return out
+        keep = 0      # the longest tail that is a prefix of "<tool_call>"
+        for k in range(min(len(self.held), len(_HERMES_OPEN) - 1), 0, -1):
+            if _HERMES_OPEN.startswith(self.held[-k:]):
+                keep = k
+                break
+        out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
+        return out
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """(content still to send, tool-call deltas) at the end of the reply."""
+        held, self.held = self.held, ""
+        if not self.in_call:
+            return held, []
+        content, calls = parse(held, self.fmt)
+        if not calls:
+            return held, []
+        self.calls = calls
+        return ("" if self.fmt == HERMES else content or ""), [{"index": i, **c} for i, c in enumerate(calls)]
