@@ -103,6 +103,12 @@ def test_help_defaults_match_the_engine():
     assert (cli.DEFAULT_MAX_SEQS, cli.DEFAULT_MAX_BATCH_TOKENS, cli.DEFAULT_MAX_QUEUE) == (
         scheduler.DEFAULT_MAX_SEQS, scheduler.DEFAULT_MAX_BATCH_TOKENS, scheduler.DEFAULT_MAX_QUEUE)
     assert set(cli.WEIGHT_FORMATS) == set(FORMATS)
+    from turnkv import images
+    assert (cli.DEFAULT_MAX_IMAGE_PIXELS, cli.DEFAULT_IMAGE_CACHE_MB) == (images.DEFAULT_MAX_IMAGE_PIXELS,
+                                                                         images.DEFAULT_IMAGE_CACHE_MB)
+    from turnkv.server import app
+    assert (cli.DEFAULT_MAX_MESSAGES, cli.DEFAULT_MAX_CONNECTIONS) == (app.DEFAULT_MAX_MESSAGES,
+                                                                       app.DEFAULT_MAX_CONNECTIONS)
 
 
 def test_no_import_circles_between_cli_server_and_launch():

@@ -235,3 +235,26 @@ def test_gguf_chat_reuse_and_concurrency_are_bit_identical(gguf_smollm2):
         ref = make(0).generate(req)
         assert sink.result.token_ids == ref.token_ids
         assert torch.equal(sink.result.first_logits, ref.first_logits)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp16", "int8", "int4"])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_every_kv_mode_batched_equals_alone_and_reuse_equals_cold(models, family, mode):
+    """Quantized and half-precision KV under batching: each request equals its run alone in the
+    same mode (other chunk boundaries, other rows beside it), and the next turn restores the
+    stored state in that mode and equals the cold run."""
+    model, rng = models[family], random.Random(11)
+    system, u1 = rand_tokens(rng, 50), rand_tokens(rng, 9)
+    reqs = [request([system, u1], 10), request([rand_tokens(rng, 120)], 6), request([rand_tokens(rng, 4)], 12)]
+    eng = engine(model, max_seqs=3, max_batch_tokens=40, kv_mode=mode)
+
+    def solo(req):
+        return engine(model, budget=0, kv_mode=mode).generate(req)
+
+    sinks, _ = run_all(eng, reqs)
+    for req, sink in zip(reqs, sinks):
+        assert_same(sink.result, solo(req))
+    turn2 = request([system, u1, sinks[0].result.token_ids[:-1], rand_tokens(rng, 6)], 8)
+    sinks2, _ = run_all(eng, [turn2, request([rand_tokens(rng, 60)], 20)])
+    assert sinks2[0].result.usage.cached_tokens >= len(system) + len(u1)
+    assert_same(sinks2[0].result, solo(turn2))

@@ -465,3 +465,69 @@ def test_checkpoint_positions():
     assert checkpoint_positions(hybrid, [20, 5, 10, 25, 30], 10, 25) == [20]
     assert checkpoint_positions(hybrid, [5], 25, 25) == []
     assert checkpoint_positions([specs.chunked(1, 4, 8)], [], 3, 9) == []
+
+
+# --- tenants: per-owner budget share, scoped flush and stats ---------------------------------------
+
+
+def owned(owner: str, salt: str = "") -> Namespace:
+    return Namespace(fingerprint=FP, dtype="float32", modes=("native",), slack=1, tenant=f"{owner}/{salt}",
+                     owner=owner)
+
+
+def test_a_tenant_over_its_share_evicts_only_its_own_entries():
+    convs = [[c] + Q for c in range(1, 9)]
+    size = snap_of(convs[0]).nbytes
+    # the global budget holds 6 entries, each tenant's share 2: without the share, alice's flood
+    # of 6 unique prompts would push bob's (older) entry out of the global LRU
+    pc = PromptCache(6 * size, tenant_budget_bytes=2 * size)
+    assert pc.insert(owned("bob"), convs[0], snap_of(convs[0]))
+    for conv in convs[1:7]:
+        assert pc.insert(owned("alice"), conv, snap_of(conv))
+    assert pc.lookup(owned("bob"), convs[0]) is not None            # bob's entry survived the flood
+    alice, bob = pc.stats("alice"), pc.stats("bob")
+    assert (alice["entries"], alice["bytes"], alice["evictions"], alice["budget_bytes"]) == (2, 2 * size, 4, 2 * size)
+    assert (bob["entries"], bob["bytes"], bob["evictions"], bob["hits"]) == (1, size, 0, 1)
+    assert [pc.lookup(owned("alice"), c) is not None for c in convs[1:7]] == [False] * 4 + [True] * 2
+    everyone = pc.stats()
+    assert everyone["bytes"] == 3 * size and everyone["evictions"] == 4
+    assert everyone["tenants"] == {"alice": {"entries": 2, "bytes": 2 * size}, "bob": {"entries": 1, "bytes": size}}
+
+
+def test_without_a_share_the_global_lru_evicts_across_tenants():
+    """The control for the test above: the same flood with no per-tenant share evicts bob."""
+    convs = [[c] + Q for c in range(1, 9)]
+    size = snap_of(convs[0]).nbytes
+    pc = PromptCache(6 * size)
+    pc.insert(owned("bob"), convs[0], snap_of(convs[0]))
+    for conv in convs[1:7]:
+        pc.insert(owned("alice"), conv, snap_of(conv))
+    assert pc.lookup(owned("bob"), convs[0]) is None and pc.stats("bob")["evictions"] == 1
+
+
+def test_a_tenant_flush_leaves_the_others_and_counts_what_it_freed():
+    live = Live("full", heads=2, block=4)
+    pc = PromptCache(BIG)
+    for salt in ("", "s1"):                              # two namespaces of alice's
+        pc.insert(owned("alice", salt), Q, snap_of(Q))
+    live.extend(Q)
+    pc.insert(owned("bob"), Q, live.snap())
+    alice_bytes = pc.stats("alice")["bytes"]
+    assert pc.stats("alice")["namespaces"] == 2
+    assert pc.clear("alice") == (2, alice_bytes)
+    assert pc.stats("alice")["entries"] == 0 and pc.lookup(owned("alice"), Q) is None
+    assert pc.lookup(owned("bob"), Q) is not None and pc.stats("bob")["entries"] == 1
+    assert pc.clear("nobody") == (0, 0)
+    removed, freed = pc.clear()
+    assert removed == 1 and freed > 0 and pc.stats()["bytes"] == 0
+
+
+def test_uncounted_bytes_are_the_live_blocks_no_entry_holds():
+    live = Live("full", heads=2, block=4).extend(list(range(1, 11)))     # 2 full blocks + a tail
+    pc = PromptCache(BIG)
+    snap = live.snap()
+    pc.insert(owned("a"), live.tokens, snap)
+    held = [p for c in live.caches for p in c.held_parts()]
+    assert held and pc.uncounted_bytes(held) == 0         # every frozen block is a stored entry's
+    pc.clear()
+    assert pc.uncounted_bytes(held) == sum({p.uid: p.nbytes for p in held}.values()) == snap.nbytes

@@ -7,6 +7,7 @@ an API key, one with --no-prompt-cache (the oracle: what a cold prefill of every
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -28,7 +29,7 @@ sys.path.insert(0, str(ROOT))          # bench/ holds the shared benchmark conve
 
 from bench.conversation import SYSTEM_PROMPT  # noqa: E402
 from turnkv.loading.bundled import find_bundled  # noqa: E402
-from turnkv.server.app import tenant_key  # noqa: E402
+from turnkv.server.tenants import tenant_key  # noqa: E402
 
 API_KEY = "test-key-123"
 MAX_CONTEXT = 2048
@@ -198,7 +199,8 @@ def play(server: Server, stream: bool, **extra) -> tuple[list[dict], list[Reply]
 
 
 def metric_samples(server: Server) -> dict[str, list]:
-    text = httpx.get(server.url + "/metrics", timeout=60).text
+    # a server with an API key serves /metrics to its admin only (with one --api-key, that key)
+    text = httpx.get(server.url + "/metrics", headers=server.headers(), timeout=60).text
     out: dict[str, list] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -420,7 +422,7 @@ def _bad_requests(server: Server) -> list[tuple[str, dict, int, str | None]]:
         ("max_tokens huge", post(body={"messages": ok_msgs, "max_tokens": 10**12}), 400, "max_tokens"),
         ("temperature out of range", post(body={"messages": ok_msgs, "temperature": 7}), 400, "temperature"),
         ("stop wrong type", post(body={"messages": ok_msgs, "stop": [1]}), 400, "stop"),
-        ("n=2", post(body={"messages": ok_msgs, "n": 2}), 400, "n"),
+        ("n above --max-n", post(body={"messages": ok_msgs, "n": 17}), 400, "n"),
         ("prompt over the context", post(body={"messages": [{"role": "user", "content": "hello " * MAX_CONTEXT}]}),
          400, "messages"),
         ("completion prompt over the context", post(url=server.url + "/v1/completions",
@@ -467,8 +469,8 @@ def test_burst_of_bad_requests_between_good_ones(cached):
 def test_openai_client_errors(cached):
     client = cached.client()
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], n=2)
-    assert err.value.status_code == 400 and "n=1" in str(err.value)
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], n=17)
+    assert err.value.status_code == 400 and "--max-n" in str(err.value)
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi " * MAX_CONTEXT}],
                                        stream=True)
@@ -486,3 +488,136 @@ def test_flush_empties_the_cache(cached):
     assert cached.get("/v1/cache/stats").json()["entries"] == 0
     assert chat(cached, messages, stream=False, max_tokens=2).cached_tokens == 0
     assert httpx.delete(cached.url + "/v1/cache", timeout=60).status_code == 401    # needs the key
+
+
+# ------------------------------------------------------------------- sampling and scoring (issue 17)
+
+
+def test_chat_logprobs_shape_values_and_stream(cached, cold):
+    messages = [{"role": "user", "content": "Name three rivers in Europe."}]
+    kw = dict(model="m", messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    r = cached.client().chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 8
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    for e in content:
+        assert bytes(e.bytes).decode("utf-8") == e.token and e.logprob <= 0
+        assert len(e.top_logprobs) == 3
+        lps = [t.logprob for t in e.top_logprobs]
+        assert lps == sorted(lps, reverse=True) and sum(math.exp(v) for v in lps) <= 1 + 1e-6
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob   # greedy
+    # the same numbers from a cold server (the engine's logits are reuse-exact) and from a stream
+    ref = cold.client().chat.completions.create(**kw).choices[0].logprobs.content
+    assert [(e.token, e.logprob) for e in ref] == [(e.token, e.logprob) for e in content]
+    streamed = []
+    for chunk in cached.client().chat.completions.create(**kw, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.content
+    assert [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in streamed] == \
+           [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in content]
+    plain = cached.client().chat.completions.create(model="m", messages=messages, max_tokens=2, logprobs=True)
+    assert plain.choices[0].logprobs.content[0].top_logprobs == []
+    assert cached.client().chat.completions.create(model="m", messages=messages, max_tokens=2).choices[0].logprobs \
+        is None
+
+
+def test_completions_logprobs_legacy_shape(cached):
+    kw = dict(model="m", prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=2)
+    r = cached.client().completions.create(**kw)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert token in top and top[token] == value and len(top) <= 3 and max(top.values()) == value
+    streamed = [c.choices[0].logprobs for c in cached.client().completions.create(**kw, stream=True)
+                if c.choices and c.choices[0].logprobs is not None]
+    assert sum((s.tokens for s in streamed), []) == lp.tokens
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+
+
+def test_n_choices_share_one_prefill_over_http(cached, cold):
+    messages = [{"role": "user", "content": "Suggest a name for a small grey cat, please."}]
+    one = cold.client().chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=0)
+    before = cached.get("/v1/cache/stats").json()["tokens_prefilled"]
+    r = cached.client().chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=0, n=3)
+    after = cached.get("/v1/cache/stats").json()["tokens_prefilled"]
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert all(c.message.content == one.choices[0].message.content for c in r.choices)
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens                       # the prompt counted once
+    assert r.usage.completion_tokens == 3 * one.usage.completion_tokens
+    assert after - before == r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens   # prefilled once
+    # seeded and streamed: chunks carry each choice's index; choice i repeats (and equals seed + i alone)
+    kw = dict(model="m", messages=messages, max_tokens=8, temperature=1.0, seed=77, n=2)
+    whole = cold.client().chat.completions.create(**kw)
+    texts, finish = {0: "", 1: ""}, {}
+    for chunk in cached.client().chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert texts == {c.index: c.message.content for c in whole.choices} and set(finish) == {0, 1}
+    alone = cold.client().chat.completions.create(**{**kw, "n": 1, "seed": 78})
+    assert alone.choices[0].message.content == whole.choices[1].message.content
+    texts = cached.client().completions.create(model="m", prompt="Once upon a time", max_tokens=5, temperature=0, n=2)
+    assert [c.index for c in texts.choices] == [0, 1] and texts.choices[0].text == texts.choices[1].text
+
+
+def test_penalties_bias_and_stop_token_ids(cached, cold):
+    messages = [{"role": "user", "content": "Repeat the word apple ten times."}]
+    kw = dict(model="m", messages=messages, max_tokens=12, temperature=0)
+    plain = cached.client().chat.completions.create(**kw, logprobs=True)
+    penalized = dict(presence_penalty=1.5, frequency_penalty=1.0,
+                     extra_body={"repetition_penalty": 1.3, "min_p": 0.05})
+    got = cached.client().chat.completions.create(**kw, **penalized)
+    assert got.choices[0].message.content == cold.client().chat.completions.create(**kw, **penalized) \
+        .choices[0].message.content
+    assert got.choices[0].message.content != plain.choices[0].message.content
+    # +100 on one token (id 1000): greedy picks nothing else; that token as a stop_token_id ends at once
+    forced = cached.client().chat.completions.create(**{**kw, "max_tokens": 4}, logprobs=True,
+                                                     logit_bias={"1000": 100})
+    tokens = [e.token for e in forced.choices[0].logprobs.content]
+    assert len(tokens) == 4 and len(set(tokens)) == 1
+    stopped = cached.client().chat.completions.create(**kw, logit_bias={"1000": 100},
+                                                      extra_body={"stop_token_ids": [1000]})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
+    assert stopped.choices[0].message.content == ""
+    # logprobs stay those of the raw distribution: the forced token was not the model's own choice
+    assert forced.choices[0].logprobs.content[0].logprob < plain.choices[0].logprobs.content[0].logprob
+
+
+def test_null_fields_tiny_temperature_and_bad_values(cached):
+    url, headers = cached.url + "/v1/chat/completions", cached.headers()
+    msgs = [{"role": "user", "content": "Say hello."}]
+    nulls = {k: None for k in ("n", "stream", "stream_options", "temperature", "top_p", "presence_penalty",
+                               "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "stop", "seed",
+                               "max_tokens", "max_completion_tokens", "user", "top_k", "min_p",
+                               "repetition_penalty", "stop_token_ids", "ignore_eos", "cache_salt", "model")}
+    greedy = httpx.post(url, json={"messages": msgs, "max_tokens": 5, "temperature": 0}, headers=headers, timeout=120)
+    assert greedy.status_code == 200, greedy.text
+    r = httpx.post(url, json={"messages": msgs, **nulls}, headers=headers, timeout=120)
+    assert r.status_code == 200, r.text
+    tiny = httpx.post(url, json={"messages": msgs, "max_tokens": 5, "temperature": 1e-40}, headers=headers,
+                      timeout=120)
+    assert tiny.status_code == 200, tiny.text
+    assert tiny.json()["choices"][0]["message"]["content"] == greedy.json()["choices"][0]["message"]["content"]
+    ok = httpx.post(cached.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": None,
+                                                         "n": None, "echo": None, "best_of": None},
+                    headers=headers, timeout=120)
+    assert ok.status_code == 200, ok.text
+    bad = [({"top_logprobs": 21, "logprobs": True}, "top_logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+           ({"logit_bias": {"49152": 5}}, "logit_bias"), ({"logit_bias": {"abc": 5}}, "logit_bias"),
+           ({"logit_bias": {"5": 101}}, "logit_bias"), ({"n": 0}, "n"), ({"n": 17}, "n"),
+           ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p"),
+           ({"presence_penalty": 3}, "presence_penalty"), ({"stop_token_ids": [10**9]}, "stop_token_ids"),
+           ({"messages": None}, "messages")]
+    for fields, param in bad:
+        r = httpx.post(url, json={"messages": msgs, **fields}, headers=headers, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
+    for raw in (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+                b'{"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": Infinity}',
+                b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": -Infinity}}'):
+        r = httpx.post(url, content=raw, headers={**headers, "content-type": "application/json"}, timeout=60)
+        assert r.status_code == 400, (raw, r.text)
+    r = httpx.post(cached.url + "/v1/completions", json={"prompt": "hi", "logprobs": 21}, headers=headers, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"

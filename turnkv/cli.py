@@ -9,6 +9,9 @@ from .launch import DTYPES, engine_from, print_banner, sampling_from
 
 # engine/scheduler.py's defaults, repeated so `--help` does not import torch (a test holds them equal)
 DEFAULT_MAX_SEQS, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_QUEUE = 8, 256, 64
+# server/app.py's defaults, for the same reason
+DEFAULT_MAX_MESSAGES, DEFAULT_MAX_CONNECTIONS = 2048, 1024
+DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_IMAGE_CACHE_MB = 4096 * 4096, 256.0     # = turnkv/images.py's
 # the names of turnkv.models.weights.FORMATS, listed here so `--help` does not import torch
 WEIGHT_FORMATS = ("native", "bf16", "int8", "int4x2", "int4", "auto", "gguf")
 
@@ -28,12 +31,29 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smol
     g.add_argument("--threads", type=int, default=None, help="CPU compute threads (default: one per core)")
     g.add_argument("--max-context", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill chunk (default 512)")
+    g.add_argument("--chat-template", default=None,
+                   help="replace the model's chat template: a shipped one (chatml-tools: ChatML with Hermes "
+                        "tool calls) or a .jinja file")
+    g.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                   help=f"vision models: refuse images with more pixels than this (default {DEFAULT_MAX_IMAGE_PIXELS})")
+    g.add_argument("--image-cache-mb", type=float, default=DEFAULT_IMAGE_CACHE_MB,
+                   help="vision models: byte budget of cached image embeddings in MiB (default 256; docs/images.md)")
     c = p.add_argument_group("prompt cache")
     c.add_argument("--prompt-cache", dest="prompt_cache", action="store_true", default=True,
                    help="reuse model state across requests (default on)")
     c.add_argument("--no-prompt-cache", dest="prompt_cache", action="store_false", help="turn the prompt cache off")
     c.add_argument("--cache-budget-mb", type=float, default=2048.0,
                    help="byte budget of stored snapshots in MiB (0 disables the cache; default 2048)")
+    c.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="disk tier: keep snapshots in DIR too (survives restarts); see docs/tiers.md")
+    c.add_argument("--disk-cache-mb", type=float, default=10240.0,
+                   help="byte budget of the disk tier in MiB, least recently used out first (default 10240)")
+    c.add_argument("--redis-url", default=None, metavar="URL",
+                   help="Redis tier (redis://host:port/db): snapshots shared by every server on it")
+    c.add_argument("--redis-cache-mb", type=float, default=4096.0,
+                   help="byte budget of this model's snapshots in Redis in MiB (default 4096)")
+    c.add_argument("--redis-timeout-ms", type=float, default=500.0,
+                   help="a Redis call slower than this counts as down; local tiers only for 5 s (default 500)")
     c.add_argument("--swa-slack", type=int, default=256,
                    help="extra tokens kept on sliding-window layers so a reply can be edited/regenerated (default 256)")
     c.add_argument("--kv-cache-mode", default="native", choices=["native", "bf16", "fp16", "int8", "int4"],
@@ -155,7 +175,29 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require this bearer token")
+    a = p.add_argument_group("access and limits")
+    a.add_argument("--api-key", default=None,
+                   help="require this bearer token (one tenant, which may also flush and read /metrics)")
+    a.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="one 'KEY TENANT' pair per line: each tenant its own cache namespace, budget share, "
+                        "flush and stats; re-read on SIGHUP")
+    a.add_argument("--admin-key", default=None,
+                   help="bearer token that may flush every tenant and read global stats and /metrics")
+    a.add_argument("--tenant-budget-mb", type=float, default=None,
+                   help="prompt-cache bytes one tenant may hold; over it, its own oldest entries go first "
+                        "(default: no per-tenant share)")
+    a.add_argument("--max-messages", type=int, default=DEFAULT_MAX_MESSAGES,
+                   help=f"messages per chat request (default {DEFAULT_MAX_MESSAGES})")
+    a.add_argument("--max-n", type=int, default=16,
+                   help="choices per request (the n field; they share one prefill of the prompt; default 16)")
+    a.add_argument("--request-timeout", type=float, default=None, metavar="S",
+                   help="end a generation that has not finished S seconds after it arrived (408; default: none)")
+    a.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="close a connection whose request headers take longer than S seconds (default 10)")
+    a.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="answer 408 to a request whose body takes longer than S seconds to arrive (default 30)")
+    a.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help=f"open HTTP connections before new requests get 503 (default {DEFAULT_MAX_CONNECTIONS})")
     b = p.add_argument_group("batching")
     b.add_argument("--max-seqs", type=int, default=DEFAULT_MAX_SEQS,
                    help=f"sequences generating at once, decoded in one batch (default {DEFAULT_MAX_SEQS})")

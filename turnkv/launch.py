@@ -136,6 +136,11 @@ def sampling_from(args):
                           top_k=args.top_k, seed=args.seed, stop=list(args.stop))
 
 
+def tenant_budget_bytes(args) -> int | None:
+    mb = getattr(args, "tenant_budget_mb", None)
+    return None if mb is None else int(mb * 1024 * 1024)
+
+
 def engine_from(args, progress: bool = True):
     import torch
 
@@ -143,12 +148,28 @@ def engine_from(args, progress: bool = True):
     from .prompt_cache.store import PromptCache
     configure_process(args.threads)
     budget = int(args.cache_budget_mb * 1024 * 1024) if args.prompt_cache else 0
-    return Engine.load(args.model, dtype=getattr(torch, DTYPES[args.dtype]), weights=args.weights,
-                       progress=progress,
-                       device=args.device, prompt_cache=PromptCache(budget), slack=args.swa_slack,
-                       kv_mode=args.kv_cache_mode, kv_boundary_layers=args.kv_boundary_layers,
-                       prefill_chunk=args.prefill_chunk, max_context=args.max_context,
-                       **{k: getattr(args, k) for k in ("max_seqs", "max_batch_tokens", "max_queue") if hasattr(args, k)})
+    tiered = budget > 0 and bool(getattr(args, "cache_dir", None) or getattr(args, "redis_url", None))
+    if tiered:
+        from .prompt_cache.tiers import TieredPromptCache
+        cache = TieredPromptCache(budget, [], slack=args.swa_slack, device=args.device,
+                                  tenant_budget_bytes=tenant_budget_bytes(args))
+    else:
+        cache = PromptCache(budget, tenant_budget_bytes(args))
+    engine = Engine.load(args.model, dtype=getattr(torch, DTYPES[args.dtype]), weights=args.weights,
+                         progress=progress,
+                         device=args.device, prompt_cache=cache, slack=args.swa_slack,
+                         kv_mode=args.kv_cache_mode, kv_boundary_layers=args.kv_boundary_layers,
+                         prefill_chunk=args.prefill_chunk, max_context=args.max_context,
+                         **{k: getattr(args, k) for k in ("max_seqs", "max_batch_tokens", "max_queue",
+                                                          "max_image_pixels", "image_cache_mb") if hasattr(args, k)})
+    if tiered:   # the lower tiers are named by the loaded model's fingerprint (prompt_cache/tiers.py)
+        from .prompt_cache.tiers import build_tiers
+        cache.attach(build_tiers(engine.fingerprint, args.cache_dir, args.disk_cache_mb, args.redis_url,
+                                 args.redis_cache_mb, args.redis_timeout_ms / 1000), engine.family, engine.device)
+    if getattr(args, "chat_template", None) and engine.tokenizer is not None:
+        from .loading.tokenizer import chat_template_source
+        engine.tokenizer = engine.tokenizer.with_template(chat_template_source(args.chat_template))
+    return engine
 
 
 def print_banner(engine, budget_mb: float, enabled: bool) -> None:
@@ -167,3 +188,11 @@ def print_banner(engine, budget_mb: float, enabled: bool) -> None:
     print(f"turnkv: KV mode {describe_modes(list(engine.modes), engine.specs)}; prompt cache "
           f"{'on, budget ' + format(budget_mb, 'g') + ' MiB' if enabled and budget_mb > 0 else 'off'}",
           file=sys.stderr)
+    if getattr(engine, "encoder_cache", None) is not None:
+        print(f"turnkv: images on (docs/images.md): encoder cache {engine.encoder_cache.budget_bytes / 2**20:g} MiB, "
+              f"at most {engine.max_image_pixels} pixels an image", file=sys.stderr)
+    for tier in getattr(engine.prompt_cache, "tiers", []):
+        where = getattr(tier, "dir", None) or getattr(tier, "url", "")
+        held = f", {tier.usage()['entries']} entries found" if tier.name == "disk" else ""
+        print(f"turnkv: prompt cache tier {tier.name} at {where}, budget {tier.budget_bytes / 2**20:g} MiB{held}",
+              file=sys.stderr)

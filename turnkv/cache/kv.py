@@ -168,6 +168,10 @@ class KVCache(LayerCache):
     def nbytes(self) -> int:
         return self.store.nbytes
 
+    def held_parts(self) -> list[StoredPart]:
+        tail = self._tail
+        return list(self._frozen.values()) + ([tail[1]] if tail is not None else [])
+
     @property
     def used(self) -> int:
         return self.offset - self.start

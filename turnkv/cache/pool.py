@@ -112,3 +112,7 @@ class StatePool:
     @property
     def live_bytes(self) -> int:
         return sum(s.nbytes for s in self.slots)
+
+    def held_parts(self) -> list:
+        """Stored parts the slots' caches keep references to (see LayerCache.held_parts)."""
+        return [p for slot in list(self.slots) for c in slot.caches for p in c.held_parts()]

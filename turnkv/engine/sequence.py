@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache.pool import SeqState
+from ..images import model_ids
 from ..prompt_cache.store import Namespace
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
 from .text import StopMatcher
 
 WAITING, PREFILL, DECODE, FINISHED = "waiting", "prefill", "decode", "finished"
@@ -32,6 +33,10 @@ class GenerationRequest:
     tenant: str = ""
     stop_token_ids: list[int] = field(default_factory=list)   # extra end-of-sequence ids
     render_ms: float = 0.0       # chat rendering + tokenizing, before the request reached the engine
+    grammar: object | None = None   # engine/grammar.py Grammar: constrains the sampled tokens
+    owner: str = ""              # the tenant whose cache budget, flush and stats the request counts in
+    timeout_s: float | None = None   # the generation ends ("timeout") this long after submit
+    images: dict = field(default_factory=dict)   # image_id -> images.ImageInput (keys in prompt_ids)
 
 
 @dataclass
@@ -71,16 +76,20 @@ class Stats:
 class TokenEvent:
     token_id: int
     text: str          # newly printable text (may be "")
+    index: int = 0     # the choice (0..n-1) of a request with n > 1
+    logprob: TokenLogprob | None = None   # when the request asked for logprobs (a new token only)
 
 
 @dataclass
 class Result:
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" | "length" | "cancelled"
+    finish_reason: str  # "stop" | "length" | "cancelled" | "timeout"
     usage: Usage
     stats: Stats
     first_logits: torch.Tensor | None = None   # the logits the first token was sampled from
+    index: int = 0                             # the choice (0..n-1)
+    logprobs: list[TokenLogprob] | None = None  # one per token of the text (end tokens excluded)
 
 
 @dataclass
@@ -92,11 +101,22 @@ class Failure:
 
 class Sequence:
     def __init__(self, req: GenerationRequest, ns: Namespace, tokenizer, eos: set[int], budget: int,
-                 sink: Callable[[object], None]):
+                 sink: Callable[[object], None], index: int = 0):
         self.req, self.ns, self.sink = req, ns, sink
         self.prompt = [int(t) for t in req.prompt_ids]
         self.params: SamplingParams = req.params
-        self.sampler = Sampler(self.params)
+        self.index = index                    # the choice among the request's n
+        # the sampler sees an image's placeholder id where the prompt holds its keys (transformers' ids)
+        self.sampler = Sampler(self.params, model_ids(self.prompt, {i: m.placeholder for i, m in req.images.items()})
+                               if req.images else self.prompt, index)
+        self.image_embeds: dict = {}          # image_id -> embeddings, held while the sequence runs
+        # per-sequence grammar state (None: no mask work at all for this sequence)
+        self.matcher = req.grammar.matcher() if req.grammar is not None else None
+        self.logprobs: list[TokenLogprob] | None = [] if self.params.logprobs is not None else None
+        # n > 1: the leader (choice 0) prefills the prompt; ``forks`` are choices 1..n-1, which start
+        # from a snapshot of its state at the prompt end (``fork_from``: snapshot and logits)
+        self.forks: list[Sequence] = []
+        self.fork_from: tuple | None = None
         self.stop = StopMatcher(tokenizer, self.params.stop) if tokenizer is not None else None
         self.eos, self.budget = eos, budget
         self.status = WAITING
@@ -117,14 +137,25 @@ class Sequence:
         self.result: Result | None = None
         self.t_submit = time.perf_counter()
         self.t_admit = self.t_first = None
+        self.deadline = None if req.timeout_s is None else self.t_submit + req.timeout_s
 
     def cancel(self) -> None:
-        """Thread-safe: takes effect at the engine's next step."""
+        """Thread-safe: takes effect at the engine's next step (for every choice of the request)."""
         self.cancelled.set()
+        for fork in self.forks:
+            fork.cancelled.set()
 
     @property
     def done(self) -> bool:
         return self.status == FINISHED
+
+    def ended_early(self, now: float) -> str | None:
+        """"cancelled" or "timeout" when the sequence must end at this step, else None."""
+        if self.cancelled.is_set():
+            return "cancelled"
+        if self.deadline is not None and now >= self.deadline:
+            return "timeout"
+        return None
 
     def next_stop(self) -> int:
         """Where the current prefill chunk must end at the latest (a checkpoint or the prompt end)."""
@@ -137,7 +168,11 @@ class Sequence:
     def take(self, logits: torch.Tensor) -> bool:
         """Sample from ``logits`` (those of the state's last token), emit the token; True when the
         sequence is finished."""
-        token = self.sampler(logits)
+        if self.matcher is None:
+            token = self.sampler(logits)
+        else:       # mask a copy: the unmasked logits are what the prompt cache stores
+            token = self.sampler(self.matcher.mask(logits))
+            self.matcher.advance(token)
         self.last_logits = logits
         if self.first_logits is None:
             self.first_logits = logits
@@ -148,13 +183,17 @@ class Sequence:
         if token in self.eos:
             self.finish_reason = "stop"
             return True
+        entry = None
+        if self.logprobs is not None:
+            entry = token_logprob(logits, token, self.params.logprobs)
+            self.logprobs.append(entry)
         text = self.stop.push(token) if self.stop is not None else ""
         if self.stop is not None and self.stop.stopped:
-            if text:
-                self.emit(TokenEvent(token, text))
+            if text or entry is not None:
+                self.emit(TokenEvent(token, text, self.index, entry))
             self.finish_reason = "stop"
             return True
-        self.emit(TokenEvent(token, text))
+        self.emit(TokenEvent(token, text, self.index, entry))
         if len(self.generated) >= self.budget:
             return True
         self.next_token = token
@@ -162,10 +201,10 @@ class Sequence:
 
     def build_result(self) -> Result:
         t_end = time.perf_counter()
-        if self.stop is not None and self.finish_reason != "cancelled":
+        if self.stop is not None and self.finish_reason not in ("cancelled", "timeout"):
             tail = self.stop.flush()
             if tail:
-                self.emit(TokenEvent(self.generated[-1], tail))
+                self.emit(TokenEvent(self.generated[-1], tail, self.index))
         s = self.stats
         self.usage.completion_tokens = len(self.generated)
         s.total_ms = (t_end - self.t_submit) * 1000
@@ -173,4 +212,5 @@ class Sequence:
         if len(self.generated) > 1 and s.decode_ms > 0:
             s.decode_tokens_per_s = (len(self.generated) - 1) / (s.decode_ms / 1000)
         text = self.stop.text if self.stop is not None else ""
-        return Result(text, list(self.generated), self.finish_reason, self.usage, s, self.first_logits)
+        return Result(text, list(self.generated), self.finish_reason, self.usage, s, self.first_logits,
+                      index=self.index, logprobs=self.logprobs)

@@ -4,9 +4,9 @@ prefills, and what it stores when it ends.
 Full-attention KV can be truncated to any earlier length, so for an all-full-attention family the
 end-of-generation snapshot serves every later prefix. Any other layer (sliding ring, chunked,
 recurrent) can only be restored near the length it was taken at, so those families snapshot at
-each message boundary during prefill too (and at the end of the prompt): an edited or
-regenerated turn then restores the last boundary before the change instead of prefilling the
-whole conversation again.
+each message boundary during prefill too (and right after the prompt's last image, and at the
+end of the prompt): an edited or regenerated turn then restores the last boundary before the
+change instead of prefilling the whole conversation again.
 """
 
 from __future__ import annotations
@@ -22,12 +22,15 @@ from ..cache.specs import CacheSpec, all_trimmable
 from .store import Namespace, PromptCache
 
 
-def checkpoint_positions(specs: list[CacheSpec], boundaries: list[int], start: int, prompt_len: int) -> list[int]:
+def checkpoint_positions(specs: list[CacheSpec], boundaries: list[int], start: int, prompt_len: int,
+                         media_end: int = 0) -> list[int]:
     """Sorted positions in ``(start, prompt_len)`` to snapshot at while prefilling
-    ``tokens[start:prompt_len]``; ``boundaries`` are the token offsets where messages end."""
+    ``tokens[start:prompt_len]``; ``boundaries`` are the token offsets where messages end,
+    ``media_end`` the position right after the prompt's last image (0: none), the media
+    checkpoint: an edit of the text after an image restores the image instead of prefilling it."""
     if all_trimmable(specs) or prompt_len <= start:
         return []
-    return sorted({b for b in boundaries if start < b < prompt_len})
+    return sorted({b for b in [*boundaries, media_end] if start < b < prompt_len})
 
 
 @dataclass
@@ -51,9 +54,9 @@ class ReusePolicy:
     def active(self) -> bool:
         return self.cache is not None and self.cache.enabled
 
-    def namespace(self, tenant: str = "") -> Namespace:
+    def namespace(self, tenant: str = "", owner: str = "") -> Namespace:
         return Namespace(fingerprint=self.identity.fingerprint, dtype=str(self.dtype), modes=self.identity.modes,
-                         slack=self.slack, tenant=tenant)
+                         slack=self.slack, tenant=tenant, owner=owner)
 
     # --- begin ---------------------------------------------------------------------------------
     def begin(self, state: SeqState, ns: Namespace, prompt: list[int]) -> Restored:
@@ -78,8 +81,8 @@ class ReusePolicy:
             restore_ms=(time.perf_counter() - t1) * 1000)
 
     # --- during prefill --------------------------------------------------------------------------
-    def checkpoints(self, boundaries: list[int], start: int, prompt_len: int) -> list[int]:
-        return checkpoint_positions(self.specs, boundaries, start, prompt_len) if self.active else []
+    def checkpoints(self, boundaries: list[int], start: int, prompt_len: int, media_end: int = 0) -> list[int]:
+        return checkpoint_positions(self.specs, boundaries, start, prompt_len, media_end) if self.active else []
 
     def checkpoint(self, state: SeqState, ns: Namespace) -> None:
         self.cache.insert(ns, list(state.tokens), state.snapshot(), origin="checkpoint")
@@ -100,6 +103,6 @@ class ReusePolicy:
         if self.active and state.length > 0:
             self.cache.insert(ns, list(state.tokens), state.snapshot(logits), origin="generation")
 
-    def record_prefill(self, n: int) -> None:
+    def record_prefill(self, n: int, owner: str = "") -> None:
         if self.active:
-            self.cache.record_prefill(n)
+            self.cache.record_prefill(n, owner)

@@ -14,6 +14,10 @@
 * Bytes are counted once per stored part: a conversation's snapshots share their KV blocks, so its
   bytes grow with its new tokens, not with turns x length. Over budget, least recently used
   entries go first (a lookup hit counts as a use).
+* Tenants: a namespace has an ``owner`` (the tenant an API key maps to; "" without keys). With a
+  per-tenant budget, an owner over its share loses its own least recently used entries first, so
+  one tenant's flood of unique prompts cannot evict another's conversations. ``clear`` and
+  ``stats`` can be scoped to one owner.
 """
 
 from __future__ import annotations
@@ -37,14 +41,15 @@ class Namespace:
     dtype: str
     modes: tuple[str, ...]
     slack: int
-    tenant: str = ""
+    tenant: str = ""       # the isolation key: owner and cache_salt, hashed
+    owner: str = ""        # whose budget, flush and stats the entries count in
 
     def __post_init__(self):
         object.__setattr__(self, "modes", tuple(self.modes))  # keep it hashable if given a list
 
     def same_except_modes(self, other: "Namespace") -> bool:
-        return (self.fingerprint, self.dtype, self.slack, self.tenant) == (
-            other.fingerprint, other.dtype, other.slack, other.tenant) and self.modes != other.modes
+        return (self.fingerprint, self.dtype, self.slack, self.tenant, self.owner) == (
+            other.fingerprint, other.dtype, other.slack, other.tenant, other.owner) and self.modes != other.modes
 
 
 @dataclass
@@ -109,23 +114,32 @@ def best_match(trie: RadixTrie, tokens: tuple[int, ...]) -> _Choice:
     return best
 
 
+COUNTERS = ("lookups", "hits", "misses", "tokens_reused", "tokens_prefilled", "evictions")
+
+
 class PromptCache:
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, tenant_budget_bytes: int | None = None):
         if budget_bytes < 0:
             raise ValueError(f"prompt cache budget {budget_bytes} must be >= 0")
+        if tenant_budget_bytes is not None and tenant_budget_bytes < 0:
+            raise ValueError(f"per-tenant budget {tenant_budget_bytes} must be >= 0")
         self.budget_bytes = int(budget_bytes)
+        # None: one budget for everyone (a single-tenant server)
+        self.tenant_budget_bytes = None if tenant_budget_bytes is None else int(tenant_budget_bytes)
         self._lock = threading.RLock()
         self._seq = itertools.count()
-        self._clear_entries()
-        self._lookups = self._hits = self._misses = 0
-        self._tokens_reused = self._tokens_prefilled = self._evictions = 0
-        self._refusals: Counter[str] = Counter()
-
-    def _clear_entries(self) -> None:
         self._tries: dict[Namespace, RadixTrie] = {}
         self._lru: OrderedDict[int, _Entry] = OrderedDict()   # seq -> entry, least recent first
+        self._owner_lru: dict[str, OrderedDict[int, _Entry]] = {}
         self._part_refs: dict[int, int] = {}                 # StoredPart uid -> entries holding it
+        self._part_owner: dict[int, str] = {}                # StoredPart uid -> owner whose bytes count it
+        self._owner_bytes: Counter[str] = Counter()
         self._bytes = 0
+        self._counts: dict[str, Counter[str]] = {}           # owner -> COUNTERS
+        self._refusals: Counter[str] = Counter()
+
+    def _count(self, owner: str, name: str, n: int = 1) -> None:
+        self._counts.setdefault(owner, Counter())[name] += n
 
     @property
     def enabled(self) -> bool:
@@ -135,7 +149,7 @@ class PromptCache:
     def lookup(self, ns: Namespace, tokens: list[int]) -> Hit | None:
         tokens = tuple(tokens)
         with self._lock:
-            self._lookups += 1
+            self._count(ns.owner, "lookups")
             choice = _Choice()
             trie = self._tries.get(ns) if self.enabled else None
             if trie is not None:
@@ -145,12 +159,12 @@ class PromptCache:
             if self.enabled and self._other_modes_match_longer(ns, tokens, choice.usable):
                 self._refusals[KV_MODE_MISMATCH] += 1
             if choice.entry is None:
-                self._misses += 1
+                self._count(ns.owner, "misses")
                 return None
-            self._hits += 1
-            self._tokens_reused += choice.usable
-            self._lru.move_to_end(choice.entry.seq)
+            self._count(ns.owner, "hits")
+            self._count(ns.owner, "tokens_reused", choice.usable)
             e = choice.entry
+            self._touch(e)
             return Hit(snapshot=e.snap, usable=choice.usable, entry_length=e.length,
                        use_logits=choice.use_logits, origin=e.origin)
 
@@ -178,9 +192,9 @@ class PromptCache:
             if trie is not None:
                 for old in trie.extensions(tokens):
                     if subsumes(old, entry):
-                        self._lru.move_to_end(old.seq)
+                        self._touch(old)
                         return False
-            if snap.nbytes > self.budget_bytes:
+            if snap.nbytes > self._budget_of(ns.owner):
                 self._refusals[OVER_BUDGET] += 1
                 return False
             if trie is not None:
@@ -188,63 +202,110 @@ class PromptCache:
                     if subsumes(entry, old):
                         self._remove(old)
             self._add(entry)
+            owner = ns.owner
+            # the owner's share first: a tenant over it loses its own oldest entries, nobody else's
+            while self._owner_bytes[owner] > self._budget_of(owner):
+                self._evict(next(iter(self._owner_lru[owner].values())))
             while self._bytes > self.budget_bytes:
-                victim = next(iter(self._lru.values()))
-                self._remove(victim)
-                self._evictions += 1
+                self._evict(next(iter(self._lru.values())))
             return True
 
+    def _budget_of(self, owner: str) -> int:
+        if self.tenant_budget_bytes is None:
+            return self.budget_bytes
+        return min(self.budget_bytes, self.tenant_budget_bytes)
+
+    def _touch(self, entry: _Entry) -> None:
+        self._lru.move_to_end(entry.seq)
+        self._owner_lru[entry.ns.owner].move_to_end(entry.seq)
+
+    def _evict(self, entry: _Entry) -> None:
+        self._remove(entry)
+        self._count(entry.ns.owner, "evictions")
+
     def _add(self, entry: _Entry) -> None:
+        owner = entry.ns.owner
         self._tries.setdefault(entry.ns, RadixTrie()).insert(entry.tokens, entry)
         self._lru[entry.seq] = entry
+        self._owner_lru.setdefault(owner, OrderedDict())[entry.seq] = entry
         for part in {p.uid: p for p in entry.snap.parts()}.values():
             refs = self._part_refs.get(part.uid, 0)
             if refs == 0:
                 self._bytes += part.nbytes
+                self._owner_bytes[owner] += part.nbytes
+                self._part_owner[part.uid] = owner
             self._part_refs[part.uid] = refs + 1
         self._bytes += entry.snap.logits_nbytes
+        self._owner_bytes[owner] += entry.snap.logits_nbytes
 
     def _remove(self, entry: _Entry) -> None:
+        owner = entry.ns.owner
         trie = self._tries[entry.ns]
         trie.remove(entry.tokens, entry)
         if not len(trie):
             del self._tries[entry.ns]
         del self._lru[entry.seq]
+        lru = self._owner_lru[owner]
+        del lru[entry.seq]
+        if not lru:
+            del self._owner_lru[owner]
         for part in {p.uid: p for p in entry.snap.parts()}.values():
             refs = self._part_refs[part.uid] - 1
             if refs == 0:
                 del self._part_refs[part.uid]
                 self._bytes -= part.nbytes
+                self._owner_bytes[self._part_owner.pop(part.uid)] -= part.nbytes
             else:
                 self._part_refs[part.uid] = refs
         self._bytes -= entry.snap.logits_nbytes
+        self._owner_bytes[owner] -= entry.snap.logits_nbytes
+        if not self._owner_bytes[owner] and owner not in self._owner_lru:
+            del self._owner_bytes[owner]
 
     # --- bookkeeping --------------------------------------------------------------------------
-    def record_prefill(self, n_tokens: int) -> None:
+    def record_prefill(self, n_tokens: int, owner: str = "") -> None:
         with self._lock:
-            self._tokens_prefilled += int(n_tokens)
+            self._count(owner, "tokens_prefilled", int(n_tokens))
 
     def record_refusal(self, reason: str) -> None:
         with self._lock:
             self._refusals[reason] += 1
 
-    def clear(self) -> None:
-        """Drop every entry; the counters (lookups, hits, ...) keep running."""
+    def clear(self, owner: str | None = None) -> tuple[int, int]:
+        """Drop every entry (``owner`` None) or one owner's; the counters keep running. Returns
+        (entries removed, bytes freed)."""
         with self._lock:
-            self._clear_entries()
+            before_entries, before_bytes = len(self._lru), self._bytes
+            victims = list(self._lru.values()) if owner is None else list(self._owner_lru.get(owner, {}).values())
+            for entry in victims:
+                self._remove(entry)
+            return before_entries - len(self._lru), before_bytes - self._bytes
 
-    def stats(self) -> dict:
+    def uncounted_bytes(self, parts) -> int:
+        """Bytes of ``parts`` (held by live state slots) that no stored entry counts: blocks a slot
+        froze for a snapshot that was since evicted or flushed."""
         with self._lock:
-            return {
-                "lookups": self._lookups,
-                "hits": self._hits,
-                "misses": self._misses,
-                "tokens_reused": self._tokens_reused,
-                "tokens_prefilled": self._tokens_prefilled,
-                "entries": len(self._lru),
-                "bytes": self._bytes,
-                "budget_bytes": self.budget_bytes,
-                "evictions": self._evictions,
-                "refusals": dict(self._refusals),
-                "namespaces": len(self._tries),
-            }
+            return sum(p.nbytes for p in {p.uid: p for p in parts}.values() if p.uid not in self._part_refs)
+
+    def stats(self, owner: str | None = None) -> dict:
+        """Everything (``owner`` None) or one owner's view: its counters, entries and bytes."""
+        with self._lock:
+            if owner is None:
+                counts = Counter()
+                for c in self._counts.values():
+                    counts.update(c)
+                entries, nbytes, budget = len(self._lru), self._bytes, self.budget_bytes
+                namespaces = len(self._tries)
+            else:
+                counts = self._counts.get(owner, Counter())
+                entries, nbytes = len(self._owner_lru.get(owner, ())), self._owner_bytes.get(owner, 0)
+                budget = self._budget_of(owner)
+                namespaces = sum(1 for ns in self._tries if ns.owner == owner)
+            out = {name: counts.get(name, 0) for name in COUNTERS}
+            out.update(entries=entries, bytes=nbytes, budget_bytes=budget, namespaces=namespaces)
+            if owner is None:
+                out["refusals"] = dict(self._refusals)
+                out["tenant_budget_bytes"] = self.tenant_budget_bytes
+                out["tenants"] = {o: {"entries": len(self._owner_lru.get(o, ())), "bytes": self._owner_bytes.get(o, 0)}
+                                  for o in sorted(set(self._owner_lru) | set(self._counts))}
+            return out

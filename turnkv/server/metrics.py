@@ -26,7 +26,7 @@ class ServerMetrics:
         self.info = Gauge("turnkv_model_info", "The served model (value is always 1)", ["model"], registry=r)
         self.info.labels(model=model).set(1)
         self.requests = Counter("turnkv_requests", "Requests by endpoint and outcome "
-                                "(ok, cancelled, failed, rejected)", ["endpoint", "outcome"], registry=r)
+                                "(ok, cancelled, timeout, failed, rejected)", ["endpoint", "outcome"], registry=r)
         self.prompt_tokens = Counter("turnkv_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("turnkv_generation_tokens", "Generated tokens of finished requests",
                                          registry=r)
@@ -45,9 +45,21 @@ class ServerMetrics:
         self.cache_entries = Gauge("turnkv_prompt_cache_entries", "Snapshots held by the prompt cache",
                                    registry=r)
 
-    def bind(self, pending: Callable[[], int], cache_stats: Callable[[], dict]) -> None:
+    def bind(self, pending: Callable[[], int], cache_stats: Callable[[], dict],
+             memory: Callable[[], dict] | None = None, restarts: Callable[[], int] | None = None) -> None:
         """Gauges read at scrape time from the worker's published state."""
         self.queue.set_function(pending)
+        if memory is not None:
+            for key, help_text in (("live_state_bytes", "Bytes of the engine's live state slots"),
+                                   ("frozen_uncounted_bytes", "Bytes live slots hold for snapshots since evicted"),
+                                   ("rss_bytes", "Resident set size of the server process")):
+                Gauge(f"turnkv_{key}", help_text, registry=self.registry).set_function(
+                    lambda key=key: float(memory().get(key, 0)))
+        if restarts is not None:
+            Gauge("turnkv_engine_restarts", "Times the engine loop died and was restarted",
+                  registry=self.registry).set_function(lambda: float(restarts()))
+        from .tier_metrics import TierCollector
+        self.registry.register(TierCollector(cache_stats))    # disk / Redis tiers, when configured
         self.cache_bytes.set_function(lambda: float(cache_stats().get("bytes", 0) or 0))
         self.cache_entries.set_function(lambda: float(cache_stats().get("entries", 0) or 0))
 

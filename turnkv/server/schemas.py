@@ -2,7 +2,7 @@
 
 Requests are pydantic models: wrong types are refused (strict fields, no "5" -> 5 coercion) so a
 client bug surfaces as a 400 instead of a silently different request. Fields OpenAI defines but
-turnkv does not implement are accepted only at their neutral value (e.g. ``presence_penalty: 0``),
+turnkv does not implement are accepted only at their neutral value (e.g. ``echo: false``),
 otherwise refused by name, never ignored. Unknown fields are ignored, as vLLM and llama.cpp do.
 Responses are plain dicts built by small functions: they are made per token while streaming.
 """
@@ -13,12 +13,16 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator,
+                      model_validator)
 
 # OpenAI's own limits where the API defines them; a seed must fit torch.Generator.manual_seed.
 MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20          # OpenAI's top_logprobs limit (also the completions logprobs cap here)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# chat-template variables a request's chat_template_kwargs cannot replace
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
 
 INVALID_REQUEST = "invalid_request_error"
 AUTHENTICATION = "authentication_error"
@@ -48,20 +52,39 @@ def error_body(message: str, *, type: str = INVALID_REQUEST, param: str | None =
 # ------------------------------------------------------------------------------------ requests
 
 
-def content_text(content: Any) -> str:
+def content_text(content: Any) -> str | list[dict]:
     """A message's content as one string: a string, or a list of text parts (joined by newlines,
-    as the tokenizer does). Raises ValueError naming what is wrong."""
+    as the tokenizer does). A list with image parts (``{"type": "image_url", "image_url": {"url":
+    ...}}``) stays a list of text and image_url parts, for a vision model (docs/images.md).
+    Raises ValueError naming what is wrong."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        texts = []
+        texts, parts = [], []
         for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                image = part.get("image_url")
+                url = image.get("url") if isinstance(image, dict) else image
+                if not isinstance(url, str):
+                    raise ValueError(f"content[{j}].image_url.url must be a string (a data:image/...;base64, URL)")
+                parts.append({"type": "image_url", "image_url": {"url": url}})
+                continue
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"content[{j}] must be a text part {{\"type\": \"text\", \"text\": \"...\"}}; "
-                                 "only text content is supported")
+                raise ValueError(f"content[{j}] must be a text part {{\"type\": \"text\", \"text\": \"...\"}} "
+                                 "or an image_url part")
             texts.append(part["text"])
+            parts.append({"type": "text", "text": part["text"]})
+        if len(parts) > len(texts):
+            return parts
         return "\n".join(texts)
     raise ValueError(f"content must be a string or a list of text parts, got {type(content).__name__}")
+
+
+def content_chars(content: Any) -> int:
+    """Characters of text in a message's content (a string or a list of parts)."""
+    if isinstance(content, list):
+        return sum(len(p.get("text", "").strip()) for p in content)
+    return len((content or "").strip())
 
 
 class _Strict(BaseModel):
@@ -72,10 +95,12 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None
     name: StrictStr | None = None
+    tool_calls: list[dict[str, Any]] | None = None     # an assistant turn that called tools
+    tool_call_id: StrictStr | None = None              # a tool result: the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
-    def _content(cls, value: Any, info) -> str | None:
+    def _content(cls, value: Any, info) -> str | list[dict] | None:
         return None if value is None else content_text(value)
 
     def as_template_message(self) -> dict:
@@ -85,6 +110,10 @@ class ChatMessage(_Strict):
         msg = {"role": role, "content": self.content or ""}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
         return msg
 
 
@@ -108,10 +137,31 @@ class _Sampling(_Strict):
     user: StrictStr | None = None
     cache_salt: StrictStr | None = Field(None, max_length=1024)
     ignore_eos: StrictBool = False
-    # accepted only at their neutral values
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = Field(None, gt=0.0)     # vLLM's extension; 1 = off
+    min_p: float | None = Field(None, ge=0.0, le=1.0)          # vLLM's extension; 0 = off
+    logit_bias: dict[str, float] | None = None                  # token id (a string) -> bias in [-100, 100]
+    stop_token_ids: list[StrictInt] | None = None              # vLLM's extension
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """An explicit JSON null means "not set" for every optional field (as OpenAI's API and its
+        clients treat it); a required field sent as null is then reported missing."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isascii() or not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids (decimal integers as strings), got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -131,15 +181,20 @@ class _Sampling(_Strict):
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, message) for each field set to a value turnkv does not implement."""
-        out = []
-        if self.n != 1:
-            out.append(("n", f"only n=1 is supported, got n={self.n}"))
-        if self.presence_penalty:
-            out.append(("presence_penalty", "presence_penalty is not supported (use 0)"))
-        if self.frequency_penalty:
-            out.append(("frequency_penalty", "frequency_penalty is not supported (use 0)"))
-        if self.logit_bias:
-            out.append(("logit_bias", "logit_bias is not supported"))
+        return []
+
+    def scoring(self) -> dict[str, Any]:
+        """The SamplingParams fields this request sets beyond the basic ones (penalties, bias, n,
+        logprobs); absent fields keep the server's defaults."""
+        out: dict[str, Any] = {"n": self.n, "presence_penalty": self.presence_penalty,
+                               "frequency_penalty": self.frequency_penalty,
+                               "logit_bias": {int(k): float(v) for k, v in (self.logit_bias or {}).items()}}
+        if self.repetition_penalty is not None:
+            out["repetition_penalty"] = self.repetition_penalty
+        if self.min_p is not None:
+            out["min_p"] = self.min_p
+        if self.stop_token_ids is not None:
+            out["stop_token_ids"] = list(self.stop_token_ids)
         return out
 
 
@@ -147,9 +202,36 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
+    tool_choice: Any = None                  # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: StrictBool | None = None
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None   # extra chat-template variables (vLLM's field)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict | None) -> dict | None:
+        reserved = sorted(set(value or ()) & set(RESERVED_TEMPLATE_VARIABLES))
+        if reserved:
+            raise ValueError(f"{', '.join(reserved)} cannot be set through chat_template_kwargs")
+        return value
+
+    def response_schema(self) -> tuple[bool, dict | None]:
+        """(constrained, schema) of response_format: json_object -> (True, None), json_schema ->
+        (True, the schema), text or absent -> (False, None). ValueError names what is wrong."""
+        rf = self.response_format
+        kind = (rf or {}).get("type", "text")
+        if kind == "text":
+            return False, None
+        if kind == "json_object":
+            return True, None
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ValueError('response_format.json_schema must be {"name": ..., "schema": {...}}')
+            return True, spec.get("schema") or {"type": "object"}
+        raise ValueError(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -158,13 +240,13 @@ class ChatCompletionRequest(_Sampling):
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def unsupported(self) -> list[tuple[str, str]]:
-        out = super().unsupported()
-        if self.logprobs:
-            out.append(("logprobs", "logprobs are not supported"))
-        if self.tools:
-            out.append(("tools", "tool calling is not supported"))
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            out.append(("response_format", "only response_format {\"type\": \"text\"} is supported"))
+        return super().unsupported()
+
+    def scoring(self) -> dict[str, Any]:
+        out = super().scoring()
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+        out["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
         return out
 
     def template_messages(self) -> list[dict]:
@@ -175,7 +257,7 @@ class CompletionRequest(_Sampling):
     prompt: Any = Field(...)
     echo: StrictBool = False
     suffix: StrictStr | None = None
-    logprobs: StrictInt | None = None
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: StrictInt | None = None
 
     @field_validator("prompt", mode="before")
@@ -195,11 +277,12 @@ class CompletionRequest(_Sampling):
             out.append(("echo", "echo is not supported"))
         if self.suffix:
             out.append(("suffix", "suffix is not supported"))
-        if self.logprobs:
-            out.append(("logprobs", "logprobs are not supported"))
         if self.best_of not in (None, 1):
             out.append(("best_of", "only best_of=1 is supported"))
         return out
+
+    def scoring(self) -> dict[str, Any]:
+        return {**super().scoring(), "logprobs": self.logprobs}
 
 
 def _is_token_list(value: Any) -> bool:
@@ -285,41 +368,54 @@ def timings_json(stats, queue_ms: float) -> dict:
     }
 
 
-def chat_completion(rid: str, created: int, model: str, result, queue_ms: float) -> dict:
+def chat_choice(result, logprobs: dict | None = None) -> dict:
+    return {"index": result.index, "message": {"role": "assistant", "content": result.text},
+            "logprobs": logprobs, "finish_reason": result.finish_reason}
+
+
+def chat_completion(rid: str, created: int, model: str, result, queue_ms: float, *, results: list | None = None,
+                    logprobs: list[dict | None] | None = None) -> dict:
+    """``result``: the request's (usage over all choices); ``results``: every choice (n > 1),
+    ``logprobs``: each choice's formatted logprobs (server/logprobs.py)."""
+    results = results or [result]
+    logprobs = logprobs or [None] * len(results)
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
-                     "logprobs": None, "finish_reason": result.finish_reason}],
+        "choices": [chat_choice(r, lp) for r, lp in zip(results, logprobs)],
         "usage": usage_json(result.usage),
         "timings": timings_json(result.stats, queue_ms),
     }
 
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: str | None = None,
-               include_usage: bool = False) -> dict:
+               include_usage: bool = False, *, index: int = 0, logprobs: dict | None = None) -> dict:
     chunk = {
         "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
     if include_usage:
         chunk["usage"] = None
     return chunk
 
 
-def text_completion(rid: str, created: int, model: str, result, queue_ms: float) -> dict:
+def text_completion(rid: str, created: int, model: str, result, queue_ms: float, *, results: list | None = None,
+                    logprobs: list[dict | None] | None = None) -> dict:
+    results = results or [result]
+    logprobs = logprobs or [None] * len(results)
     return {
         "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}],
+        "choices": [{"index": r.index, "text": r.text, "logprobs": lp, "finish_reason": r.finish_reason}
+                    for r, lp in zip(results, logprobs)],
         "usage": usage_json(result.usage),
         "timings": timings_json(result.stats, queue_ms),
     }
 
 
 def text_chunk(rid: str, created: int, model: str, text: str, finish_reason: str | None = None,
-               include_usage: bool = False) -> dict:
+               include_usage: bool = False, *, index: int = 0, logprobs: dict | None = None) -> dict:
     chunk = {
         "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
     if include_usage:
         chunk["usage"] = None
