@@ -178,6 +178,15 @@ def test_client_mistakes_that_used_to_be_500s(server):
     assert surrogate.status_code == 400 and surrogate.json()["error"]["code"] == "invalid_unicode"
     assert surrogate.json()["error"]["param"] == "messages[0].content"
     assert chat(server, KEYS["alice"], ask("hi"), temperature=1e-40).status_code == 200
+    headers = {**auth(KEYS["alice"]), "Content-Type": "application/json"}
+    deep = httpx.post(server.url + "/v1/chat/completions", headers=headers, timeout=60,
+                      content=b'{"messages": ' + b"[" * 200_000 + b"]" * 200_000 + b"}")    # nesting
+    assert deep.status_code == 400 and deep.json()["error"]["code"] == "invalid_json"
+    giant = httpx.post(server.url + "/v1/completions", headers=headers, timeout=60,
+                       json={"prompt": [7] * 400_000, "max_tokens": 1})                  # a giant array
+    assert giant.status_code == 400 and giant.json()["error"]["code"] == "context_length_exceeded"
+    crowd = chat(server, KEYS["alice"], [{"role": "user", "content": "x"}] * 100_000)
+    assert crowd.status_code == 400 and crowd.json()["error"]["code"] == "too_many_messages"
     nulls = {k: None for k in ("n", "stream", "stream_options", "temperature", "top_p", "presence_penalty",
                                "frequency_penalty", "logit_bias", "stop", "seed", "max_tokens", "user")}
     assert chat(server, KEYS["alice"], ask("hi"), **nulls).status_code == 200
