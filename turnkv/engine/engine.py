@@ -171,8 +171,8 @@ class Engine:
         keys = [k for im in images for k in im.keys()]
         placeholder = self.model.image_token_id
         if sum(1 for t in ids if t == placeholder) != len(keys):
-            raise ValueError(f"the prompt's image tokens do not match its images (message text must not contain "
-                             f"the model's image tokens)")
+            raise ValueError("the prompt's image tokens do not match its images (message text must not contain "
+                             "the model's image tokens)")
         it = iter(keys)
         ids = [next(it) if t == placeholder else t for t in ids]
         return GenerationRequest(ids, params or SamplingParams(), list(rendered.boundaries), tenant,

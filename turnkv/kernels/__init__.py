@@ -13,7 +13,6 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
-import sys
 import warnings
 from pathlib import Path
 

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from ..cache import specs
-from .base import BaseArgs, Model, Rope, apply_rope, attention, embedding, linear, param, rms_norm, take
-from .batch import Batch, Span, select_rows, spans_apply
+from .base import BaseArgs, Model, Rope, apply_rope, attention_spans, embedding, linear, param, rms_norm, take
+from .batch import Batch, select_rows
 from .glm4_moe import MLP
 from .qwen3_next import _expert_weights
 from .rope_config import inv_freq_for, rope_params
@@ -91,10 +91,9 @@ class Attention(nn.Module):
         if self.rotate:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
 
-        def one(s: Span):   # this sequence's rows over its own KV
-            view = s.caches[i].update_and_fetch(k[:, s.rows], qkv[hq + hk:, s.rows])
-            return attention(q[:, s.rows], view, self.scale)
-        return linear(spans_apply(batch, one) * torch.sigmoid(gate), self.wo, self.bo)
+        # every sequence's rows over its own KV (one native call for the batch)
+        out = attention_spans(batch, i, q, k, qkv[hq + hk:], self.scale)
+        return linear(out * torch.sigmoid(gate), self.wo, self.bo)
 
 
 class MoE(nn.Module):

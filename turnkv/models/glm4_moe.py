@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
-from .base import BaseArgs, Model, Rope, attention, embedding, linear, param, rms_norm, take
-from .batch import Batch, Span, select_rows, spans_apply
+from .base import BaseArgs, Model, Rope, attention_spans, embedding, linear, param, rms_norm, take
+from .batch import Batch, select_rows
 from .qwen3_next import _expert_weights, apply_partial_rope
 from .rope_config import inv_freq_for, rope_params
 
@@ -80,10 +80,8 @@ class Attention(nn.Module):
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         q, k = apply_partial_rope(q, *rope), apply_partial_rope(k, *rope)
 
-        def one(s: Span):   # this sequence's rows over its own KV
-            view = s.caches[i].update_and_fetch(k[:, s.rows], qkv[hq + hk:, s.rows])
-            return attention(q[:, s.rows], view, self.scale)
-        return linear(spans_apply(batch, one), self.wo)
+        # every sequence's rows over its own KV (one native call for the batch)
+        return linear(attention_spans(batch, i, q, k, qkv[hq + hk:], self.scale), self.wo)
 
 
 class MLP(nn.Module):

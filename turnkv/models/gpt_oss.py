@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from ..cache import specs
-from .batch import Batch, Span, select_rows, spans_apply
-from .base import BaseArgs, Model, MissingWeight, Rope, apply_rope, attention, embedding, linear, param, rms_norm, take
+from .batch import Batch, select_rows
+from .base import BaseArgs, Model, MissingWeight, Rope, apply_rope, attention_spans, embedding, linear, param, rms_norm, take
 from .rope_config import inv_freq_for, rope_params
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -96,10 +96,9 @@ class Attention(nn.Module):
         qkv = linear(x, self.wqkv, self.bqkv).view(x.shape[0], hq + 2 * hk, self.d).transpose(0, 1)
         qk = apply_rope(qkv[: hq + hk], *rope)
 
-        def one(s: Span):   # this sequence's rows over its own KV
-            view = s.caches[i].update_and_fetch(qk[hq:, s.rows], qkv[hq + hk:, s.rows])
-            return attention(qk[:hq, s.rows], view, self.scale, sinks=self.sinks)
-        return linear(spans_apply(batch, one), self.wo, self.bo)
+        # every sequence's rows over its own KV (one native call for the batch)
+        out = attention_spans(batch, i, qk[:hq], qk[hq:], qkv[hq + hk:], self.scale, sinks=self.sinks)
+        return linear(out, self.wo, self.bo)
 
 
 class Expert(nn.Module):

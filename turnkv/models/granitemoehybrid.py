@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
-from .batch import Batch, Span, select_rows, spans_apply
-from .base import BaseArgs, Model, Rope, apply_rope, attention, linear, param, rms_norm, take
+from .batch import Batch, select_rows
+from .base import BaseArgs, Model, Rope, apply_rope, attention_spans, linear, param, rms_norm, take
 from .rope_config import inv_freq_for, rope_params
 from .ssm import Mamba2Dims, Mamba2Mixer, mamba2_state_fields, time_step_limit
 
@@ -103,10 +103,8 @@ class Attention(nn.Module):
         qkv = linear(x, self.wqkv, self.bqkv).view(x.shape[0], hq + 2 * hk, self.d).transpose(0, 1)
         qk = qkv[: hq + hk] if rope is None else apply_rope(qkv[: hq + hk], *rope)
 
-        def one(s: Span):   # this sequence's rows over its own KV
-            return attention(qk[:hq, s.rows], s.caches[i].update_and_fetch(qk[hq:, s.rows], qkv[hq + hk:, s.rows]),
-                             self.scale)
-        return linear(spans_apply(batch, one), self.wo, self.bo)
+        # every sequence's rows over its own KV (one native call for the batch)
+        return linear(attention_spans(batch, i, qk[:hq], qk[hq:], qkv[hq + hk:], self.scale), self.wo, self.bo)
 
 
 def _take_either(t: dict, name: str, alias: str) -> torch.Tensor:

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
-from .batch import Batch, Span, select_rows, spans_apply
-from .base import BaseArgs, Model, Rope, apply_rope, attention, embedding, linear, param, rms_norm, take
+from .batch import Batch, select_rows
+from .base import BaseArgs, Model, Rope, apply_rope, attention_spans, embedding, linear, param, rms_norm, take
 from .rope_config import inv_freq_for, rope_params
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -67,10 +67,8 @@ class Attention(nn.Module):
         qk = apply_rope(qkv[: hq + hk], *rope)
         q = qk[:hq] if q_scale is None else qk[:hq] * q_scale
 
-        def one(s: Span):   # this sequence's rows over its own KV
-            view = s.caches[i].update_and_fetch(qk[hq:, s.rows], qkv[hq + hk:, s.rows])
-            return attention(q[:, s.rows], view, self.scale)
-        return linear(spans_apply(batch, one), self.wo)
+        # every sequence's rows over its own KV (one native call for the batch)
+        return linear(attention_spans(batch, i, q, qk[hq:], qkv[hq + hk:], self.scale), self.wo)
 
 
 class MLP(nn.Module):

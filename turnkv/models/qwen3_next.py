@@ -12,7 +12,7 @@ from torch import nn
 
 from ..cache import specs
 from .batch import Batch, Span, select_rows, spans_apply
-from .base import BaseArgs, Model, Rope, apply_rope, attention, linear, param, rms_norm, take
+from .base import BaseArgs, Model, Rope, apply_rope, attention_spans, linear, param, rms_norm, take
 from .rope_config import inv_freq_for, rope_params
 from .ssm import causal_conv1d, gated_delta_chunked, gated_delta_step, l2norm
 
@@ -161,10 +161,9 @@ class Attention(nn.Module):
         q = apply_partial_rope(rms_norm(qkv[:hq], self.q_norm, self.eps), *rope)
         k = apply_partial_rope(rms_norm(qkv[hq:hq + hk], self.k_norm, self.eps), *rope)
 
-        def one(s: Span):   # this sequence's rows over its own KV
-            return attention(q[:, s.rows], s.caches[i].update_and_fetch(k[:, s.rows], qkv[hq + hk:, s.rows]),
-                             self.scale)
-        return linear(spans_apply(batch, one) * torch.sigmoid(gate), self.wo, self.bo)
+        # every sequence's rows over its own KV (one native call for the batch)
+        out = attention_spans(batch, i, q, k, qkv[hq + hk:], self.scale)
+        return linear(out * torch.sigmoid(gate), self.wo, self.bo)
 
 
 class MLP(nn.Module):
