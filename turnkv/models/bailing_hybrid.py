@@ -47,7 +47,7 @@ from torch import nn
 from ..cache import specs
 from ..cache.kv import KVView
 from .base import BaseArgs, Model, Rope, apply_rope, attention, embedding, linear, param, rms_norm, take
-from .batch import Batch, Span, select_rows, spans_apply
+from .batch import Batch, Span, spans_apply
 from .kimi_linear import MoE, _mlp, kda_chunked, kda_step, l2norm
 from .rope_config import inv_freq_for, rope_params
 from .ssm import causal_conv1d
@@ -353,11 +353,4 @@ class BailingHybridModel(Model):
         return out
 
     def forward(self, batch):
-        rope = self.rope.rows(batch)
-        x = embedding(batch.tokens, self.embed, self.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer.forward(x, batch, i, rope)
-        x = select_rows(x, batch)
-        if x is None:
-            return None
-        return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
+        return self.run_decoder(embedding(batch.tokens, self.embed, self.dtype), batch, self.rope.rows(batch))

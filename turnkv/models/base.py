@@ -20,7 +20,7 @@ from ..cache.kv import KVView
 from ..cache.specs import CacheSpec
 from ..kernels.attention import attend_many_native, attend_native, native_many_available
 from ..kernels.attention import native_ok as native_attention_ok
-from .batch import Batch, Span
+from .batch import Batch, Span, select_rows
 from .weights import PackedWeight
 
 
@@ -64,6 +64,27 @@ class Model(nn.Module, ABC):
     @property
     def vocab_size(self) -> int:
         return self.args.vocab_size
+
+    # --- the decoder skeleton most families share ---------------------------------------------
+    def decoder_weights(self, tensors: dict, args, dtype: torch.dtype, block) -> None:
+        """The embedding, the blocks (``block(args, tensors, i, dtype)``), the final norm and the
+        lm_head (tied to the embedding when the checkpoint has none or the config says so), under
+        HF's ``model.*`` / ``lm_head`` names."""
+        self.embed = param(take(tensors, "model.embed_tokens.weight"), dtype)
+        self.layers = nn.ModuleList(block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
+        self.norm = param(take(tensors, "model.norm.weight"), dtype)
+        head = tensors.get("lm_head.weight")
+        self.lm_head = self.embed if head is None or args.tie_word_embeddings else param(head, dtype)
+
+    def run_decoder(self, x: torch.Tensor, batch: Batch, *extra) -> torch.Tensor | None:
+        """Every block over the residual ``x`` (``block.forward(x, batch, i, *extra)``), then the
+        final RMS norm and the lm_head on the rows that want logits."""
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x, batch, i, *extra)
+        x = select_rows(x, batch)
+        if x is None:
+            return None
+        return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
 
 
 class MissingWeight(KeyError):

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..cache import specs
 from .base import BaseArgs, Model, Rope, attention_spans, embedding, linear, param, rms_norm, take
-from .batch import Batch, select_rows
+from .batch import Batch
 from .qwen3_next import _expert_weights, apply_partial_rope
 from .rope_config import inv_freq_for, rope_params
 
@@ -166,11 +166,7 @@ class Glm4MoeModel(Model):
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
         super().__init__()
         self.args, self.dtype = args, dtype
-        self.embed = param(take(tensors, "model.embed_tokens.weight"), dtype)
-        self.layers = nn.ModuleList(Block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
-        self.norm = param(take(tensors, "model.norm.weight"), dtype)
-        head = tensors.get("lm_head.weight")
-        self.lm_head = self.embed if head is None or args.tie_word_embeddings else param(head, dtype)
+        self.decoder_weights(tensors, args, dtype, Block)
         params = rope_params(config)
         partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", DEFAULT_PARTIAL_ROTARY))
         inv_freq, scaling = inv_freq_for(params, args.head_dim, partial)
@@ -185,11 +181,4 @@ class Glm4MoeModel(Model):
         return [specs.full(a.num_key_value_heads, a.head_dim) for _ in range(a.num_hidden_layers)]
 
     def forward(self, batch):
-        rope = self.rope.rows(batch)
-        x = embedding(batch.tokens, self.embed, self.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer.forward(x, batch, i, rope)
-        x = select_rows(x, batch)
-        if x is None:
-            return None
-        return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
+        return self.run_decoder(embedding(batch.tokens, self.embed, self.dtype), batch, self.rope.rows(batch))

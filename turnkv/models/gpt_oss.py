@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..cache import specs
-from .batch import Batch, select_rows
+from .batch import Batch
 from .base import BaseArgs, Model, MissingWeight, Rope, apply_rope, attention_spans, embedding, linear, param, rms_norm, take
 from .rope_config import inv_freq_for, rope_params
 
@@ -174,11 +174,7 @@ class GptOssModel(Model):
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
         super().__init__()
         self.args, self.dtype = args, dtype
-        self.embed = param(take(tensors, "model.embed_tokens.weight"), dtype)
-        self.layers = nn.ModuleList(Block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
-        self.norm = param(take(tensors, "model.norm.weight"), dtype)
-        head = tensors.get("lm_head.weight")
-        self.lm_head = self.embed if head is None or args.tie_word_embeddings else param(head, dtype)
+        self.decoder_weights(tensors, args, dtype, Block)
         params = dict(rope_params(config))
         if "rope_theta" not in (config.get("rope_parameters") or {}) and "rope_theta" not in config:
             params["rope_theta"] = DEFAULT_THETA
@@ -195,11 +191,4 @@ class GptOssModel(Model):
                 else specs.full(a.num_key_value_heads, a.head_dim) for lt in a.layer_types]
 
     def forward(self, batch):
-        rope = self.rope.rows(batch)
-        x = embedding(batch.tokens, self.embed, self.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer.forward(x, batch, i, rope)
-        x = select_rows(x, batch)
-        if x is None:
-            return None
-        return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
+        return self.run_decoder(embedding(batch.tokens, self.embed, self.dtype), batch, self.rope.rows(batch))

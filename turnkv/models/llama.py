@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
-from .batch import Batch, select_rows
+from .batch import Batch
 from .base import (BaseArgs, Model, Rope, apply_rope, attention_spans, embedding, linear, param, rms_norm,
                    take)
 from .rope_config import inv_freq_for, rope_params
@@ -96,11 +96,7 @@ class LlamaModel(Model):
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
         super().__init__()
         self.args, self.dtype = args, dtype
-        self.embed = param(take(tensors, "model.embed_tokens.weight"), dtype)
-        self.layers = nn.ModuleList(Block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
-        self.norm = param(take(tensors, "model.norm.weight"), dtype)
-        head = tensors.get("lm_head.weight")
-        self.lm_head = self.embed if head is None or args.tie_word_embeddings else param(head, dtype)
+        self.decoder_weights(tensors, args, dtype, Block)
         inv_freq, scaling = inv_freq_for(rope_params(config), args.head_dim)
         self.rope = Rope(args.head_dim, 0.0, dtype, inv_freq=inv_freq, attention_scaling=scaling)
 
@@ -118,10 +114,4 @@ class LlamaModel(Model):
     def forward_embeds(self, x, batch):
         """The decoder over given input embeddings [N, hidden] (a fresh buffer: the blocks add into
         it in place); a vision family (models/idefics3.py) puts image rows in."""
-        rope = self.rope.rows(batch)
-        for i, layer in enumerate(self.layers):
-            x = layer.forward(x, batch, i, rope)
-        x = select_rows(x, batch)
-        if x is None:
-            return None
-        return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
+        return self.run_decoder(x, batch, self.rope.rows(batch))

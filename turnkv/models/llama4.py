@@ -174,11 +174,7 @@ class Llama4Model(Model):
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
         super().__init__()
         self.args, self.dtype = args, dtype
-        self.embed = param(take(tensors, "model.embed_tokens.weight"), dtype)
-        self.layers = nn.ModuleList(Block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
-        self.norm = param(take(tensors, "model.norm.weight"), dtype)
-        head = tensors.get("lm_head.weight")
-        self.lm_head = self.embed if head is None or args.tie_word_embeddings else param(head, dtype)
+        self.decoder_weights(tensors, args, dtype, Block)
         inv_freq, scaling = inv_freq_for(rope_params(config), args.head_dim)
         self.rope = Rope(args.head_dim, 0.0, dtype, inv_freq=inv_freq, attention_scaling=scaling)
         self.any_temperature = args.attn_temperature_tuning and not all(args.no_rope_layers)
