@@ -357,6 +357,14 @@ class GGUFArchitecture:
     # it may then run on a quantized tensor's raw block rows (blocks run along a row), which
     # keeps the tensor quantized. Otherwise a transformed tensor is always dequantized.
     transform_permutes_rows: bool = False
+    # Families whose layers differ (hybrids, MoE, shared-KV layers) name their tensors themselves:
+    # (header, config) -> {gguf name: transformers name} for every tensor they need (missing ones
+    # are reported by ``tensor_name_map``), replacing the layer_tensors / global-tensor walk.
+    tensor_names: Callable[[GGUFHeader, dict], dict[str, str]] | None = None
+    # After every tensor is read and transformed: (transformers-named tensors, config) -> the
+    # tensors the family's from_checkpoint takes (split stacked experts, fuse, reshape, drop).
+    # Tensors kept quantized (the ``gguf`` weight format) are not in this dict.
+    finish: Callable[[dict[str, torch.Tensor], dict], dict[str, torch.Tensor]] | None = None
 
 
 def _token_ids(h: GGUFHeader) -> dict:
@@ -528,7 +536,8 @@ _GEMMA3_LAYER = {
     "ffn_down": "mlp.down_proj",
 }
 
-# GGUF general.architecture -> how to load it. Other families register here.
+# GGUF general.architecture -> how to load it. llama and gemma3 are here; the other families
+# register theirs from turnkv/loading/gguf_archs/ (``register``).
 SUPPORTED_GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "llama": GGUFArchitecture(
         model_type="llama",
@@ -554,8 +563,19 @@ _GLOBAL_TENSORS = {
 }
 
 
+def register(name: str, arch: GGUFArchitecture) -> None:
+    """Make GGUF files whose ``general.architecture`` is ``name`` loadable."""
+    SUPPORTED_GGUF_ARCHITECTURES[name] = arch
+
+
 def tensor_name_map(h: GGUFHeader, arch: GGUFArchitecture, config: dict) -> dict[str, str]:
     """GGUF tensor name -> transformers name, for every tensor the model needs."""
+    if arch.tensor_names is not None:
+        names = arch.tensor_names(h, config)
+        for g, t in names.items():
+            if g not in h.tensors:
+                raise ModelLoadError(f"{h.path}: missing tensor '{g}' (transformers name '{t}')")
+        return names
     required: dict[str, str] = {}
     optional: dict[str, str] = {}
     for g, t in _GLOBAL_TENSORS.items():
@@ -573,6 +593,8 @@ def tensor_name_map(h: GGUFHeader, arch: GGUFArchitecture, config: dict) -> dict
 
 
 def architecture_of(h: GGUFHeader) -> GGUFArchitecture:
+    from . import gguf_archs  # noqa: F401  (registers the other families)
+
     arch = h.architecture
     spec = SUPPORTED_GGUF_ARCHITECTURES.get(arch)
     if spec is None:
@@ -622,6 +644,8 @@ def load_gguf(
                 w = dequantize(buf, info, dtype, path)
             tensors[hf_name] = w
         bar.close()
+        if arch.finish is not None:
+            tensors = arch.finish(tensors, config)
     finally:
         try:
             buf.close()

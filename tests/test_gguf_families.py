@@ -1,0 +1,108 @@
+"""Each family's GGUF loader against the layout llama.cpp writes.
+
+The fixtures under tests/gguf_fixtures/<family>/ were made by llama.cpp's own
+`convert_hf_to_gguf.py` from a tiny random transformers model, which sits beside them as an HF
+folder (tests/gguf_fixtures/convert.py says how; CI does not need llama.cpp). For every family:
+
+- the float32 GGUF gives the same config-derived model as the HF folder: logits on a 300-token
+  prompt within 1e-5 of the HF-loaded model's (both loaded by turnkv; the HF path is held to
+  transformers by tests/test_family_<family>.py), and 16 greedy tokens equal;
+- the Q8_0 GGUF, run on its own blocks (`--weights gguf`), stays close and agrees on the top token
+  (int8 weights and activations);
+- the tokenizer converted from the GGUF encodes a text as the folder's tokenizer does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ssm_family_checks import single_thread
+from turnkv.cache.specs import make_caches
+from turnkv.loading import load_checkpoint
+from turnkv.models import family_class
+from turnkv.models.weights import load_model
+
+FIXTURES = Path(__file__).resolve().parent / "gguf_fixtures"
+FAMILIES = sorted(p.name for p in FIXTURES.iterdir() if (p / "hf").is_dir() and (p / f"{p.name}-f32.gguf").is_file())
+F32_TOL = 1e-5
+Q8_TOL = 0.1  # relative to max |logit|: int8 weights and int8 activations
+TEXT = "the quick brown fox restores what it computed before"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    with single_thread():
+        yield
+
+
+def build(spec, weights="native"):
+    ckpt = load_checkpoint(spec, dtype=torch.float32, progress=False, keep_quantized=weights == "gguf")
+    cls = family_class(ckpt.architecture)
+    model = load_model(cls, ckpt.config, ckpt.tensors, torch.float32, weights=weights, quantized=ckpt.quantized)
+    return ckpt, model.eval()
+
+
+def logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.step(tokens, make_caches(model.cache_specs()), logits="all").float()
+
+
+def greedy(model, prompt: torch.Tensor, n: int) -> list[int]:
+    caches = make_caches(model.cache_specs())
+    out, x = [], prompt
+    with torch.no_grad():
+        for _ in range(n):
+            t = int(model.step(x, caches, logits="last").float().reshape(-1).argmax())
+            out.append(t)
+            x = torch.tensor([t])
+    return out
+
+
+def prompt(vocab: int, n: int = 300) -> torch.Tensor:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    name = request.param
+    hf_ckpt, hf_model = build(FIXTURES / name / "hf")
+    return name, hf_ckpt, hf_model
+
+
+def test_fixtures_present():
+    assert "llama" in FAMILIES
+
+
+def test_f32_gguf_equals_hf_folder(family):
+    name, hf_ckpt, hf_model = family
+    ckpt, model = build(FIXTURES / name / f"{name}-f32.gguf")
+    assert ckpt.kind == "gguf" and ckpt.architecture == hf_ckpt.architecture
+    tokens = prompt(hf_ckpt.config.get("vocab_size") or hf_ckpt.config["text_config"]["vocab_size"])
+    want, got = logits(hf_model, tokens), logits(model, tokens)
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= F32_TOL
+    assert greedy(model, tokens[:40], 16) == greedy(hf_model, tokens[:40], 16)
+
+
+def test_q8_gguf_on_its_own_blocks(family):
+    name, hf_ckpt, hf_model = family
+    path = FIXTURES / name / f"{name}-q8_0.gguf"
+    if not path.is_file():
+        pytest.skip(f"no Q8_0 fixture for {name}")
+    ckpt, model = build(path, weights="gguf")
+    assert ckpt.quantized, "the Q8_0 file's matrices should stay quantized"
+    tokens = prompt(hf_ckpt.config.get("vocab_size") or hf_ckpt.config["text_config"]["vocab_size"], 64)
+    want, got = logits(hf_model, tokens)[-1], logits(model, tokens)[-1]
+    assert (got - want).abs().max().item() <= Q8_TOL * want.abs().max().item()
+    assert int(got.argmax()) == int(want.argmax())
+
+
+def test_gguf_tokenizer_matches_folder(family, tmp_path, monkeypatch):
+    monkeypatch.setenv("TURNKV_CACHE_DIR", str(tmp_path))
+    name, hf_ckpt, _ = family
+    ckpt = load_checkpoint(FIXTURES / name / f"{name}-f32.gguf", progress=False)
+    assert ckpt.tokenizer is not None
+    assert ckpt.tokenizer.encode(TEXT) == hf_ckpt.tokenizer.encode(TEXT)
