@@ -194,6 +194,45 @@ def test_namespaces_hold_on_disk(models, tmp_path):
     assert other.turn(c).usage.cached_tokens == 0
 
 
+def test_lower_tiers_keep_the_newest_turns_of_a_ring_conversation(models, tmp_path):
+    """Gemma's rings cannot be truncated, so every turn's entry would stay and their windows
+    together cover the conversation. A lower tier keeps the newest turn and the end of the one
+    before (keep_turns=1, the default): fewer bytes than keeping all (keep_turns=0, written side
+    by side from the same engine), and after a restart the next turn and a regenerated reply still
+    come from disk, equal to cold; an edit of an old turn prefills and equals cold."""
+    model, _ = models("gemma3-ring")
+    cold = engine(model, budget=0)
+    chat = Chat(11, cold)
+    newest, every = tmp_path / "newest", tmp_path / "every"
+    a = tiered(model, lambda fp: [DiskTier(newest, fp, 1 << 30), DiskTier(every, fp, 1 << 30, keep_turns=0)])
+    ends = []
+    for _ in range(6):
+        chat.turn(a)
+        ends.append(chat.length)        # the reply's tokens end here (the last sampled one is not in the KV)
+    settle(a)
+    kept, all_ = (t.usage() for t in a.prompt_cache.tiers)
+    old_turns = a.prompt_cache.tiers[0].stats()["old_turns"]
+    assert old_turns > 0 and a.prompt_cache.tiers[1].stats()["old_turns"] == 0
+    assert kept["entries"] < all_["entries"] and kept["bytes"] < 0.6 * all_["bytes"], (kept, all_)
+    lengths = sorted(len(e.manifest.tokens) for e in a.prompt_cache.tiers[0]._entries.values())
+    assert lengths[0] >= ends[-2] - 1, (lengths, ends)     # nothing older than the previous turn's end
+    a.prompt_cache.close()
+
+    b = tiered(model, disk(newest))                 # restarted on the folder that kept the newest turns
+    regen = Chat(11, cold)
+    regen.history = [list(m) for m in chat.history[:-1]]     # the last reply dropped: regenerate it
+    res = b.generate(request(regen.history, REPLY))
+    same(res, cold.generate(request(regen.history, REPLY)))
+    assert res.usage.cached_tokens >= ends[-2] - 1
+    assert chat.turn(b).usage.cached_tokens >= ends[-1] - 1           # the next turn
+    c = tiered(model, disk(newest))
+    edit = Chat(12, cold)
+    edit.history = [list(m) for m in chat.history[:3]] + [edit.msg(USER)]   # turn 2's message edited
+    res = c.generate(request(edit.history, REPLY))
+    same(res, cold.generate(request(edit.history, REPLY)))
+    assert res.usage.cached_tokens < sum(len(m) for m in edit.history[:3])
+
+
 # ------------------------------------------------------------------------------------- integrity
 
 

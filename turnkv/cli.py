@@ -54,6 +54,9 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smol
                    help="byte budget of this model's snapshots in Redis in MiB (default 4096)")
     c.add_argument("--redis-timeout-ms", type=float, default=500.0,
                    help="a Redis call slower than this counts as down; local tiers only for 5 s (default 500)")
+    c.add_argument("--tier-keep-turns", type=int, default=1, metavar="N",
+                   help="disk / Redis tiers keep a conversation's newest turn and the ends of the N turns "
+                        "before it; older entries of it are dropped (0 keeps all; default 1; docs/tiers.md)")
     c.add_argument("--swa-slack", type=int, default=256,
                    help="extra tokens kept on sliding-window layers so a reply can be edited/regenerated (default 256)")
     c.add_argument("--kv-cache-mode", default="native", choices=["native", "bf16", "fp16", "int8", "int4"],

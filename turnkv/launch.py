@@ -165,7 +165,8 @@ def engine_from(args, progress: bool = True):
     if tiered:   # the lower tiers are named by the loaded model's fingerprint (prompt_cache/tiers.py)
         from .prompt_cache.tiers import build_tiers
         cache.attach(build_tiers(engine.fingerprint, args.cache_dir, args.disk_cache_mb, args.redis_url,
-                                 args.redis_cache_mb, args.redis_timeout_ms / 1000), engine.family, engine.device)
+                                 args.redis_cache_mb, args.redis_timeout_ms / 1000,
+                                 keep_turns=getattr(args, "tier_keep_turns", 1)), engine.family, engine.device)
     if getattr(args, "chat_template", None) and engine.tokenizer is not None:
         from .loading.tokenizer import chat_template_source
         engine.tokenizer = engine.tokenizer.with_template(chat_template_source(args.chat_template))

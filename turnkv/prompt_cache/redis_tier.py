@@ -19,7 +19,7 @@ import logging
 import time
 
 from ..cache.serialize import Encoded, Manifest, Refused
-from .tiers import MAX_CANDIDATES, Tier, Unavailable, model_dir
+from .tiers import DEFAULT_KEEP_TURNS, MAX_CANDIDATES, Tier, Unavailable, model_dir
 
 log = logging.getLogger("turnkv.tiers")
 
@@ -101,8 +101,9 @@ return {count, tonumber(redis.call('GET', KEYS[3]) or '0'), redis.call('ZCARD', 
 class RedisTier(Tier):
     name = "redis"
 
-    def __init__(self, url: str, fingerprint: str, budget_bytes: int, timeout_s: float = 0.5):
-        super().__init__(budget_bytes)
+    def __init__(self, url: str, fingerprint: str, budget_bytes: int, timeout_s: float = 0.5,
+                 keep_turns: int = DEFAULT_KEEP_TURNS):
+        super().__init__(budget_bytes, keep_turns)
         import redis
 
         self._errors = (redis.RedisError, OSError)
@@ -187,6 +188,7 @@ class RedisTier(Tier):
                 break
         if res == 1:
             self.drop_subsumed(enc)
+            self.drop_old_turns(enc)
         self._evict()
         return res == 1
 

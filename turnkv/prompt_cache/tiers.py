@@ -50,6 +50,8 @@ from .store import Hit, PromptCache
 log = logging.getLogger("turnkv.tiers")
 
 MAX_CANDIDATES = 32          # manifests read per index level at most
+WRITER_NICE = 10             # the write-behind thread's nice value (Linux; see _write_loop)
+DEFAULT_KEEP_TURNS = 1       # earlier turns of a conversation a lower tier keeps (--tier-keep-turns)
 DEFAULT_QUEUE = 64           # write-behind jobs waiting at most
 ORPHAN_AGE_S = 600.0         # a file without a manifest this old is a write that was cut short
 
@@ -82,10 +84,13 @@ class Tier:
 
     name = "tier"
 
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, keep_turns: int = DEFAULT_KEEP_TURNS):
         if budget_bytes <= 0:
             raise ValueError(f"{self.name} cache budget must be > 0 bytes, got {budget_bytes}")
+        if keep_turns < 0:
+            raise ValueError(f"keep_turns must be >= 0 (0 keeps every turn), got {keep_turns}")
         self.budget_bytes = int(budget_bytes)
+        self.keep_turns = int(keep_turns)
         self.counts: Counter[str] = Counter()
         self.refusals: Counter[str] = Counter()
         self.load_ms = 0.0
@@ -190,12 +195,40 @@ class Tier:
                 self.delete(eid)
                 self.counts["subsumed"] += 1
 
+    def drop_old_turns(self, enc: Encoded) -> None:
+        """Keep the newest turns of the new entry's conversation, drop the older ones.
+
+        A conversation's turns are marked by its end-of-generation entries: those on the new
+        entry's lineage (proper prefixes of its tokens, same namespace), newest first, are the
+        ends of the previous turns. Entries shorter than the ``keep_turns``-th of them are
+        deleted. What stays answers the next turn, a regenerated reply and an edit of the newest
+        messages; an edit further back prefills from an earlier point or cold. Without this, a
+        family whose sliding windows cannot be truncated keeps every turn's windows, and the tier
+        holds the whole conversation several times over (docs/tiers.md). 0 keeps everything."""
+        if self.keep_turns <= 0:
+            return
+        new = enc.manifest
+        n = len(new.tokens)
+        ids = {i for group in self.members(new.levels()) for i in group if i != new.id}
+        prefixes = [(eid, m) for eid, m in self.manifests(sorted(ids)).items()
+                    if not isinstance(m, Refused) and m.ns_key == new.ns_key and len(m.tokens) < n
+                    and new.tokens[:len(m.tokens)] == m.tokens]
+        ends = sorted({len(m.tokens) for _, m in prefixes if m.origin == "generation"}, reverse=True)
+        if len(ends) < self.keep_turns:
+            return
+        horizon = ends[self.keep_turns - 1]
+        for eid, m in prefixes:
+            if len(m.tokens) < horizon:
+                self.delete(eid)
+                self.counts["old_turns"] += 1
+
     def stats(self) -> dict:
         with self.lock:
             out = {"hits": self.counts["hits"], "misses": self.counts["misses"],
                    "tokens_reused": self.counts["tokens_reused"], "load_ms": round(self.load_ms, 3),
                    "writes": self.counts["writes"], "write_errors": self.counts["write_errors"],
                    "evictions": self.counts["evictions"], "subsumed": self.counts["subsumed"],
+                   "old_turns": self.counts["old_turns"], "keep_turns": self.keep_turns,
                    "errors": self.counts["errors"],
                    "refusals": dict(self.refusals), "budget_bytes": self.budget_bytes}
         try:
@@ -223,8 +256,9 @@ class DiskTier(Tier):
 
     name = "disk"
 
-    def __init__(self, root: str | os.PathLike, fingerprint: str, budget_bytes: int):
-        super().__init__(budget_bytes)
+    def __init__(self, root: str | os.PathLike, fingerprint: str, budget_bytes: int,
+                 keep_turns: int = DEFAULT_KEEP_TURNS):
+        super().__init__(budget_bytes, keep_turns)
         self.fingerprint = fingerprint
         self.dir = Path(root) / model_dir(fingerprint)
         for sub in ("m", "p", "b"):
@@ -416,6 +450,7 @@ class DiskTier(Tier):
                     self._bytes += n
             self._register(m, len(enc.payload) + len(enc.manifest_bytes))
             self.drop_subsumed(enc)
+            self.drop_old_turns(enc)
             self._evict(keep=m.id)
             return True
 
@@ -514,6 +549,12 @@ class TieredPromptCache(PromptCache):
         return stored
 
     def _write_loop(self) -> None:
+        # On Linux a thread has its own nice value: the writer yields the cores to the engine's
+        # threads whenever both want them (on 2 cores it otherwise adds to a turn's TTFT).
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        except (AttributeError, OSError):
+            pass
         while True:
             job = self._queue.get()
             try:
@@ -588,11 +629,12 @@ class TieredPromptCache(PromptCache):
 
 
 def build_tiers(fingerprint: str, cache_dir: str | None, disk_mb: float, redis_url: str | None,
-                redis_mb: float, redis_timeout_s: float = 0.5) -> list[Tier]:
+                redis_mb: float, redis_timeout_s: float = 0.5, keep_turns: int = DEFAULT_KEEP_TURNS) -> list[Tier]:
     tiers: list[Tier] = []
     if cache_dir:
-        tiers.append(DiskTier(cache_dir, fingerprint, int(disk_mb * 1024 * 1024)))
+        tiers.append(DiskTier(cache_dir, fingerprint, int(disk_mb * 1024 * 1024), keep_turns=keep_turns))
     if redis_url:
         from .redis_tier import RedisTier
-        tiers.append(RedisTier(redis_url, fingerprint, int(redis_mb * 1024 * 1024), timeout_s=redis_timeout_s))
+        tiers.append(RedisTier(redis_url, fingerprint, int(redis_mb * 1024 * 1024), timeout_s=redis_timeout_s,
+                               keep_turns=keep_turns))
     return tiers
