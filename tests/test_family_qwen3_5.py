@@ -15,7 +15,7 @@ from ssm_family_checks import (check_parity, check_reuse, fresh, greedy, hf_gree
 from turnkv.cache.specs import FULL, RECURRENT
 from turnkv.models import ARCHITECTURES, family_class
 from turnkv.models.qwen3_5 import Qwen3_5Model
-from window_family_checks import KV_MODES, check_kv_mode_reuse, check_long_prompt
+from window_family_checks import KV_MODES, WEIGHT_SPECS, check_kv_mode_reuse, check_long_prompt, check_weight_format
 
 VOCAB = 256
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -137,3 +137,21 @@ def test_text_decoder_of_a_vision_language_folder(tmp_path, variant):
 def test_reuse_exact_in_every_kv_mode(moe, mode):
     # the full-attention layer stores its KV in ``mode``; the delta-net state stays float32
     check_kv_mode_reuse(moe[0], mode)
+
+
+@pytest.fixture(scope="module")
+def all_routed(tmp_path_factory):
+    # Every expert routed: on the 2-of-6 MoE a bfloat16 rounding flips routing choices
+    # (transformers' own bfloat16 run of it is 0.21 of the logits' scale off its float32 one),
+    # which says nothing about the formats. Holds every declared weight: the delta-net's input and
+    # output projections, the attention's, the MLP class's (as the shared expert), the head.
+    return _pair(Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig(
+        num_experts=6, num_experts_per_tok=6, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        **COMMON), tmp_path_factory.mktemp("qwen3_5_all_routed"))
+
+
+@pytest.mark.parametrize("spec", WEIGHT_SPECS)
+def test_weight_formats_and_bfloat16(all_routed, spec):
+    # the declared projections packed and bfloat16 compute (the routed experts, router and
+    # shared-expert gate stay native), within the formats' tolerance of float32 native
+    print(spec, check_weight_format(*all_routed, spec))

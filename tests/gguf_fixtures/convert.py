@@ -24,6 +24,7 @@ import importlib
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -80,6 +81,20 @@ def convert(llama_cpp: Path, folder: Path, out: Path, outtype: str = "f32", voca
     subprocess.run([sys.executable, "-c", code], check=True, cwd=llama_cpp)
 
 
+def released_config_view(folder: Path, overrides: dict, out: Path) -> Path:
+    """`folder` as the converter should see it when its class was written for a released
+    checkpoint's config.json that transformers' own config class does not round-trip (a model's
+    ``released_config``: keys merged over the saved config.json, e.g. a remote-code model_type, so
+    the converter reads the file itself as it does for such checkpoints). The other files are links."""
+    out.mkdir(parents=True)
+    for f in folder.iterdir():
+        if f.name != "config.json":
+            (out / f.name).symlink_to(f.resolve())
+    config = json.loads((folder / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **overrides}, indent=2))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-cpp", type=Path, required=True, help="a llama.cpp checkout")
@@ -95,10 +110,14 @@ def main() -> None:
         folder.mkdir(parents=True, exist_ok=True)
         hf_model.save_pretrained(folder)
         byte_tokenizer(folder, hf_model.config.get_text_config().vocab_size)
-        for outtype in ("f32", "q8_0") if args.q8 else ("f32",):
-            out = HERE / name / f"{name}-{outtype}.gguf"
-            convert(args.llama_cpp, folder, out, outtype, vocab_patches)
-            print(f"{out.relative_to(ROOT)}: {out.stat().st_size / 1e3:.0f} kB")
+        with tempfile.TemporaryDirectory() as tmp:
+            source = folder
+            if released := getattr(hf_model, "released_config", None):
+                source = released_config_view(folder, released, Path(tmp) / "hf")
+            for outtype in ("f32", "q8_0") if args.q8 else ("f32",):
+                out = HERE / name / f"{name}-{outtype}.gguf"
+                convert(args.llama_cpp, source, out, outtype, vocab_patches)
+                print(f"{out.relative_to(ROOT)}: {out.stat().st_size / 1e3:.0f} kB")
 
 
 if __name__ == "__main__":

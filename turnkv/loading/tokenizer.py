@@ -476,7 +476,22 @@ def _transformers_convert(load_kwargs: dict, what: Path):
             verbosity = hf_logging.get_verbosity()
             hf_logging.set_verbosity_error()
             try:
-                tok = AutoTokenizer.from_pretrained(local_files_only=True, **load_kwargs)
+                try:
+                    tok = AutoTokenizer.from_pretrained(local_files_only=True, **load_kwargs)
+                except Exception as e:
+                    # AutoTokenizer reads a GGUF's model config first and knows few GGUF
+                    # architectures (ValueError), or misreads one (TypeError: its gpt-oss rope
+                    # keys; a strict-dataclass error: Gemma 4's per-layer feed_forward_length);
+                    # the tokenizer (tokenizer.ggml.*) does not depend on it.
+                    from huggingface_hub.errors import StrictDataclassError
+
+                    config_error = (ValueError, TypeError, StrictDataclassError)
+                    if "gguf_file" not in load_kwargs or not isinstance(e, config_error) or (
+                            isinstance(e, ValueError) and "is not supported yet" not in str(e)):
+                        raise
+                    from transformers import PreTrainedTokenizerFast
+
+                    tok = PreTrainedTokenizerFast.from_pretrained(local_files_only=True, **load_kwargs)
             finally:
                 hf_logging.set_verbosity(verbosity)
             if not getattr(tok, "is_fast", True) or not hasattr(tok, "backend_tokenizer"):

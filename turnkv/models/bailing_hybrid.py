@@ -181,7 +181,11 @@ class DeltaAttention(nn.Module):
         # transformers keeps the conv, dt_bias and A_log in float32 in any dtype
         self.w_conv = param(w("conv1d").reshape(3 * self.dim, self.kernel), torch.float32)
         self.dt_bias = param(take(t, f"{p}.forget_gate.dt_bias").reshape(self.h, self.d), torch.float32)
-        self.rate = param(take(t, f"{p}.forget_gate.A_log").float().exp().reshape(self.h, 1), torch.float32)
+        if f"{p}.forget_gate.exp_A_log" in t:   # llama.cpp's GGUF holds exp(A_log) itself (ssm_a)
+            rate = t[f"{p}.forget_gate.exp_A_log"].float()
+        else:
+            rate = take(t, f"{p}.forget_gate.A_log").float().exp()
+        self.rate = param(rate.reshape(self.h, 1), torch.float32)
         self.w_norm = param(w("o_norm"), dtype)
         self.w_out = param(w("o_proj"), dtype)
 

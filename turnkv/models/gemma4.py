@@ -293,7 +293,9 @@ class Gemma4Model(Model):
     family = "gemma4"
     packable_weights = ("wqkv", "wq", "wo", "wgu", "wdown", "w_ple_gate", "w_ple_proj", "w_ple_model")
     head_weights = ("lm_head",)
-    embedding_weights = ("embed",)
+    # the per-layer embedding table is only read by row (E2B's is 262k x 8960): a GGUF's stays in
+    # its quantized blocks under ``--weights gguf``
+    embedding_weights = ("embed", "embed_ple")
 
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
         super().__init__()

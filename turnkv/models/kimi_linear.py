@@ -181,8 +181,11 @@ class DeltaAttention(nn.Module):
             conv = torch.cat([w("q_conv1d"), w("k_conv1d"), w("v_conv1d")])
         self.w_conv = param(conv.reshape(3 * self.dim, self.kernel), dtype)
         self.dt_bias = param(_first(t, f"{p}.dt_bias", f"{p}.forget_gate.dt_bias"), torch.float32)
-        self.neg_A = param(-_first(t, f"{p}.A_log", f"{p}.forget_gate.A_log").float().exp().reshape(self.h, 1),
-                           torch.float32)
+        if f"{p}.neg_exp_A_log" in t:   # llama.cpp's GGUF holds -exp(A_log) itself (ssm_a)
+            neg_a = t[f"{p}.neg_exp_A_log"].float()
+        else:
+            neg_a = -_first(t, f"{p}.A_log", f"{p}.forget_gate.A_log").float().exp()
+        self.neg_A = param(neg_a.reshape(self.h, 1), torch.float32)
         self.w_norm = param(w("o_norm"), dtype)
         self.w_out = param(w("o_proj"), dtype)
 

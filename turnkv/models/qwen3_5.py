@@ -57,6 +57,12 @@ def text_part(config: dict, tensors: dict) -> tuple[dict, dict]:
 class Qwen3_5Model(qwen3_next.Qwen3NextModel):
     family = "qwen3_5"
     block = Block
+    # the delta-net's fused input and output projections, the attention's q|k|v|gate and output,
+    # the dense MLP and the shared expert (models/weights.py); the stacked routed experts, the
+    # router and the shared-expert gate stay native
+    packable_weights = ("w_in", "w_out", "wqkvg", "wo", "wgu", "wdown")
+    head_weights = ("lm_head",)
+    embedding_weights = ("embed",)
 
     @classmethod
     def from_checkpoint(cls, config, tensors, dtype):

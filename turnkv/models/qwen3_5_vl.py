@@ -155,6 +155,9 @@ def _write_delta(cache, delta: int) -> None:
 
 class Qwen3_5VlModel(Qwen3_5Model):
     family = "qwen3_5_vl"
+    # native weights only: the weight formats are verified on the text model (Qwen3_5Model), and
+    # the image path looks the embedding table up directly
+    packable_weights = head_weights = embedding_weights = ()
 
     @classmethod
     def from_checkpoint(cls, config, tensors, dtype):

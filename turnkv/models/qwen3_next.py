@@ -12,7 +12,7 @@ from torch import nn
 
 from ..cache import specs
 from .batch import Batch, Span, select_rows, spans_apply
-from .base import BaseArgs, Model, Rope, apply_rope, attention_spans, linear, param, rms_norm, take
+from .base import BaseArgs, Model, Rope, apply_rope, attention_spans, embedding, linear, param, rms_norm, take
 from .rope_config import inv_freq_for, rope_params
 from .ssm import causal_conv1d, gated_delta_chunked, gated_delta_step, l2norm
 
@@ -46,6 +46,9 @@ class ModelArgs(BaseArgs):
     mlp_only_layers: list | None = None
     layer_types: list | None = None
     full_attention_interval: int = 4
+    # value heads in llama.cpp's GGUF order (qwen35 / qwen35moe files): tiled over the key heads
+    # (value head j * nk + g reads key head g), not grouped by key head as transformers holds them
+    linear_value_heads_tiled: bool = False
 
     def __post_init__(self):
         self.mlp_only_layers = list(self.mlp_only_layers or [])
@@ -80,6 +83,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = a.linear_conv_kernel_dim
         self.eps = a.rms_norm_eps
+        self.tiled = a.linear_value_heads_tiled
         self.w_in = param(self.input_weight(t, p, a.hidden_size), dtype)
         self.w_conv = param(take(t, f"{p}.conv1d.weight").reshape(self.conv_dim, self.kernel), dtype)
         self.dt_bias = param(take(t, f"{p}.dt_bias"), torch.float32)
@@ -100,6 +104,11 @@ class GatedDeltaNet(nn.Module):
     def state_fields(self) -> dict[str, tuple[int, ...]]:
         return {"conv": (self.kernel - 1, self.conv_dim), "recurrent": (self.nv, self.dk, self.dv)}
 
+    def repeat_heads(self, x: torch.Tensor, r: int) -> torch.Tensor:
+        """[T, nk, d] -> [T, nv, d], each key head serving r value heads: the r adjacent (grouped,
+        transformers' order) or every nk-th (tiled, ``linear_value_heads_tiled``)."""
+        return x.repeat(1, r, 1) if self.tiled else x.repeat_interleave(r, dim=1)
+
     def forward(self, x, batch: Batch, i: int):
         N = x.shape[0]
         r = self.nv // self.nk
@@ -112,9 +121,9 @@ class GatedDeltaNet(nn.Module):
             qkv, conv_state = causal_conv1d(qkv_all[s.rows], cache.state["conv"], self.w_conv, None)
             cache.set("conv", conv_state)
             q, k, v = F.silu(qkv).float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            # one query/key head serves r consecutive value heads
-            q = l2norm(q.view(T, self.nk, self.dk)).repeat_interleave(r, dim=1).transpose(0, 1) * self.dk ** -0.5
-            k = l2norm(k.view(T, self.nk, self.dk)).repeat_interleave(r, dim=1).transpose(0, 1)
+            # one query/key head serves r value heads (consecutive, or every nk-th when tiled)
+            q = self.repeat_heads(l2norm(q.view(T, self.nk, self.dk)), r).transpose(0, 1) * self.dk ** -0.5
+            k = self.repeat_heads(l2norm(k.view(T, self.nk, self.dk)), r).transpose(0, 1)
             v = v.view(T, self.nv, self.dv).transpose(0, 1)
             g, beta = g_all[:, s.rows], beta_all[:, s.rows]
             state = cache.state["recurrent"]
@@ -268,7 +277,7 @@ class Qwen3NextModel(Model):
 
     def forward(self, batch):
         rope = self.rope.rows(batch)
-        x = F.embedding(batch.tokens, self.embed)
+        x = embedding(batch.tokens, self.embed, self.dtype)
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, batch, i, rope)
         x = select_rows(x, batch)

@@ -34,6 +34,10 @@ def inv_freq_for(params: dict[str, Any], head_dim: int, partial_rotary_factor: f
         return inv_freq, 1.0
     if kind == "linear":
         return inv_freq / float(params["factor"]), 1.0
+    if kind == "llama3" and "freq_factors" in params:
+        # a GGUF's llama3 scaling: llama.cpp's converter stores the per-dimension divisors it
+        # computes from factor / low / high / original context (rope_freqs.weight), not those
+        return inv_freq / torch.tensor(params["freq_factors"], dtype=torch.float32), 1.0
     if kind == "llama3":
         factor = float(params["factor"])
         low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])

@@ -1,0 +1,183 @@
+"""AFMoE (Arcee Trinity) from the GGUF layout llama.cpp writes (conversion/afmoe.py, read back by
+src/models/afmoe.cpp).
+
+What the file holds and how llama.cpp reads it, which is what this loader rebuilds:
+
+- no q/k permute (AfmoeModel bypasses LlamaModel's), no norm offsets: tensors are the HF values;
+- the four norms of a block: ``attn_norm`` / ``post_attention_norm`` / ``ffn_norm`` /
+  ``post_ffw_norm`` are input / post-attention / pre-MLP / post-MLP; the sigmoid output gate is
+  ``attn_gate``;
+- the first ``leading_dense_block_count`` blocks are dense SwiGLU; the others hold the router
+  (``ffn_gate_inp``), the expert bias (``exp_probs_b.bias``), the experts stacked per projection
+  (``ffn_{gate,up,down}_exps`` [E, ...]) and the shared experts (``ffn_*_shexp``);
+- layer kinds are not in the file's config: llama.cpp takes sliding layers from
+  ``attention.sliding_window_pattern`` (an array or a period, 4 when absent) and rotates every
+  layer but each 4th (its fixed ``n_no_rope_layer_step``); turnkv's AFMoE rotates exactly its
+  sliding layers, so a file whose two patterns differ is refused;
+- llama.cpp always multiplies the embeddings by sqrt(hidden) (muP), scores experts with a sigmoid
+  unless the file says otherwise and renormalises the chosen weights only when
+  ``expert_weights_norm`` is set; turnkv's AFMoE (as transformers') always renormalises, so a file
+  without it is refused rather than run differently.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .. import gguf
+from ..errors import ModelLoadError
+from ..gguf import GGUFArchitecture, GGUFHeader, _rope_scaling, _scalar, _token_ids, _vocab_size
+
+ARCH = "afmoe"
+NO_ROPE_LAYER_STEP = 4   # llama.cpp's llama_hparams::n_no_rope_layer_step, not read from the file
+DEFAULT_SWA_PERIOD = 4   # load_swa_pattern(ml, 4)
+SIGMOID = 2              # LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+
+
+def f32(value: float) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (1e-05, not
+    9.99999974e-06): what the HF config held."""
+    return float(str(np.float32(value)))
+
+
+def _swa_layers(h: GGUFHeader, n: int) -> list[bool]:
+    """llama.cpp's is_swa per layer (load_swa_pattern, set_swa_pattern with dense_first=false)."""
+    pattern = h.metadata.get(f"{ARCH}.attention.sliding_window_pattern", DEFAULT_SWA_PERIOD)
+    if isinstance(pattern, list):
+        if len(pattern) != n:
+            raise ModelLoadError(f"{h.path}: sliding_window_pattern has {len(pattern)} entries for {n} layers")
+        return [bool(v) for v in pattern]
+    if not isinstance(pattern, int):
+        raise ModelLoadError(f"{h.path}: unreadable sliding_window_pattern {pattern!r}")
+    return [pattern == 0 or i % pattern < pattern - 1 for i in range(n)]
+
+
+def build_config(h: GGUFHeader) -> dict:
+    a = ARCH
+    layers = _scalar(h, f"{a}.block_count")
+    hidden = _scalar(h, f"{a}.embedding_length")
+    heads = _scalar(h, f"{a}.attention.head_count")
+    head_dim = _scalar(h, f"{a}.attention.key_length", hidden // heads)
+    if _scalar(h, f"{a}.attention.value_length", head_dim) != head_dim:
+        raise ModelLoadError(f"{h.path}: AFMoE with different key and value head sizes is not supported")
+    if _scalar(h, f"{a}.rope.dimension_count", head_dim) != head_dim:
+        raise ModelLoadError(f"{h.path}: AFMoE with a partial rotary dimension is not supported")
+    rope_theta = float(_scalar(h, f"{a}.rope.freq_base", 10000.0))
+    if float(h.metadata.get(f"{a}.rope.freq_base_swa", rope_theta)) != rope_theta:
+        raise ModelLoadError(f"{h.path}: AFMoE with its own sliding-layer rope base is not supported")
+    rope = {"rope_type": "default", "rope_theta": rope_theta}
+    if scaling := _rope_scaling(h, a):
+        rope.update(scaling)
+    if h.metadata.get(f"{a}.expert_gating_func", SIGMOID) != SIGMOID:
+        raise ModelLoadError(f"{h.path}: AFMoE scores experts with a sigmoid; this file names another function")
+    if not h.metadata.get(f"{a}.expert_weights_norm", False):
+        raise ModelLoadError(
+            f"{h.path}: {a}.expert_weights_norm is not set, so llama.cpp would not renormalise the routing "
+            "weights; turnkv's AFMoE (as transformers') always does"
+        )
+    shared = _scalar(h, f"{a}.expert_shared_count")
+    if shared < 1:
+        raise ModelLoadError(f"{h.path}: AFMoE without shared experts is not supported")
+
+    window = h.metadata.get(f"{a}.attention.sliding_window") or None
+    rotated = [(i + 1) % NO_ROPE_LAYER_STEP != 0 for i in range(layers)]
+    if window is not None and _swa_layers(h, layers) != rotated:
+        raise ModelLoadError(
+            f"{h.path}: llama.cpp would run this AFMoE with sliding layers that differ from its RoPE "
+            f"layers (every {NO_ROPE_LAYER_STEP}th layer NoPE); turnkv's AFMoE ties the two"
+        )
+    # With no window every layer attends fully; the sliding_attention label then only marks RoPE.
+    types = ["sliding_attention" if r else "full_attention" for r in rotated]
+    return {
+        "model_type": "afmoe",
+        "architectures": ["AfmoeForCausalLM"],
+        "vocab_size": _vocab_size(h, a),
+        "hidden_size": hidden,
+        "intermediate_size": _scalar(h, f"{a}.feed_forward_length"),
+        "moe_intermediate_size": _scalar(h, f"{a}.expert_feed_forward_length"),
+        "num_hidden_layers": layers,
+        "num_dense_layers": _scalar(h, f"{a}.leading_dense_block_count", 0),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _scalar(h, f"{a}.attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": _scalar(h, f"{a}.context_length", 16384),
+        "rms_norm_eps": f32(_scalar(h, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": rope_theta,
+        "rope_parameters": rope,
+        "num_experts": _scalar(h, f"{a}.expert_count"),
+        "num_experts_per_tok": _scalar(h, f"{a}.expert_used_count"),
+        "num_shared_experts": shared,
+        "route_norm": True,
+        "route_scale": f32(_scalar(h, f"{a}.expert_weights_scale", 1.0)),
+        "score_func": "sigmoid",
+        "global_attn_every_n_layers": NO_ROPE_LAYER_STEP,
+        "sliding_window": window,
+        "layer_types": types,
+        "mup_enabled": True,   # llama.cpp scales the embeddings unconditionally
+        "attention_bias": "blk.0.attn_q.bias" in h.tensors,
+        "tie_word_embeddings": "output.weight" not in h.tensors,
+        **_token_ids(h),
+    }
+
+
+_ATTN = {
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_mlp_layernorm",
+    "post_ffw_norm": "post_mlp_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_gate": "self_attn.gate_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+_DENSE = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_MOE = {
+    "ffn_gate_inp": "mlp.router.gate",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
+# stacked [E, ...] experts: held under these names until ``finish`` fuses gate and up
+_EXPERTS = {"ffn_gate_exps": "mlp.experts.gate_stack", "ffn_up_exps": "mlp.experts.up_stack",
+            "ffn_down_exps": "mlp.experts.down_proj"}
+_BIASED = ("attn_q", "attn_k", "attn_v", "attn_output")
+
+
+def tensor_names(h: GGUFHeader, config: dict) -> dict[str, str]:
+    names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
+    if not config["tie_word_embeddings"]:
+        names["output.weight"] = "lm_head.weight"
+    for i in range(config["num_hidden_layers"]):
+        b, p = f"blk.{i}", f"model.layers.{i}"
+        dense = i < config["num_dense_layers"]
+        for g, t in (_ATTN | (_DENSE if dense else _MOE)).items():
+            names[f"{b}.{g}.weight"] = f"{p}.{t}.weight"
+        if config["attention_bias"]:
+            names.update({f"{b}.{g}.bias": f"{p}.{_ATTN[g]}.bias" for g in _BIASED})
+        if not dense:
+            names[f"{b}.exp_probs_b.bias"] = f"{p}.mlp.expert_bias"
+            names.update({f"{b}.{g}.weight": f"{p}.{t}" for g, t in _EXPERTS.items()})
+    return names
+
+
+def finish(tensors: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """Gate and up experts fused as transformers holds them in memory ([E, 2I, H])."""
+    for i in range(config["num_dense_layers"], config["num_hidden_layers"]):
+        p = f"model.layers.{i}.mlp.experts"
+        gate, up = tensors.pop(f"{p}.gate_stack"), tensors.pop(f"{p}.up_stack")
+        tensors[f"{p}.gate_up_proj"] = torch.cat([gate, up], dim=1)
+    return tensors
+
+
+gguf.register(ARCH, GGUFArchitecture(
+    model_type="afmoe",
+    build_config=build_config,
+    layer_tensors={},
+    tensor_names=tensor_names,
+    finish=finish,
+))

@@ -1,0 +1,131 @@
+"""Bailing hybrid (Ling 3; transformers' ``bailing_hybrid``) as llama.cpp writes it: architecture
+``bailingmoe3``, converted by conversion/bailingmoe3.py's BailingMoeV3ForCausalLM class (its example
+checkpoint is inclusionAI/Ling-3.0-flash, the one transformers' BailingHybridConfig documents).
+
+What the converter does and how it is undone here (the KDA and MLA parts as Kimi Linear's, see
+kimi_linear.py beside this file):
+
+- the layer kind is in ``attention.head_count_kv``: 0 on KDA layers, 1 on MLA layers; MTP layers
+  (``nextn_predict_layers``) follow the ``block_count - nextn_predict_layers`` decoder layers and are
+  not read;
+- KDA: ``f_proj`` is ``ssm_f_a``, the output-gate ``g_proj`` is ``ssm_g_a``, ``A_log`` is stored as
+  ``exp(A_log)`` (``ssm_a [H, 1]``; handed to the model as that), ``dt_bias`` as ``ssm_dt.bias``,
+  the q/k/v conv kernels reshaped to ``[1, d, 1, K]``;
+- MLA: ``kv_b_proj`` split into ``attn_k_b`` / ``attn_v_b`` (put back together), the head gate
+  ``g_proj`` is ``attn_gate``; no q/k permutation: ggml's NORM rope is the checkpoint's interleaved
+  rope, which the model de-interleaves itself;
+- experts stacked ``[E, out, in]``: fused here into transformers' ``experts.gate_up_proj`` /
+  ``experts.down_proj``; ``gate.expert_bias`` is ``exp_probs_b.bias``.
+
+Config values are read as llama.cpp's loader (src/models/bailingmoe3.cpp) reads them: routed weights
+renormalised only when ``expert_weights_norm`` is set, expert groups only when
+``expert_group_count`` is written, the KDA gate bounded (``kda.safe_gate``, llama.cpp asserts it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ModelLoadError
+from ..gguf import GGUFArchitecture, GGUFHeader, _scalar, _token_ids, _vocab_size, register
+from .kimi_linear import dense_map, f32, fuse_kv_b, globals_map, mla_config, mla_map, moe_config, moe_map, per_layer
+
+ARCH = "bailingmoe3"
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+def _config(h: GGUFHeader) -> dict:
+    a = ARCH
+    n_all = _scalar(h, f"{a}.block_count")
+    n = n_all - _scalar(h, f"{a}.nextn_predict_layers", 0)
+    heads = _scalar(h, f"{a}.attention.head_count")
+    if f"{a}.rope.dimension_sections" in h.metadata:
+        raise ModelLoadError(f"{h.path}: the vision-language variant's M-RoPE is not supported (text GGUFs only)")
+    if h.metadata.get(f"{a}.rope.scaling.type", "none") != "none":
+        raise ModelLoadError(f"{h.path}: rope scaling is not supported for the Bailing hybrid")
+    for key in (f"{a}.swiglu_clamp_exp", f"{a}.swiglu_clamp_shexp"):
+        if key in h.metadata and any(per_layer(h, key, n_all)):
+            raise ModelLoadError(f"{h.path}: clamped SwiGLU experts ('{key}') are not supported")
+    if not h.metadata.get(f"{a}.kda.safe_gate", True):
+        raise ModelLoadError(f"{h.path}: only the bounded KDA gate exists in llama.cpp's layout")
+    kv_heads = per_layer(h, f"{a}.attention.head_count_kv", n_all)[:n]
+    kda_dim = _scalar(h, f"{a}.kda.head_dim")
+    theta = float(_scalar(h, f"{a}.rope.freq_base", 10000.0))
+    moe = moe_config(h, a)
+    return {
+        "model_type": "bailing_hybrid",
+        "architectures": ["BailingHybridForCausalLM"],
+        "vocab_size": _vocab_size(h, a),
+        "hidden_size": _scalar(h, f"{a}.embedding_length"),
+        "intermediate_size": _scalar(h, f"{a}.feed_forward_length"),
+        "moe_intermediate_size": _scalar(h, f"{a}.expert_feed_forward_length"),
+        "num_hidden_layers": n,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        **mla_config(h, a),
+        **moe,
+        "norm_topk_prob": bool(h.metadata.get(f"{a}.expert_weights_norm", False)),
+        "layer_types": [LINEAR if kv == 0 else FULL for kv in kv_heads],
+        "head_dim": kda_dim,
+        "linear_head_dim": kda_dim,
+        "linear_num_heads": heads,
+        "linear_conv_kernel_dim": _scalar(h, f"{a}.ssm.conv_kernel"),
+        "short_conv_kernel_size": _scalar(h, f"{a}.ssm.conv_kernel"),
+        "kda_safe_gate": True,
+        "kda_lower_bound": f32(_scalar(h, f"{a}.kda.gate_lower_bound")),
+        "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "max_position_embeddings": _scalar(h, f"{a}.context_length", 4096),
+        "rms_norm_eps": f32(_scalar(h, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "tie_word_embeddings": "output.weight" not in h.tensors,
+        **_token_ids(h),
+    }
+
+
+def _tensor_names(h: GGUFHeader, config: dict) -> dict[str, str]:
+    names = globals_map(h, config)
+    for i, kind in enumerate(config["layer_types"]):
+        b, p = f"blk.{i}", f"model.layers.{i}"
+        a = f"{p}.self_attn"
+        names |= {f"{b}.attn_norm.weight": f"{p}.input_layernorm.weight",
+                  f"{b}.ffn_norm.weight": f"{p}.post_attention_layernorm.weight",
+                  f"{b}.attn_output.weight": f"{a}.o_proj.weight"}
+        if kind == LINEAR:
+            names |= {f"{b}.attn_{x}.weight": f"{a}.{x}_proj.weight" for x in "qkv"}
+            names |= {f"{b}.ssm_conv1d_{x}.weight": f"{a}.{x}_conv1d.weight" for x in "qkv"}
+            names |= {f"{b}.ssm_f_a.weight": f"{a}.forget_gate.f_proj.weight",
+                      f"{b}.ssm_g_a.weight": f"{a}.g_proj.weight",
+                      f"{b}.ssm_beta.weight": f"{a}.b_proj.weight", f"{b}.ssm_a": f"{a}.forget_gate.exp_A_log",
+                      f"{b}.ssm_dt.bias": f"{a}.forget_gate.dt_bias", f"{b}.ssm_norm.weight": f"{a}.o_norm.weight"}
+        else:
+            names |= mla_map(h, b, a)
+            names[f"{b}.attn_gate.weight"] = f"{a}.g_proj.weight"
+        if i < config["first_k_dense_replace"]:
+            names |= dense_map(b, f"{p}.mlp")
+        else:
+            names |= moe_map(b, f"{p}.mlp", "experts", "gate", "e_score_correction_bias")
+    return names
+
+
+def _finish(t: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    k = config["linear_conv_kernel_dim"]
+    for name in [n for n in t if n.endswith("_conv1d.weight")]:
+        t[name] = t[name].reshape(-1, 1, k)           # [1, d, 1, K] -> the checkpoint's [d, 1, K]
+    fuse_kv_b(t)
+    for name in [n for n in t if n.endswith(".experts.gate_exps")]:
+        p = name[: -len(".gate_exps")]
+        gate, up = t.pop(f"{p}.gate_exps"), t.pop(f"{p}.up_exps")
+        t[f"{p}.gate_up_proj"] = torch.cat([gate, up], dim=1)   # [E, 2 * I, H], transformers' layout
+        t[f"{p}.down_proj"] = t.pop(f"{p}.down_exps")
+    return t
+
+
+register(ARCH, GGUFArchitecture(
+    model_type="bailing_hybrid",
+    build_config=_config,
+    layer_tensors={},
+    tensor_names=_tensor_names,
+    finish=_finish,
+))

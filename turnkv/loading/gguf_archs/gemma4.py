@@ -1,0 +1,294 @@
+"""Gemma 4 (text) from the GGUF layout llama.cpp writes (conversion/gemma.py Gemma4Model, read back
+by src/models/gemma4.cpp).
+
+What the file holds and how llama.cpp reads it, which is what this loader rebuilds:
+
+- norms are stored as they are (Gemma 4's RMSNorm multiplies by the plain weight: no ``1 + w``
+  shift, unlike Gemma 3), so no tensor is transformed;
+- layer kinds: ``attention.sliding_window_pattern`` is one bool per layer (true = sliding);
+  head sizes per kind: ``attention.key_length`` (full) and ``key_length_swa`` (sliding); kv heads
+  per layer: ``attention.head_count_kv`` (an array when the full layers have their own, as with
+  ``attention_k_eq_v``); MLP widths per layer: ``feed_forward_length`` (an array with double-wide
+  MLPs on the shared layers);
+- KV sharing: ``attention.shared_kv_layers`` = the last n layers own no K/V. llama.cpp gives a
+  shared sliding layer the cache of layer ``first_shared - 2`` and a shared full layer that of
+  ``first_shared - 1``; turnkv (as transformers) takes the last earlier layer of the same kind.
+  The two agree on every released layout; a file where they differ is refused;
+- k = v on a full layer: its ``attn_v`` is absent (llama.cpp then uses K as V);
+- proportional RoPE on the full layers: ``rope.dimension_count`` is the whole head and
+  ``rope_freqs.weight`` holds 1 for the rotated frequency pairs and 1e30 for the others, so the
+  partial rotary factor is 2 * (count of ones) / head dim; sliding layers: default RoPE with
+  ``rope.freq_base_swa``;
+- per-layer embeddings (``embedding_length_per_layer_input`` > 0): ``per_layer_token_embd``,
+  ``per_layer_model_proj``, ``per_layer_proj_norm`` and per layer ``inp_gate`` / ``proj`` /
+  ``post_norm``; the layer scalar is ``layer_output_scale``;
+- the MoE block beside the MLP: router ``ffn_gate_inp`` (+ ``.scale``), per-expert scale
+  ``ffn_down_exps.scale``, experts ``ffn_gate_up_exps`` [E, 2I, H] (or gate / up apart) and
+  ``ffn_down_exps`` [E, H, I], norms ``pre_ffw_norm_2`` / ``post_ffw_norm_1`` / ``post_ffw_norm_2``.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import torch
+
+from .. import gguf
+from ..errors import ModelLoadError
+from ..gguf import GGUFArchitecture, GGUFArray, GGUFHeader, _open_mmap, _scalar, _token_ids, _vocab_size, dequantize
+
+ARCH = "gemma4"
+SLIDING, FULL = "sliding_attention", "full_attention"
+# tokens llama.cpp's vocabulary loader ends generation on for Gemma 4 (llama-vocab.cpp special_eog_ids)
+EOG_TEXTS = ("<eos>", "<turn|>", "<|tool_response>")
+_UNROTATED = 1e29   # rope_freqs entries this large leave a frequency pair unrotated (the converter writes 1e30)
+
+
+def f32(value: float) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (1e-06, not
+    9.99999997e-07): what the HF config held."""
+    return float(str(np.float32(value)))
+
+
+def _per_layer(h: GGUFHeader, key: str, n: int, default=...) -> list:
+    value = h.get(key, default)
+    if isinstance(value, GGUFArray):
+        raise ModelLoadError(f"{h.path}: '{key}' has {len(value)} entries for {n} layers")
+    if isinstance(value, list):
+        if len(value) != n:
+            raise ModelLoadError(f"{h.path}: '{key}' has {len(value)} entries for {n} layers")
+        return list(value)
+    return [value] * n
+
+
+def _rope_freqs(h: GGUFHeader, head_dim: int) -> float:
+    """The full layers' partial rotary factor from ``rope_freqs.weight`` (1 = rotated pair,
+    1e30 = unrotated); 1.0 when the file has none (every pair rotated)."""
+    info = h.tensors.get("rope_freqs.weight")
+    if info is None:
+        return 1.0
+    if info.shape != (head_dim // 2,):
+        raise ModelLoadError(f"{h.path}: 'rope_freqs.weight' has shape {list(info.shape)}, expected [{head_dim // 2}]")
+    buf, _ = _open_mmap(h.path)
+    try:
+        values = dequantize(buf, info, torch.float32, h.path).tolist()
+    finally:
+        try:
+            buf.close()
+        except BufferError:
+            pass
+    rotated = sum(1 for v in values if v == 1.0)
+    if any(v != 1.0 and v < _UNROTATED for v in values) or any(v == 1.0 for v in values[rotated:]):
+        raise ModelLoadError(
+            f"{h.path}: 'rope_freqs.weight' is not Gemma 4's proportional RoPE (leading ones, then 1e30): "
+            "frequency scaling on the full layers is not supported"
+        )
+    return 2 * rotated / head_dim
+
+
+def _eog_ids(h: GGUFHeader, texts: tuple[str, ...] = EOG_TEXTS) -> list[int]:
+    """Ids of the tokens llama.cpp ends a Gemma 4 generation on, when the vocabulary has them."""
+    tokens = h.metadata.get("tokenizer.ggml.tokens")
+    wanted = {t.encode(): t for t in texts}
+    longest = max(len(t) for t in wanted)
+    if isinstance(tokens, list):
+        return [i for i, t in enumerate(tokens) if t.encode() in wanted]
+    if not isinstance(tokens, GGUFArray):
+        return []
+    buf, _ = _open_mmap(h.path)
+    try:
+        found, pos, unpack = [], tokens.offset, struct.Struct("<Q").unpack_from
+        for i in range(tokens.count):
+            n = unpack(buf, pos)[0]
+            if n <= longest and buf[pos + 8:pos + 8 + n] in wanted:
+                found.append(i)
+            pos += 8 + n
+        return found
+    finally:
+        buf.close()
+
+
+def build_config(h: GGUFHeader) -> dict:
+    a = ARCH
+    n = _scalar(h, f"{a}.block_count")
+    heads = set(_per_layer(h, f"{a}.attention.head_count", n))
+    if len(heads) != 1:
+        raise ModelLoadError(f"{h.path}: Gemma 4 with a per-layer query head count is not supported")
+    pattern = h.get(f"{a}.attention.sliding_window_pattern")
+    if not isinstance(pattern, list) or len(pattern) != n:
+        raise ModelLoadError(f"{h.path}: '{a}.attention.sliding_window_pattern' must list one bool per layer")
+    types = [SLIDING if swa else FULL for swa in pattern]
+    if types[-1] != FULL:
+        raise ModelLoadError(f"{h.path}: the last Gemma 4 layer is sliding here; transformers and turnkv make it full")
+    head_full = _scalar(h, f"{a}.attention.key_length")
+    head_swa = _scalar(h, f"{a}.attention.key_length_swa")
+    if (_scalar(h, f"{a}.attention.value_length", head_full), _scalar(h, f"{a}.attention.value_length_swa", head_swa)) \
+            != (head_full, head_swa):
+        raise ModelLoadError(f"{h.path}: Gemma 4 needs key and value head sizes equal (llama.cpp does too)")
+    if _scalar(h, f"{a}.rope.dimension_count_swa", head_swa) != head_swa:
+        raise ModelLoadError(f"{h.path}: partial RoPE on Gemma 4's sliding layers is not supported")
+    if _scalar(h, f"{a}.rope.dimension_count", head_full) != head_full:
+        raise ModelLoadError(f"{h.path}: Gemma 4's full-layer RoPE spans the whole head (rope_freqs mark the rest)")
+    if h.metadata.get(f"{a}.rope.scaling.type", "none") != "none":
+        raise ModelLoadError(f"{h.path}: rope scaling on Gemma 4 is not supported")
+    kv = _per_layer(h, f"{a}.attention.head_count_kv", n)
+    ff = _per_layer(h, f"{a}.feed_forward_length", n)
+    head_dims = [head_swa if t == SLIDING else head_full for t in types]
+
+    shared = _scalar(h, f"{a}.attention.shared_kv_layers", 0)
+    first_shared = n - shared
+    if shared:
+        if first_shared < 2:
+            raise ModelLoadError(f"{h.path}: {shared} shared-KV layers of {n}: llama.cpp needs two owning layers")
+        for i in range(first_shared, n):
+            ours = max(j for j in range(first_shared) if types[j] == types[i]) \
+                if types[i] in types[:first_shared] else None
+            theirs = first_shared - (2 if types[i] == SLIDING else 1)
+            if ours != theirs:
+                raise ModelLoadError(
+                    f"{h.path}: shared-KV layer {i} ({types[i]}) reads layer {theirs}'s K/V in llama.cpp but "
+                    f"{ours}'s in transformers (the last earlier {types[i]} layer); this layout is not supported"
+                )
+
+    # k = v: a full owning layer without attn_v (llama.cpp takes V = K); turnkv does it per kind
+    no_v = {types[i] for i in range(first_shared) if f"blk.{i}.attn_v.weight" not in h.tensors}
+    if SLIDING in no_v:
+        raise ModelLoadError(f"{h.path}: a sliding Gemma 4 layer without attn_v (k = v) is not supported")
+    k_eq_v = FULL in no_v
+    if k_eq_v and any(f"blk.{i}.attn_v.weight" in h.tensors for i in range(first_shared) if types[i] == FULL):
+        raise ModelLoadError(f"{h.path}: some full Gemma 4 layers have attn_v and others not")
+
+    moe = [f"blk.{i}.ffn_gate_inp.weight" in h.tensors for i in range(n)]
+    if any(moe) and not all(moe):
+        raise ModelLoadError(f"{h.path}: Gemma 4 with the MoE block on some layers only is not supported")
+    ple = _scalar(h, f"{a}.embedding_length_per_layer_input", 0)
+    vocab = _vocab_size(h, a)
+    config = {
+        "model_type": "gemma4_text",
+        "architectures": ["Gemma4ForCausalLM"],
+        "vocab_size": vocab,
+        "hidden_size": _scalar(h, f"{a}.embedding_length"),
+        "intermediate_size": min(ff),
+        "use_double_wide_mlp": max(ff) != min(ff),
+        "num_hidden_layers": n,
+        "num_attention_heads": heads.pop(),
+        "num_key_value_heads": next((kv[i] for i in range(n) if types[i] == SLIDING), kv[0]),
+        "head_dim": head_swa,
+        "global_head_dim": head_full,
+        "per_layer_config": {str(i): {"head_dim": head_dims[i], "num_key_value_heads": kv[i]} for i in range(n)},
+        "attention_k_eq_v": k_eq_v,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": _scalar(h, f"{a}.context_length", 131072),
+        "rms_norm_eps": f32(_scalar(h, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_parameters": {
+            SLIDING: {"rope_type": "default", "rope_theta": float(_scalar(h, f"{a}.rope.freq_base_swa", 10_000.0))},
+            FULL: {"rope_type": "proportional", "partial_rotary_factor": _rope_freqs(h, head_full),
+                   "rope_theta": float(_scalar(h, f"{a}.rope.freq_base", 1_000_000.0))},
+        },
+        "sliding_window": _scalar(h, f"{a}.attention.sliding_window"),
+        "layer_types": types,
+        "final_logit_softcapping": h.metadata.get(f"{a}.final_logit_softcapping"),
+        "attention_bias": False,   # llama.cpp's Gemma 4 graph has no attention biases
+        "hidden_size_per_layer_input": ple,
+        "vocab_size_per_layer_input": h.tensors["per_layer_token_embd.weight"].shape[0] if ple else vocab,
+        "num_kv_shared_layers": shared,
+        "enable_moe_block": any(moe),
+        "tie_word_embeddings": "output.weight" not in h.tensors,
+        **_token_ids(h),
+    }
+    if config["final_logit_softcapping"] is not None:
+        config["final_logit_softcapping"] = f32(config["final_logit_softcapping"])
+    if any(moe):
+        config |= {"num_experts": _scalar(h, f"{a}.expert_count"),
+                   "top_k_experts": _scalar(h, f"{a}.expert_used_count"),
+                   "moe_intermediate_size": _scalar(h, f"{a}.expert_feed_forward_length")}
+    eos = config.get("eos_token_id")
+    eog = ([eos] if isinstance(eos, int) else []) + [t for t in _eog_ids(h) if t != eos]
+    if eog:
+        config["eos_token_id"] = eog if len(eog) > 1 else eog[0]
+    return config
+
+
+_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+}
+_PLE_GLOBAL = {
+    "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
+}
+_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_KV = {"attn_k.weight": "self_attn.k_proj.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+_PLE = {
+    "inp_gate.weight": "per_layer_input_gate.weight",
+    "proj.weight": "per_layer_projection.weight",
+    "post_norm.weight": "post_per_layer_input_norm.weight",
+}
+_MOE = {
+    "ffn_gate_inp.weight": "router.proj.weight",
+    "ffn_gate_inp.scale": "router.scale",
+    "ffn_down_exps.scale": "router.per_expert_scale",
+    "ffn_down_exps.weight": "experts.down_proj",
+    "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+    "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+    "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
+}
+
+
+def tensor_names(h: GGUFHeader, config: dict) -> dict[str, str]:
+    names = dict(_GLOBAL)
+    if not config["tie_word_embeddings"]:
+        names["output.weight"] = "lm_head.weight"
+    if config["hidden_size_per_layer_input"]:
+        names |= _PLE_GLOBAL
+    first_shared = config["num_hidden_layers"] - config["num_kv_shared_layers"]
+    for i in range(config["num_hidden_layers"]):
+        b, p = f"blk.{i}", f"model.layers.{i}"
+        layer = dict(_LAYER)
+        if i < first_shared:
+            layer |= _KV
+            if config["attention_k_eq_v"] is False or config["layer_types"][i] == SLIDING:
+                layer["attn_v.weight"] = "self_attn.v_proj.weight"
+        if config["hidden_size_per_layer_input"]:
+            layer |= _PLE
+        if config["enable_moe_block"]:
+            layer |= _MOE
+            if f"{b}.ffn_gate_up_exps.weight" in h.tensors:
+                layer["ffn_gate_up_exps.weight"] = "experts.gate_up_proj"
+            else:   # gate and up stacked apart: fused in ``finish``
+                layer |= {"ffn_gate_exps.weight": "experts.gate_stack", "ffn_up_exps.weight": "experts.up_stack"}
+        names |= {f"{b}.{g}": f"{p}.{t}" for g, t in layer.items()}
+        if f"{b}.layer_output_scale.weight" in h.tensors:
+            names[f"{b}.layer_output_scale.weight"] = f"{p}.layer_scalar"
+    return names
+
+
+def finish(tensors: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}.experts"
+        if f"{p}.gate_stack" in tensors:
+            gate, up = tensors.pop(f"{p}.gate_stack"), tensors.pop(f"{p}.up_stack")
+            tensors[f"{p}.gate_up_proj"] = torch.cat([gate, up], dim=1)
+    return tensors
+
+
+gguf.register(ARCH, GGUFArchitecture(
+    model_type="gemma4_text",
+    build_config=build_config,
+    layer_tensors={},
+    tensor_names=tensor_names,
+    finish=finish,
+))

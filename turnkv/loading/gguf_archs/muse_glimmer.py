@@ -1,0 +1,144 @@
+"""Muse Glimmer's text decoder (``muse-glimmer``) as llama.cpp's converter writes it
+(conversion/muse_glimmer.py, class MuseGlimmerModel; the vision tower goes to a separate mmproj
+file, which turnkv does not read).
+
+What the converter does and how it is undone here:
+
+- the four Gemma-2 block norms (``*layernorm.weight``) are stored as ``1 + w``: ``- 1`` here
+  (turnkv adds the 1 back: exact while ``1 + w`` lies in [0.5, 2]); the final norm is plain;
+- q/k are permuted from transformers' rotate-half layout to ggml's interleaved one, on every
+  layer: un-permuted here (a reorder of whole rows, so a Q8_0 file's blocks stay quantized);
+- ``qk_scale_factor`` is folded into synthesized QK-norm weights (``attn_q_norm`` = the factor
+  repeated, ``attn_k_norm`` = ones): the factor is read back from them (they must be uniform).
+
+Config values the GGUF does not hold are taken as llama.cpp's graph (src/models/muse-glimmer.cpp)
+takes them: RoPE on the sliding layers only (``sliding_window_pattern``), at
+``rope.freq_base_swa`` if present, else ``rope.freq_base``; the post-attention / post-FFN norms at
+eps 1e-8; the weightless embedding norm at ``layer_norm_rms_epsilon``; a SiLU-gated MLP.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ModelLoadError
+from ..gguf import GGUFArchitecture, GGUFHeader, _reverse_permute, _scalar, _token_ids, _vocab_size, register
+from .kimi_linear import f32, per_layer
+
+ARCH = "muse-glimmer"
+SLIDING, FULL = "sliding_attention", "full_attention"
+POST_NORM_EPS = 1e-8  # hard-coded in llama.cpp's graph, as transformers' default post_norm_eps
+
+
+def _config(h: GGUFHeader) -> dict:
+    a = ARCH
+    n = _scalar(h, f"{a}.block_count")
+    heads = _scalar(h, f"{a}.attention.head_count")
+    hidden = _scalar(h, f"{a}.embedding_length")
+    head_dim = _scalar(h, f"{a}.attention.key_length", hidden // heads)
+    if _scalar(h, f"{a}.rope.dimension_count", head_dim) != head_dim:
+        raise ModelLoadError(f"{h.path}: partial rotary dimensions are not supported for Muse Glimmer")
+    if f"{a}.rope.scaling.type" in h.metadata and h.metadata[f"{a}.rope.scaling.type"] not in ("none",):
+        raise ModelLoadError(f"{h.path}: rope scaling is not supported for Muse Glimmer")
+    sliding = per_layer(h, f"{a}.attention.sliding_window_pattern", n)
+    layer_types = [SLIDING if s else FULL for s in sliding]
+    theta = float(_scalar(h, f"{a}.rope.freq_base_swa", _scalar(h, f"{a}.rope.freq_base", 10000.0)))
+    cap = _scalar(h, f"{a}.final_logit_softcapping", None)
+    return {
+        "model_type": "muse_glimmer",
+        "architectures": ["MuseGlimmerForConditionalGeneration"],
+        "vocab_size": _vocab_size(h, a),
+        "hidden_size": hidden,
+        "intermediate_size": _scalar(h, f"{a}.feed_forward_length"),
+        "num_hidden_layers": n,
+        "num_attention_heads": heads,
+        "num_key_value_heads": _scalar(h, f"{a}.attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": f32(_scalar(h, f"{a}.attention.layer_norm_rms_epsilon")),
+        "post_norm_eps": POST_NORM_EPS,
+        "sliding_window": _scalar(h, f"{a}.attention.sliding_window"),
+        "layer_types": layer_types,
+        # RoPE on the sliding layers (llama.cpp: use_rope = is_swa(il)); one table for all of them
+        "layer_rope_theta": [theta if s else 0 for s in sliding],
+        "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "hidden_activation": "silu",
+        "attention_bias": "blk.0.attn_q.bias" in h.tensors,
+        "output_multiplier": f32(_scalar(h, f"{a}.logit_scale")),
+        "final_logit_softcapping": f32(cap) if cap else None,
+        "max_position_embeddings": _scalar(h, f"{a}.context_length", 4096),
+        "tie_word_embeddings": "output.weight" not in h.tensors,
+        **_token_ids(h),
+    }
+
+
+_LAYER = {
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_gate": "self_attn.gate_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BIASED = ("attn_q", "attn_k", "attn_v", "attn_output")
+
+
+def _tensor_names(h: GGUFHeader, config: dict) -> dict[str, str]:
+    names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
+    if "output.weight" in h.tensors:
+        names["output.weight"] = "lm_head.weight"
+    for i in range(config["num_hidden_layers"]):
+        for g, t in _LAYER.items():
+            names[f"blk.{i}.{g}.weight"] = f"model.layers.{i}.{t}.weight"
+        if config["attention_bias"]:
+            for g in _BIASED:
+                names[f"blk.{i}.{g}.bias"] = f"model.layers.{i}.{_LAYER[g]}.bias"
+    return names
+
+
+def _needs_transform(name: str) -> bool:
+    return name.endswith("layernorm.weight") or ".self_attn.q_proj." in name or ".self_attn.k_proj." in name
+
+
+def _transform(name: str, w: torch.Tensor, config: dict) -> torch.Tensor:
+    if name.endswith("layernorm.weight"):
+        return w - 1
+    if ".self_attn.q_proj." in name:
+        return _reverse_permute(w, config["num_attention_heads"])
+    if ".self_attn.k_proj." in name:
+        return _reverse_permute(w, config["num_key_value_heads"])
+    return w
+
+
+def _finish(t: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    factors = set()
+    for i in range(config["num_hidden_layers"]):
+        q, k = t.pop(f"model.layers.{i}.self_attn.q_norm.weight"), t.pop(f"model.layers.{i}.self_attn.k_norm.weight")
+        if not bool((k == 1).all()) or not bool((q == q[0]).all()):
+            raise ModelLoadError("Muse Glimmer GGUF: the QK-norm weights are not the converter's (uniform q "
+                                 "factor, unit k); trained QK-norm weights are not supported")
+        factors.add(float(q[0]))
+    if len(factors) != 1:
+        raise ModelLoadError(f"Muse Glimmer GGUF: the layers' query factors differ ({sorted(factors)})")
+    config["qk_scale_factor"] = f32(factors.pop())
+    return t
+
+
+register(ARCH, GGUFArchitecture(
+    model_type="muse_glimmer",
+    build_config=_config,
+    layer_tensors=_LAYER,
+    transform=_transform,
+    needs_transform=_needs_transform,
+    transform_permutes_rows=True,
+    tensor_names=_tensor_names,
+    finish=_finish,
+))
