@@ -7,7 +7,9 @@ families with 4 experts so it fits in memory and runs on 2 cores) plays a chat o
 model's own replies), with message boundaries as a chat template marks them. Turn by turn the same
 prompt goes to an engine with the prompt cache and to one without (the two runs alternate, so
 machine load hits both alike); the table gives TTFT of each and their ratio. Goal: turn 8 with the
-cache at most 20% of turn 8 without it, for every family, recurrent ones included.
+cache at most 20% of turn 8 without it, for every family, recurrent ones included. The summary
+also gives the prompt reused over turns 2+ (cached / prompt tokens) and that share of what was
+reusable (the prompt less each turn's newest user message, which no earlier turn has seen).
 
     python bench/families.py                                   # every family, default size
     python bench/families.py --families mamba2,lfm2 --layers 4 --hidden 512 --turns 4
@@ -271,6 +273,7 @@ class Turn:
     same: bool           # identical greedy tokens
     logit_diff: float    # max |first-token logits on - off| (float rounding: the cached run splits
                          # the prefill at other points)
+    reusable: int = 0    # the prompt less the newest user message: what an earlier turn computed
 
     @property
     def ratio(self) -> float:
@@ -306,7 +309,8 @@ def play(model, turns: int, seed: int = 0, on_turn: Callable[[int, Turn], None] 
         a: Result = on.generate(request(history, max_tokens))
         turn = Turn(a.usage.prompt_tokens, a.usage.cached_tokens, b.stats.ttft_ms, a.stats.ttft_ms,
                     a.stats.restore_ms, a.token_ids == b.token_ids,
-                    (a.first_logits - b.first_logits).abs().max().item())
+                    (a.first_logits - b.first_logits).abs().max().item(),
+                    reusable=sum(len(m) for m in history[:-1]) if t else 0)
         out.append(turn)
         if on_turn is not None:
             on_turn(t, turn)
@@ -328,13 +332,17 @@ TURN_HEADER = "  turn  prompt  cached  TTFT off  TTFT on  restore   ratio  token
 def summary(rows: list[tuple[str, str, int, list[Turn]]]) -> str:
     n = len(rows[0][3]) if rows else 0
     lines = [f"{'family':<17} {'layers':<54} {'params':>7} {f'T{n} off ms':>9} {f'T{n} on ms':>8} {'ratio':>6}  "
-             f"goal  tokens"]
+             f"goal  tokens  reuse T2+  of reusable"]
     for family, layers, params, turns in rows:
         last = turns[-1]
         ok = "ok" if last.ratio <= GOAL else "MISS"
         exact = "same" if all(t.same for t in turns) else "DIFFER"
+        later = turns[1:]
+        prompt, cached = sum(t.prompt_tokens for t in later), sum(t.cached_tokens for t in later)
+        reusable = sum(t.reusable for t in later)
+        reuse = f"{100 * cached / prompt:>8.1f}%  {100 * cached / reusable:>10.1f}%" if later else ""
         lines.append(f"{family:<17} {layers:<54} {params / 1e6:>6.0f}M {last.ttft_off_ms:>9.0f} "
-                     f"{last.ttft_on_ms:>8.0f} {100 * last.ratio:>5.1f}%  {ok:<4}  {exact}")
+                     f"{last.ttft_on_ms:>8.0f} {100 * last.ratio:>5.1f}%  {ok:<4}  {exact:<6}  {reuse}")
     return "\n".join(lines)
 
 

@@ -106,3 +106,19 @@ def test_gguf_tokenizer_matches_folder(family, tmp_path, monkeypatch):
     ckpt = load_checkpoint(FIXTURES / name / f"{name}-f32.gguf", progress=False)
     assert ckpt.tokenizer is not None
     assert ckpt.tokenizer.encode(TEXT) == hf_ckpt.tokenizer.encode(TEXT)
+
+
+def test_default_weight_format_follows_how_the_file_is_stored(tmp_path, monkeypatch):
+    """A GGUF stored quantized runs on its own blocks by default (when the kernels are built); one
+    stored in float32 has none to run on and loads native instead of failing."""
+    from turnkv.engine.engine import Engine
+    from turnkv.loading import gguf_runs_quantized
+    from turnkv.models.weights import native_kernels_built
+
+    monkeypatch.setenv("TURNKV_CACHE_DIR", str(tmp_path))
+    f32, q8 = FIXTURES / "llama" / "llama-f32.gguf", FIXTURES / "llama" / "llama-q8_0.gguf"
+    assert not gguf_runs_quantized(f32) and gguf_runs_quantized(q8)
+    assert not gguf_runs_quantized(FIXTURES / "llama" / "hf")
+    assert Engine.load(str(f32), weights=None, progress=False).weights == "native"
+    assert Engine.load(str(q8), weights=None, progress=False).weights == (
+        "gguf" if native_kernels_built() else "native")

@@ -88,16 +88,18 @@ class Engine:
              progress: bool = True, **kw) -> "Engine":
         """``weights``: a weight format of models/weights.py (packed formats quantize from the
         float32 checkpoint tensors, whatever the compute dtype; ``gguf`` keeps the GGUF's own
-        quantized blocks), or None for the default: ``gguf`` for a GGUF model of a family with
-        packable weights when the native kernels are built, else ``native``
+        quantized blocks), or None for the default: ``gguf`` for a GGUF model (stored quantized) of a
+        family with packable weights when the native kernels are built, else ``native``
         (``models.weights.default_format``)."""
-        from ..loading import load_checkpoint, source_kind
+        from ..loading import gguf_runs_quantized, load_checkpoint, source_kind
         from ..models import family_class
         from ..models.weights import GGUF_FORMAT, check_format, default_format, load_model
 
         if weights is None:
             kind, arch = source_kind(model)
-            weights = default_format(kind, family_class(arch)) if kind == "gguf" else "native"
+            weights = "native"
+            if kind == "gguf" and gguf_runs_quantized(model):     # a float-stored GGUF runs native
+                weights = default_format(kind, family_class(arch))
         check_format(weights)    # before the load; load_model checks the family can hold it
         ckpt = load_checkpoint(model, dtype=dtype if weights == "native" else torch.float32, progress=progress,
                                keep_quantized=weights == GGUF_FORMAT)

@@ -22,6 +22,7 @@ __all__ = [
     "StreamDecoder",
     "SUPPORTED_GGUF_ARCHITECTURES",
     "Tokenizer",
+    "gguf_runs_quantized",
     "load_checkpoint",
     "source_kind",
     "load_tokenizer",
@@ -104,6 +105,19 @@ def source_kind(model: str | os.PathLike) -> tuple[str, str | None]:
     from . import gguf
 
     return "gguf", gguf.architecture_of(gguf.read_header(src.path)).model_type
+
+
+def gguf_runs_quantized(model: str | os.PathLike) -> bool:
+    """Whether a bundled name or .gguf file has 2-D tensors in a quantization type turnkv's GGUF
+    kernels run (a GGUF stored in float has none: ``--weights gguf`` has nothing to run on)."""
+    src = _resolve(model)
+    if src.kind != "gguf":
+        return False
+    from . import gguf
+
+    header = gguf.read_header(src.path)
+    return any(len(t.shape) == 2 and t.qtype not in gguf.FLOAT_TYPES and gguf.gguf_kernel_supports(t.qtype)
+               for t in header.tensors.values())
 
 
 def load_checkpoint(model: str | os.PathLike, dtype: torch.dtype = torch.float32, progress: bool = True,
