@@ -19,6 +19,7 @@ import os
 import struct
 import sys
 from dataclasses import dataclass, field
+from importlib import import_module
 from pathlib import Path
 from typing import Any, Callable
 
@@ -406,6 +407,35 @@ def _rope_scaling(h: GGUFHeader, arch: str) -> dict | None:
     raise ModelLoadError(f"{h.path}: rope scaling type '{kind}' is not supported")
 
 
+def _default_rope(h: GGUFHeader, arch: str, rope_theta: float, **extra: Any) -> dict:
+    """rope_parameters: default RoPE at ``rope_theta`` (with ``extra``, e.g. a partial rotary
+    factor), updated by the file's linear scaling if it has one."""
+    rope = {"rope_type": "default", "rope_theta": rope_theta, **extra}
+    if scaling := _rope_scaling(h, arch):
+        rope.update(scaling)
+    return rope
+
+
+def _llama_style_config(h: GGUFHeader, arch: str, *, model_type: str, architecture: str, layers: int, hidden: int,
+                        heads: int, head_dim: int, context: int, eps: float) -> dict:
+    """The leading entries of a plain pre-norm SwiGLU decoder's config (llama and the families
+    written with its key set): the caller appends its rope, window and token entries."""
+    return {
+        "model_type": model_type,
+        "architectures": [architecture],
+        "vocab_size": _vocab_size(h, arch),
+        "hidden_size": hidden,
+        "intermediate_size": _scalar(h, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": _scalar(h, f"{arch}.attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": context,
+        "rms_norm_eps": _scalar(h, f"{arch}.attention.layer_norm_rms_epsilon", eps),
+    }
+
+
 def _llama_config(h: GGUFHeader) -> dict:
     a = "llama"
     if "rope_freqs.weight" in h.tensors:
@@ -413,24 +443,13 @@ def _llama_config(h: GGUFHeader) -> dict:
     hidden = _scalar(h, f"{a}.embedding_length")
     heads = _scalar(h, f"{a}.attention.head_count")
     rope_theta = float(_scalar(h, f"{a}.rope.freq_base", 10000.0))
-    rope = {"rope_theta": rope_theta, "rope_type": "default"}
-    if scaling := _rope_scaling(h, a):
-        rope.update(scaling)
     return {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": _vocab_size(h, a),
-        "hidden_size": hidden,
-        "intermediate_size": _scalar(h, f"{a}.feed_forward_length"),
-        "num_hidden_layers": _scalar(h, f"{a}.block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": _scalar(h, f"{a}.attention.head_count_kv", heads),
-        "head_dim": _scalar(h, f"{a}.rope.dimension_count", hidden // heads),
-        "hidden_act": "silu",
-        "max_position_embeddings": _scalar(h, f"{a}.context_length", 2048),
-        "rms_norm_eps": _scalar(h, f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
+        **_llama_style_config(
+            h, a, model_type="llama", architecture="LlamaForCausalLM", layers=_scalar(h, f"{a}.block_count"),
+            hidden=hidden, heads=heads, head_dim=_scalar(h, f"{a}.rope.dimension_count", hidden // heads),
+            context=_scalar(h, f"{a}.context_length", 2048), eps=1e-6),
         "rope_theta": rope_theta,
-        "rope_parameters": rope,
+        "rope_parameters": _default_rope(h, a, rope_theta),
         "attention_bias": "blk.0.attn_q.bias" in h.tensors,
         "mlp_bias": False,
         "tie_word_embeddings": "output.weight" not in h.tensors,
@@ -463,9 +482,7 @@ def _gemma3_config(h: GGUFHeader) -> dict:
     head_dim = _scalar(h, f"{a}.attention.key_length", 256)
     pattern = GEMMA3_SLIDING_WINDOW_PATTERN
     rope_theta = float(_scalar(h, f"{a}.rope.freq_base", 1_000_000.0))
-    full_rope = {"rope_type": "default", "rope_theta": rope_theta}
-    if scaling := _rope_scaling(h, a):
-        full_rope.update(scaling)  # Gemma 3 scales the global layers' rope only
+    full_rope = _default_rope(h, a, rope_theta)  # Gemma 3 scales the global layers' rope only
     return {
         "model_type": "gemma3_text",
         "architectures": ["Gemma3ForCausalLM"],
@@ -508,32 +525,32 @@ def _gemma_transform(name: str, w: torch.Tensor, config: dict) -> torch.Tensor:
     return w - 1 if _is_norm(name) else w
 
 
-_LLAMA_LAYER = {
-    "attn_norm": "input_layernorm",
+# Per-layer tensor names llama.cpp's converters share across families (blk.{i}.<gguf> ->
+# model.layers.{i}.<transformers>), for building each family's layer table.
+ATTN_PROJ_TENSORS = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+}
+QK_NORM_TENSORS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+GATED_MLP_TENSORS = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+_LLAMA_LAYER = {
+    "attn_norm": "input_layernorm",
+    **ATTN_PROJ_TENSORS,
     "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    **GATED_MLP_TENSORS,
 }
 
 _GEMMA3_LAYER = {
     "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
+    **ATTN_PROJ_TENSORS,
+    **QK_NORM_TENSORS,
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    **GATED_MLP_TENSORS,
 }
 
 # GGUF general.architecture -> how to load it. llama and gemma3 are here; the other families
@@ -593,7 +610,7 @@ def tensor_name_map(h: GGUFHeader, arch: GGUFArchitecture, config: dict) -> dict
 
 
 def architecture_of(h: GGUFHeader) -> GGUFArchitecture:
-    from . import gguf_archs  # noqa: F401  (registers the other families)
+    import_module(".gguf_archs", __package__)  # registers the other families
 
     arch = h.architecture
     spec = SUPPORTED_GGUF_ARCHITECTURES.get(arch)

@@ -22,53 +22,28 @@ What the file holds and how llama.cpp reads it, which is what this loader rebuil
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from .. import gguf
 from ..errors import ModelLoadError
-from ..gguf import GGUFArchitecture, GGUFHeader, _rope_scaling, _scalar, _token_ids, _vocab_size
+from ..gguf import (ATTN_PROJ_TENSORS, GATED_MLP_TENSORS, QK_NORM_TENSORS, GGUFArchitecture, GGUFHeader,
+                    _default_rope, _scalar, _token_ids, _vocab_size)
+from .common import (SIGMOID, attention_shape, check_full_rotary, f32, fuse_gate_up, moe_decoder_names, rope_base,
+                     swa_layers)
 
 ARCH = "afmoe"
+NAME = "AFMoE"
 NO_ROPE_LAYER_STEP = 4   # llama.cpp's llama_hparams::n_no_rope_layer_step, not read from the file
 DEFAULT_SWA_PERIOD = 4   # load_swa_pattern(ml, 4)
-SIGMOID = 2              # LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
-
-
-def f32(value: float) -> float:
-    """A float32 metadata value as the shortest decimal that rounds to it (1e-05, not
-    9.99999974e-06): what the HF config held."""
-    return float(str(np.float32(value)))
-
-
-def _swa_layers(h: GGUFHeader, n: int) -> list[bool]:
-    """llama.cpp's is_swa per layer (load_swa_pattern, set_swa_pattern with dense_first=false)."""
-    pattern = h.metadata.get(f"{ARCH}.attention.sliding_window_pattern", DEFAULT_SWA_PERIOD)
-    if isinstance(pattern, list):
-        if len(pattern) != n:
-            raise ModelLoadError(f"{h.path}: sliding_window_pattern has {len(pattern)} entries for {n} layers")
-        return [bool(v) for v in pattern]
-    if not isinstance(pattern, int):
-        raise ModelLoadError(f"{h.path}: unreadable sliding_window_pattern {pattern!r}")
-    return [pattern == 0 or i % pattern < pattern - 1 for i in range(n)]
 
 
 def build_config(h: GGUFHeader) -> dict:
     a = ARCH
     layers = _scalar(h, f"{a}.block_count")
-    hidden = _scalar(h, f"{a}.embedding_length")
-    heads = _scalar(h, f"{a}.attention.head_count")
-    head_dim = _scalar(h, f"{a}.attention.key_length", hidden // heads)
-    if _scalar(h, f"{a}.attention.value_length", head_dim) != head_dim:
-        raise ModelLoadError(f"{h.path}: AFMoE with different key and value head sizes is not supported")
-    if _scalar(h, f"{a}.rope.dimension_count", head_dim) != head_dim:
-        raise ModelLoadError(f"{h.path}: AFMoE with a partial rotary dimension is not supported")
-    rope_theta = float(_scalar(h, f"{a}.rope.freq_base", 10000.0))
-    if float(h.metadata.get(f"{a}.rope.freq_base_swa", rope_theta)) != rope_theta:
-        raise ModelLoadError(f"{h.path}: AFMoE with its own sliding-layer rope base is not supported")
-    rope = {"rope_type": "default", "rope_theta": rope_theta}
-    if scaling := _rope_scaling(h, a):
-        rope.update(scaling)
+    hidden, heads, head_dim = attention_shape(h, a, NAME)
+    check_full_rotary(h, a, head_dim, NAME)
+    rope_theta = rope_base(h, a, 10000.0, NAME)
+    rope = _default_rope(h, a, rope_theta)
     if h.metadata.get(f"{a}.expert_gating_func", SIGMOID) != SIGMOID:
         raise ModelLoadError(f"{h.path}: AFMoE scores experts with a sigmoid; this file names another function")
     if not h.metadata.get(f"{a}.expert_weights_norm", False):
@@ -82,7 +57,7 @@ def build_config(h: GGUFHeader) -> dict:
 
     window = h.metadata.get(f"{a}.attention.sliding_window") or None
     rotated = [(i + 1) % NO_ROPE_LAYER_STEP != 0 for i in range(layers)]
-    if window is not None and _swa_layers(h, layers) != rotated:
+    if window is not None and swa_layers(h, a, layers, DEFAULT_SWA_PERIOD) != rotated:
         raise ModelLoadError(
             f"{h.path}: llama.cpp would run this AFMoE with sliding layers that differ from its RoPE "
             f"layers (every {NO_ROPE_LAYER_STEP}th layer NoPE); turnkv's AFMoE ties the two"
@@ -127,50 +102,27 @@ _ATTN = {
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_mlp_layernorm",
     "post_ffw_norm": "post_mlp_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
+    **ATTN_PROJ_TENSORS,
     "attn_gate": "self_attn.gate_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
+    **QK_NORM_TENSORS,
 }
-_DENSE = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _MOE = {
     "ffn_gate_inp": "mlp.router.gate",
     "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
     "ffn_up_shexp": "mlp.shared_experts.up_proj",
     "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
-# stacked [E, ...] experts: held under these names until ``finish`` fuses gate and up
-_EXPERTS = {"ffn_gate_exps": "mlp.experts.gate_stack", "ffn_up_exps": "mlp.experts.up_stack",
-            "ffn_down_exps": "mlp.experts.down_proj"}
-_BIASED = ("attn_q", "attn_k", "attn_v", "attn_output")
 
 
 def tensor_names(h: GGUFHeader, config: dict) -> dict[str, str]:
-    names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
-    if not config["tie_word_embeddings"]:
-        names["output.weight"] = "lm_head.weight"
-    for i in range(config["num_hidden_layers"]):
-        b, p = f"blk.{i}", f"model.layers.{i}"
-        dense = i < config["num_dense_layers"]
-        for g, t in (_ATTN | (_DENSE if dense else _MOE)).items():
-            names[f"{b}.{g}.weight"] = f"{p}.{t}.weight"
-        if config["attention_bias"]:
-            names.update({f"{b}.{g}.bias": f"{p}.{_ATTN[g]}.bias" for g in _BIASED})
-        if not dense:
-            names[f"{b}.exp_probs_b.bias"] = f"{p}.mlp.expert_bias"
-            names.update({f"{b}.{g}.weight": f"{p}.{t}" for g, t in _EXPERTS.items()})
-    return names
+    biased = ATTN_PROJ_TENSORS if config["attention_bias"] else ()
+    return moe_decoder_names(h, config["num_hidden_layers"], config["num_dense_layers"], _ATTN, GATED_MLP_TENSORS,
+                             _MOE, "mlp.expert_bias", biased)
 
 
 def finish(tensors: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
     """Gate and up experts fused as transformers holds them in memory ([E, 2I, H])."""
-    for i in range(config["num_dense_layers"], config["num_hidden_layers"]):
-        p = f"model.layers.{i}.mlp.experts"
-        gate, up = tensors.pop(f"{p}.gate_stack"), tensors.pop(f"{p}.up_stack")
-        tensors[f"{p}.gate_up_proj"] = torch.cat([gate, up], dim=1)
+    fuse_gate_up(tensors)
     return tensors
 
 

@@ -2,8 +2,8 @@
 ``bailingmoe3``, converted by conversion/bailingmoe3.py's BailingMoeV3ForCausalLM class (its example
 checkpoint is inclusionAI/Ling-3.0-flash, the one transformers' BailingHybridConfig documents).
 
-What the converter does and how it is undone here (the KDA and MLA parts as Kimi Linear's, see
-kimi_linear.py beside this file):
+What the converter does and how it is undone here (the KDA and MLA parts as Kimi Linear's, read by
+kda_mla.py beside this file):
 
 - the layer kind is in ``attention.head_count_kv``: 0 on KDA layers, 1 on MLA layers; MTP layers
   (``nextn_predict_layers``) follow the ``block_count - nextn_predict_layers`` decoder layers and are
@@ -28,10 +28,15 @@ import torch
 
 from ..errors import ModelLoadError
 from ..gguf import GGUFArchitecture, GGUFHeader, _scalar, _token_ids, _vocab_size, register
-from .kimi_linear import dense_map, f32, fuse_kv_b, globals_map, mla_config, mla_map, moe_config, moe_map, per_layer
+from .common import f32, fuse_gate_up, per_layer
+from .kda_mla import FULL, LINEAR, finish_attention, hybrid_names, mla_config, moe_config
 
 ARCH = "bailingmoe3"
-LINEAR, FULL = "linear_attention", "full_attention"
+# KDA tensors beyond q/k/v and their convolutions: gguf suffix -> name under self_attn
+_KDA = {"ssm_f_a.weight": "forget_gate.f_proj.weight", "ssm_g_a.weight": "g_proj.weight",
+        "ssm_beta.weight": "b_proj.weight", "ssm_a": "forget_gate.exp_A_log",
+        "ssm_dt.bias": "forget_gate.dt_bias", "ssm_norm.weight": "o_norm.weight"}
+_MLA_GATE = {"attn_gate.weight": "g_proj.weight"}   # MLA's head gate
 
 
 def _config(h: GGUFHeader) -> dict:
@@ -85,40 +90,14 @@ def _config(h: GGUFHeader) -> dict:
 
 
 def _tensor_names(h: GGUFHeader, config: dict) -> dict[str, str]:
-    names = globals_map(h, config)
-    for i, kind in enumerate(config["layer_types"]):
-        b, p = f"blk.{i}", f"model.layers.{i}"
-        a = f"{p}.self_attn"
-        names |= {f"{b}.attn_norm.weight": f"{p}.input_layernorm.weight",
-                  f"{b}.ffn_norm.weight": f"{p}.post_attention_layernorm.weight",
-                  f"{b}.attn_output.weight": f"{a}.o_proj.weight"}
-        if kind == LINEAR:
-            names |= {f"{b}.attn_{x}.weight": f"{a}.{x}_proj.weight" for x in "qkv"}
-            names |= {f"{b}.ssm_conv1d_{x}.weight": f"{a}.{x}_conv1d.weight" for x in "qkv"}
-            names |= {f"{b}.ssm_f_a.weight": f"{a}.forget_gate.f_proj.weight",
-                      f"{b}.ssm_g_a.weight": f"{a}.g_proj.weight",
-                      f"{b}.ssm_beta.weight": f"{a}.b_proj.weight", f"{b}.ssm_a": f"{a}.forget_gate.exp_A_log",
-                      f"{b}.ssm_dt.bias": f"{a}.forget_gate.dt_bias", f"{b}.ssm_norm.weight": f"{a}.o_norm.weight"}
-        else:
-            names |= mla_map(h, b, a)
-            names[f"{b}.attn_gate.weight"] = f"{a}.g_proj.weight"
-        if i < config["first_k_dense_replace"]:
-            names |= dense_map(b, f"{p}.mlp")
-        else:
-            names |= moe_map(b, f"{p}.mlp", "experts", "gate", "e_score_correction_bias")
-    return names
+    return hybrid_names(h, config, _KDA, "mlp", _MLA_GATE)
 
 
 def _finish(t: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
-    k = config["linear_conv_kernel_dim"]
-    for name in [n for n in t if n.endswith("_conv1d.weight")]:
-        t[name] = t[name].reshape(-1, 1, k)           # [1, d, 1, K] -> the checkpoint's [d, 1, K]
-    fuse_kv_b(t)
-    for name in [n for n in t if n.endswith(".experts.gate_exps")]:
-        p = name[: -len(".gate_exps")]
-        gate, up = t.pop(f"{p}.gate_exps"), t.pop(f"{p}.up_exps")
-        t[f"{p}.gate_up_proj"] = torch.cat([gate, up], dim=1)   # [E, 2 * I, H], transformers' layout
-        t[f"{p}.down_proj"] = t.pop(f"{p}.down_exps")
+    finish_attention(t, config)
+    fuse_gate_up(t, "gate_exps", "up_exps")   # [E, 2 * I, H], transformers' layout
+    for name in [n for n in t if n.endswith(".experts.down_exps")]:
+        t[name[: -len("down_exps")] + "down_proj"] = t.pop(name)
     return t
 
 

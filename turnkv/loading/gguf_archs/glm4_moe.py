@@ -27,30 +27,25 @@ import torch
 
 from .. import gguf
 from ..errors import ModelLoadError
-from ..gguf import GGUFArchitecture, GGUFHeader, _rope_scaling, _scalar, _token_ids, _vocab_size
-from .gpt_oss import f32, stop_ids, uniform
+from ..gguf import (ATTN_PROJ_TENSORS, GATED_MLP_TENSORS, QK_NORM_TENSORS, GGUFArchitecture, GGUFHeader,
+                    _default_rope, _scalar, _token_ids, _vocab_size)
+from .common import SIGMOID, attention_shape, f32, fuse_gate_up, moe_decoder_names, stop_ids, uniform
 
 ARCH = "glm4moe"
-SIGMOID = 2   # LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+NAME = "GLM-4 MoE"
 
 
 def build_config(h: GGUFHeader) -> dict:
     a = ARCH
     nextn = _scalar(h, f"{a}.nextn_predict_layers", 0)
     layers = _scalar(h, f"{a}.block_count") - nextn
-    hidden = _scalar(h, f"{a}.embedding_length")
-    heads = _scalar(h, f"{a}.attention.head_count")
-    head_dim = _scalar(h, f"{a}.attention.key_length", hidden // heads)
-    if _scalar(h, f"{a}.attention.value_length", head_dim) != head_dim:
-        raise ModelLoadError(f"{h.path}: GLM-4 MoE with different key and value head sizes is not supported")
+    hidden, heads, head_dim = attention_shape(h, a, NAME)
     if any(h.metadata.get(f"{a}.rope.dimension_sections") or ()):
         raise ModelLoadError(f"{h.path}: GLM-4 MoE with M-RoPE sections (the vision variant) is not supported")
     rotary = _scalar(h, f"{a}.rope.dimension_count", head_dim // 2)
     rope_theta = float(_scalar(h, f"{a}.rope.freq_base", 10000.0))
     partial = rotary / head_dim
-    rope = {"rope_type": "default", "rope_theta": rope_theta, "partial_rotary_factor": partial}
-    if scaling := _rope_scaling(h, a):
-        rope.update(scaling)
+    rope = _default_rope(h, a, rope_theta, partial_rotary_factor=partial)
     if h.metadata.get(f"{a}.expert_gating_func", SIGMOID) not in (0, SIGMOID):   # 0: none -> sigmoid
         raise ModelLoadError(f"{h.path}: GLM-4 MoE scores experts with a sigmoid; this file names another function")
     shared = _scalar(h, f"{a}.expert_shared_count")
@@ -94,49 +89,29 @@ def build_config(h: GGUFHeader) -> dict:
 _ATTN = {
     "attn_norm": "input_layernorm",
     "post_attention_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
+    **ATTN_PROJ_TENSORS,
 }
-_QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-_DENSE = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _MOE = {
     "ffn_gate_inp": "mlp.gate",
     "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
     "ffn_up_shexp": "mlp.shared_experts.up_proj",
     "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
-# stacked [E, ...] experts: held under these names until ``finish`` fuses gate and up
-_EXPERTS = {"ffn_gate_exps": "mlp.experts.gate_stack", "ffn_up_exps": "mlp.experts.up_stack",
-            "ffn_down_exps": "mlp.experts.down_proj"}
 _BIASED = ("attn_q", "attn_k", "attn_v")   # o_proj has no bias
 
 
 def tensor_names(h: GGUFHeader, config: dict) -> dict[str, str]:
-    names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
-    if not config["tie_word_embeddings"]:
-        names["output.weight"] = "lm_head.weight"
-    for i in range(config["num_hidden_layers"]):   # the MTP blocks after these are left unread
-        b, p = f"blk.{i}", f"model.layers.{i}"
-        dense = i < config["first_k_dense_replace"]
-        layer = _ATTN | (_QK_NORM if config["use_qk_norm"] else {}) | (_DENSE if dense else _MOE)
-        names.update({f"{b}.{g}.weight": f"{p}.{t}.weight" for g, t in layer.items()})
-        if config["attention_bias"]:
-            names.update({f"{b}.{g}.bias": f"{p}.{_ATTN[g]}.bias" for g in _BIASED})
-        if not dense:
-            names[f"{b}.exp_probs_b.bias"] = f"{p}.mlp.gate.e_score_correction_bias"
-            names.update({f"{b}.{g}.weight": f"{p}.{t}" for g, t in _EXPERTS.items()})
-    return names
+    # the MTP blocks after the num_hidden_layers decoder blocks are left unread
+    attn = _ATTN | (QK_NORM_TENSORS if config["use_qk_norm"] else {})
+    biased = _BIASED if config["attention_bias"] else ()
+    return moe_decoder_names(h, config["num_hidden_layers"], config["first_k_dense_replace"], attn,
+                             GATED_MLP_TENSORS, _MOE, "mlp.gate.e_score_correction_bias", biased)
 
 
 def finish(tensors: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
     """Gate and up experts fused as transformers holds them in memory ([E, 2I, H]); down stays
     [E, H, I]."""
-    for i in range(config["first_k_dense_replace"], config["num_hidden_layers"]):
-        p = f"model.layers.{i}.mlp.experts"
-        gate, up = tensors.pop(f"{p}.gate_stack"), tensors.pop(f"{p}.up_stack")
-        tensors[f"{p}.gate_up_proj"] = torch.cat([gate, up], dim=1)
+    fuse_gate_up(tensors)
     return tensors
 
 

@@ -28,86 +28,18 @@ What the file holds and how llama.cpp reads it, which is what this loader rebuil
 
 from __future__ import annotations
 
-import struct
-
-import numpy as np
 import torch
 
 from .. import gguf
 from ..errors import ModelLoadError
-from ..gguf import GGUFArchitecture, GGUFArray, GGUFHeader, _open_mmap, _scalar, _token_ids, _vocab_size
+from ..gguf import GGUFArchitecture, GGUFHeader, _scalar, _token_ids, _vocab_size
+from .common import attention_shape, check_full_rotary, f32, global_names, rope_base, stop_ids, swa_layers, uniform
 
 ARCH = "gpt-oss"
+NAME = "gpt-oss"
 DEFAULT_SWA_PERIOD = 2   # load_swa_pattern(ml, 2) in openai-moe.cpp
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0   # llama-graph.cpp LLM_FFN_SWIGLU_OAI_MOE
 STOP_TEXTS = ("<|return|>", "<|call|>", "<|endoftext|>")
-
-
-def f32(value: float) -> float:
-    """A float32 metadata value as the shortest decimal that rounds to it (1e-05, not
-    9.99999974e-06): what the HF config held."""
-    return float(str(np.float32(value)))
-
-
-def swa_layers(h: GGUFHeader, arch: str, n: int, period: int) -> list[bool]:
-    """llama.cpp's is_swa per layer (load_swa_pattern, set_swa_pattern with dense_first=false)."""
-    pattern = h.metadata.get(f"{arch}.attention.sliding_window_pattern", period)
-    if isinstance(pattern, list):
-        if len(pattern) < n:
-            raise ModelLoadError(f"{h.path}: sliding_window_pattern has {len(pattern)} entries for {n} layers")
-        return [bool(v) for v in pattern[:n]]
-    if not isinstance(pattern, int):
-        raise ModelLoadError(f"{h.path}: unreadable sliding_window_pattern {pattern!r}")
-    return [pattern == 0 or i % pattern < pattern - 1 for i in range(n)]
-
-
-def token_ids_of(h: GGUFHeader, texts) -> list[int]:
-    """Ids of the vocabulary entries spelled exactly as one of ``texts`` (tokenizer.ggml.tokens is
-    left unparsed by the header reader when long; this walks it in the file)."""
-    tokens = h.metadata.get("tokenizer.ggml.tokens")
-    wanted = {t.encode() for t in texts}
-    if isinstance(tokens, list):
-        return [i for i, t in enumerate(tokens) if t.encode() in wanted]
-    if not isinstance(tokens, GGUFArray):
-        return []
-    longest = max(len(w) for w in wanted)
-    buf, _ = _open_mmap(h.path)
-    try:
-        found, pos, unpack = [], tokens.offset, struct.Struct("<Q").unpack_from
-        for i in range(tokens.count):
-            n = unpack(buf, pos)[0]
-            if n <= longest and buf[pos + 8:pos + 8 + n] in wanted:
-                found.append(i)
-            pos += 8 + n
-        return found
-    finally:
-        buf.close()
-
-
-def stop_ids(h: GGUFHeader, config: dict, texts=()) -> None:
-    """config["eos_token_id"]: the file's eos, then its eot / eom ids and the vocabulary's ``texts``
-    (llama.cpp's end-of-generation set), as a list when more than one."""
-    eos = config.get("eos_token_id")
-    ids = [eos] if isinstance(eos, int) else []
-    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        if isinstance(h.metadata.get(key), int):
-            ids.append(h.metadata[key])
-    if texts:
-        ids += token_ids_of(h, texts)
-    ids = list(dict.fromkeys(ids))
-    if ids:
-        config["eos_token_id"] = ids if len(ids) > 1 else ids[0]
-
-
-def uniform(h: GGUFHeader, key: str, n: int, default=...):
-    """A key llama.cpp reads with get_key_or_arr: a scalar, or one value per layer (all equal here)."""
-    value = h.get(key, default)
-    if isinstance(value, list):
-        values = set(value[:n])
-        if len(values) != 1:
-            raise ModelLoadError(f"{h.path}: per-layer values for '{key}' ({value}) are not supported")
-        return values.pop()
-    return _scalar(h, key, default)
 
 
 def yarn_rope(h: GGUFHeader, arch: str, rope_theta: float, truncate: bool) -> dict:
@@ -143,16 +75,9 @@ def yarn_rope(h: GGUFHeader, arch: str, rope_theta: float, truncate: bool) -> di
 def build_config(h: GGUFHeader) -> dict:
     a = ARCH
     layers = _scalar(h, f"{a}.block_count")
-    hidden = _scalar(h, f"{a}.embedding_length")
-    heads = _scalar(h, f"{a}.attention.head_count")
-    head_dim = _scalar(h, f"{a}.attention.key_length", hidden // heads)
-    if _scalar(h, f"{a}.attention.value_length", head_dim) != head_dim:
-        raise ModelLoadError(f"{h.path}: gpt-oss with different key and value head sizes is not supported")
-    if _scalar(h, f"{a}.rope.dimension_count", head_dim) != head_dim:
-        raise ModelLoadError(f"{h.path}: gpt-oss with a partial rotary dimension is not supported")
-    rope_theta = float(_scalar(h, f"{a}.rope.freq_base", 150000.0))
-    if float(h.metadata.get(f"{a}.rope.freq_base_swa", rope_theta)) != rope_theta:
-        raise ModelLoadError(f"{h.path}: gpt-oss with its own sliding-layer rope base is not supported")
+    hidden, heads, head_dim = attention_shape(h, a, NAME)
+    check_full_rotary(h, a, head_dim, NAME)
+    rope_theta = rope_base(h, a, 150000.0, NAME)
     rope = yarn_rope(h, a, rope_theta, truncate=False)
     window = _scalar(h, f"{a}.attention.sliding_window")   # required by llama.cpp too
     sliding = swa_layers(h, a, layers, DEFAULT_SWA_PERIOD)
@@ -207,9 +132,7 @@ _BIASED = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v":
 
 
 def tensor_names(h: GGUFHeader, config: dict) -> dict[str, str]:
-    names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
-    if not config["tie_word_embeddings"]:
-        names["output.weight"] = "lm_head.weight"
+    names = global_names(h)
     for i in range(config["num_hidden_layers"]):
         b, p = f"blk.{i}", f"model.layers.{i}"
         names.update({f"{b}.{g}": f"{p}.{t}" for g, t in _LAYER.items()})

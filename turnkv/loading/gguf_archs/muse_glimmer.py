@@ -22,10 +22,12 @@ from __future__ import annotations
 import torch
 
 from ..errors import ModelLoadError
-from ..gguf import GGUFArchitecture, GGUFHeader, _reverse_permute, _scalar, _token_ids, _vocab_size, register
-from .kimi_linear import f32, per_layer
+from ..gguf import (ATTN_PROJ_TENSORS, GATED_MLP_TENSORS, QK_NORM_TENSORS, GGUFArchitecture, GGUFHeader,
+                    _reverse_permute, _scalar, _token_ids, _vocab_size, register)
+from .common import attention_shape, check_full_rotary, f32, global_names, layer_biases, layer_weights, per_layer
 
 ARCH = "muse-glimmer"
+NAME = "Muse Glimmer"
 SLIDING, FULL = "sliding_attention", "full_attention"
 POST_NORM_EPS = 1e-8  # hard-coded in llama.cpp's graph, as transformers' default post_norm_eps
 
@@ -33,11 +35,8 @@ POST_NORM_EPS = 1e-8  # hard-coded in llama.cpp's graph, as transformers' defaul
 def _config(h: GGUFHeader) -> dict:
     a = ARCH
     n = _scalar(h, f"{a}.block_count")
-    heads = _scalar(h, f"{a}.attention.head_count")
-    hidden = _scalar(h, f"{a}.embedding_length")
-    head_dim = _scalar(h, f"{a}.attention.key_length", hidden // heads)
-    if _scalar(h, f"{a}.rope.dimension_count", head_dim) != head_dim:
-        raise ModelLoadError(f"{h.path}: partial rotary dimensions are not supported for Muse Glimmer")
+    hidden, heads, head_dim = attention_shape(h, a, NAME)
+    check_full_rotary(h, a, head_dim, NAME)
     if f"{a}.rope.scaling.type" in h.metadata and h.metadata[f"{a}.rope.scaling.type"] not in ("none",):
         raise ModelLoadError(f"{h.path}: rope scaling is not supported for Muse Glimmer")
     sliding = per_layer(h, f"{a}.attention.sliding_window_pattern", n)
@@ -77,30 +76,20 @@ _LAYER = {
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
+    **ATTN_PROJ_TENSORS,
     "attn_gate": "self_attn.gate_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    **QK_NORM_TENSORS,
+    **GATED_MLP_TENSORS,
 }
-_BIASED = ("attn_q", "attn_k", "attn_v", "attn_output")
 
 
 def _tensor_names(h: GGUFHeader, config: dict) -> dict[str, str]:
-    names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
-    if "output.weight" in h.tensors:
-        names["output.weight"] = "lm_head.weight"
+    names = global_names(h)
     for i in range(config["num_hidden_layers"]):
-        for g, t in _LAYER.items():
-            names[f"blk.{i}.{g}.weight"] = f"model.layers.{i}.{t}.weight"
+        b, p = f"blk.{i}", f"model.layers.{i}"
+        names |= layer_weights(b, p, _LAYER)
         if config["attention_bias"]:
-            for g in _BIASED:
-                names[f"blk.{i}.{g}.bias"] = f"model.layers.{i}.{_LAYER[g]}.bias"
+            names |= layer_biases(b, p, _LAYER, ATTN_PROJ_TENSORS)
     return names
 
 
