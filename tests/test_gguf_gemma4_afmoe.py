@@ -19,6 +19,7 @@ from turnkv.loading import load_checkpoint
 from turnkv.loading.errors import ModelLoadError
 from turnkv.loading.gguf import read_header
 from turnkv.loading.gguf_archs import afmoe, gemma4
+from turnkv.loading.gguf_archs.common import token_ids_of
 from turnkv.models import family_class
 from turnkv.models.weights import load_model
 
@@ -71,12 +72,12 @@ def test_gemma4_refuses_a_sliding_last_layer():
 def test_gemma4_end_of_generation_ids_read_from_a_lazy_vocabulary(monkeypatch):
     # real Gemma 4 vocabularies (262k tokens) stay unparsed in the header (GGUFArray): the ids of
     # llama.cpp's end-of-generation tokens are found by walking the array in the file
-    listed = gemma4._eog_ids(read_header(GEMMA4), ("<s>", "</s>"))
+    listed = token_ids_of(read_header(GEMMA4), ("<s>", "</s>"))
     monkeypatch.setattr(gguf, "_LAZY_ARRAY_MIN", 100)
     lazy = read_header(GEMMA4)
     assert isinstance(lazy.metadata["tokenizer.ggml.tokens"], gguf.GGUFArray)
-    assert gemma4._eog_ids(lazy, ("<s>", "</s>")) == listed == [1, 2]
-    assert gemma4._eog_ids(lazy) == []   # the byte-level test vocabulary has none of Gemma 4's
+    assert token_ids_of(lazy, ("<s>", "</s>")) == listed == [1, 2]
+    assert token_ids_of(lazy, gemma4.EOG_TEXTS) == []   # the byte-level test vocabulary has none of Gemma 4's
 
 
 def test_afmoe_config_equals_the_hf_folder():

@@ -4,7 +4,9 @@ Each module reads llama.cpp's layout for its family (the names, metadata keys an
 transforms `convert_hf_to_gguf.py` writes) and calls ``turnkv.loading.gguf.register`` with a
 ``GGUFArchitecture``: a config builder (GGUF metadata -> the transformers config the family's
 ``from_checkpoint`` takes), the tensor names and the inverse of the converter's transforms.
-tests/test_gguf_families.py checks each against a fixture the real converter wrote.
+tests/test_gguf_families.py checks each against a fixture the real converter wrote. What several
+families share lives in ``common.py`` (and ``kda_mla.py`` for the two KDA/MLA hybrids), never in
+another family's module.
 """
 
 from importlib import import_module

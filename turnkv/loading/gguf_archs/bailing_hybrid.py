@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import ModelLoadError
-from ..gguf import GGUFArchitecture, GGUFHeader, _scalar, _token_ids, _vocab_size, register
+from ..gguf import GGUFArchitecture, GGUFHeader, _scalar, register
 from .common import f32, fuse_gate_up, per_layer
-from .kda_mla import FULL, LINEAR, finish_attention, hybrid_names, mla_config, moe_config
+from .kda_mla import finish_attention, hybrid_config, hybrid_names
 
 ARCH = "bailingmoe3"
 # KDA tensors beyond q/k/v and their convolutions: gguf suffix -> name under self_attn
@@ -43,7 +43,6 @@ def _config(h: GGUFHeader) -> dict:
     a = ARCH
     n_all = _scalar(h, f"{a}.block_count")
     n = n_all - _scalar(h, f"{a}.nextn_predict_layers", 0)
-    heads = _scalar(h, f"{a}.attention.head_count")
     if f"{a}.rope.dimension_sections" in h.metadata:
         raise ModelLoadError(f"{h.path}: the vision-language variant's M-RoPE is not supported (text GGUFs only)")
     if h.metadata.get(f"{a}.rope.scaling.type", "none") != "none":
@@ -56,36 +55,18 @@ def _config(h: GGUFHeader) -> dict:
     kv_heads = per_layer(h, f"{a}.attention.head_count_kv", n_all)[:n]
     kda_dim = _scalar(h, f"{a}.kda.head_dim")
     theta = float(_scalar(h, f"{a}.rope.freq_base", 10000.0))
-    moe = moe_config(h, a)
     return {
         "model_type": "bailing_hybrid",
         "architectures": ["BailingHybridForCausalLM"],
-        "vocab_size": _vocab_size(h, a),
-        "hidden_size": _scalar(h, f"{a}.embedding_length"),
-        "intermediate_size": _scalar(h, f"{a}.feed_forward_length"),
+        **hybrid_config(h, a, n, kv_heads, eps=1e-6),
         "moe_intermediate_size": _scalar(h, f"{a}.expert_feed_forward_length"),
-        "num_hidden_layers": n,
-        "num_attention_heads": heads,
-        "num_key_value_heads": heads,
-        **mla_config(h, a),
-        **moe,
         "norm_topk_prob": bool(h.metadata.get(f"{a}.expert_weights_norm", False)),
-        "layer_types": [LINEAR if kv == 0 else FULL for kv in kv_heads],
         "head_dim": kda_dim,
-        "linear_head_dim": kda_dim,
-        "linear_num_heads": heads,
-        "linear_conv_kernel_dim": _scalar(h, f"{a}.ssm.conv_kernel"),
         "short_conv_kernel_size": _scalar(h, f"{a}.ssm.conv_kernel"),
         "kda_safe_gate": True,
         "kda_lower_bound": f32(_scalar(h, f"{a}.kda.gate_lower_bound")),
         "rope_theta": theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "max_position_embeddings": _scalar(h, f"{a}.context_length", 4096),
-        "rms_norm_eps": f32(_scalar(h, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
-        "tie_word_embeddings": "output.weight" not in h.tensors,
-        **_token_ids(h),
     }
 
 

@@ -14,73 +14,45 @@ HF folder. EXAONE 4.5's multi-token-prediction blocks (``nextn_predict_layers``)
 
 from __future__ import annotations
 
-from ..errors import ModelLoadError
-from ..gguf import GGUFArchitecture, GGUFArray, GGUFHeader, _rope_scaling, _scalar, _token_ids, _vocab_size, register
+from ..gguf import (ATTN_PROJ_TENSORS, GATED_MLP_TENSORS, QK_NORM_TENSORS, GGUFArchitecture, GGUFHeader,
+                    _llama_style_config, _rope_scaling, _scalar, _token_ids, register)
+from .common import attention_shape, rope_base, swa_layers
 from .rope_freqs import freq_factors, llama3_rope
 
 ARCH = "exaone4"
+NAME = "EXAONE 4"
 DEFAULT_SWA_PATTERN = 4  # llama.cpp's load_swa_pattern(ml, 4) when the file has no array
 
 _LAYER = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
+    **ATTN_PROJ_TENSORS,
+    **QK_NORM_TENSORS,
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    **GATED_MLP_TENSORS,
 }
 
 
 def _layer_types(h: GGUFHeader, layers: int, window: int | None) -> list[str]:
     if window is None:
         return ["full_attention"] * layers
-    key = f"{ARCH}.attention.sliding_window_pattern"
-    pattern = h.metadata.get(key, DEFAULT_SWA_PATTERN)
-    if isinstance(pattern, GGUFArray):
-        raise ModelLoadError(f"{h.path}: '{key}' has {len(pattern)} entries for {layers} layers")
-    if isinstance(pattern, list):
-        if len(pattern) < layers:
-            raise ModelLoadError(f"{h.path}: '{key}' has {len(pattern)} entries for {layers} layers")
-        return ["sliding_attention" if s else "full_attention" for s in pattern[:layers]]
-    n = int(pattern)  # llama_hparams::set_swa_pattern
-    return ["sliding_attention" if n == 0 or i % n < n - 1 else "full_attention" for i in range(layers)]
+    return ["sliding_attention" if s else "full_attention" for s in swa_layers(h, ARCH, layers, DEFAULT_SWA_PATTERN)]
 
 
 def _config(h: GGUFHeader) -> dict:
     a = ARCH
-    hidden = _scalar(h, f"{a}.embedding_length")
-    heads = _scalar(h, f"{a}.attention.head_count")
-    head_dim = _scalar(h, f"{a}.attention.key_length", hidden // heads)
+    hidden, heads, head_dim = attention_shape(h, a, NAME)
     layers = _scalar(h, f"{a}.block_count") - int(_scalar(h, f"{a}.nextn_predict_layers", 0))
     window = _scalar(h, f"{a}.attention.sliding_window", None)
-    rope_theta = float(_scalar(h, f"{a}.rope.freq_base", 10000.0))
-    swa_theta = h.metadata.get(f"{a}.rope.freq_base_swa")
-    if swa_theta is not None and float(swa_theta) != rope_theta:
-        raise ModelLoadError(
-            f"{h.path}: a separate sliding-layer rope base ({swa_theta}) is not supported for EXAONE 4")
+    rope_theta = rope_base(h, a, 10000.0, NAME)
     rope = {"rope_type": "default", "rope_theta": rope_theta}
     if (factors := freq_factors(h, head_dim)) is not None:
         rope.update(llama3_rope(factors, head_dim, rope_theta))
     elif scaling := _rope_scaling(h, a):
         rope.update(scaling)
     return {
-        "model_type": "exaone4",
-        "architectures": ["Exaone4ForCausalLM"],
-        "vocab_size": _vocab_size(h, a),
-        "hidden_size": hidden,
-        "intermediate_size": _scalar(h, f"{a}.feed_forward_length"),
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": _scalar(h, f"{a}.attention.head_count_kv", heads),
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": _scalar(h, f"{a}.context_length", 4096),
-        "rms_norm_eps": _scalar(h, f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
+        **_llama_style_config(h, a, model_type="exaone4", architecture="Exaone4ForCausalLM", layers=layers,
+                              hidden=hidden, heads=heads, head_dim=head_dim,
+                              context=_scalar(h, f"{a}.context_length", 4096), eps=1e-5),
         "sliding_window": window,
         "sliding_window_pattern": None,
         "layer_types": _layer_types(h, layers, window),

@@ -29,14 +29,13 @@ What the file holds and how llama.cpp reads it, which is what this loader rebuil
 
 from __future__ import annotations
 
-import struct
-
-import numpy as np
 import torch
 
 from .. import gguf
 from ..errors import ModelLoadError
-from ..gguf import GGUFArchitecture, GGUFArray, GGUFHeader, _open_mmap, _scalar, _token_ids, _vocab_size, dequantize
+from ..gguf import GGUFArchitecture, GGUFHeader, _scalar, _token_ids, _vocab_size
+from .common import f32, fuse_gate_up, global_names, per_layer, stop_ids
+from .rope_freqs import freq_factors
 
 ARCH = "gemma4"
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -45,39 +44,12 @@ EOG_TEXTS = ("<eos>", "<turn|>", "<|tool_response>")
 _UNROTATED = 1e29   # rope_freqs entries this large leave a frequency pair unrotated (the converter writes 1e30)
 
 
-def f32(value: float) -> float:
-    """A float32 metadata value as the shortest decimal that rounds to it (1e-06, not
-    9.99999997e-07): what the HF config held."""
-    return float(str(np.float32(value)))
-
-
-def _per_layer(h: GGUFHeader, key: str, n: int, default=...) -> list:
-    value = h.get(key, default)
-    if isinstance(value, GGUFArray):
-        raise ModelLoadError(f"{h.path}: '{key}' has {len(value)} entries for {n} layers")
-    if isinstance(value, list):
-        if len(value) != n:
-            raise ModelLoadError(f"{h.path}: '{key}' has {len(value)} entries for {n} layers")
-        return list(value)
-    return [value] * n
-
-
 def _rope_freqs(h: GGUFHeader, head_dim: int) -> float:
     """The full layers' partial rotary factor from ``rope_freqs.weight`` (1 = rotated pair,
     1e30 = unrotated); 1.0 when the file has none (every pair rotated)."""
-    info = h.tensors.get("rope_freqs.weight")
-    if info is None:
+    values = freq_factors(h, head_dim)
+    if values is None:
         return 1.0
-    if info.shape != (head_dim // 2,):
-        raise ModelLoadError(f"{h.path}: 'rope_freqs.weight' has shape {list(info.shape)}, expected [{head_dim // 2}]")
-    buf, _ = _open_mmap(h.path)
-    try:
-        values = dequantize(buf, info, torch.float32, h.path).tolist()
-    finally:
-        try:
-            buf.close()
-        except BufferError:
-            pass
     rotated = sum(1 for v in values if v == 1.0)
     if any(v != 1.0 and v < _UNROTATED for v in values) or any(v == 1.0 for v in values[rotated:]):
         raise ModelLoadError(
@@ -87,32 +59,10 @@ def _rope_freqs(h: GGUFHeader, head_dim: int) -> float:
     return 2 * rotated / head_dim
 
 
-def _eog_ids(h: GGUFHeader, texts: tuple[str, ...] = EOG_TEXTS) -> list[int]:
-    """Ids of the tokens llama.cpp ends a Gemma 4 generation on, when the vocabulary has them."""
-    tokens = h.metadata.get("tokenizer.ggml.tokens")
-    wanted = {t.encode(): t for t in texts}
-    longest = max(len(t) for t in wanted)
-    if isinstance(tokens, list):
-        return [i for i, t in enumerate(tokens) if t.encode() in wanted]
-    if not isinstance(tokens, GGUFArray):
-        return []
-    buf, _ = _open_mmap(h.path)
-    try:
-        found, pos, unpack = [], tokens.offset, struct.Struct("<Q").unpack_from
-        for i in range(tokens.count):
-            n = unpack(buf, pos)[0]
-            if n <= longest and buf[pos + 8:pos + 8 + n] in wanted:
-                found.append(i)
-            pos += 8 + n
-        return found
-    finally:
-        buf.close()
-
-
 def build_config(h: GGUFHeader) -> dict:
     a = ARCH
     n = _scalar(h, f"{a}.block_count")
-    heads = set(_per_layer(h, f"{a}.attention.head_count", n))
+    heads = set(per_layer(h, f"{a}.attention.head_count", n))
     if len(heads) != 1:
         raise ModelLoadError(f"{h.path}: Gemma 4 with a per-layer query head count is not supported")
     pattern = h.get(f"{a}.attention.sliding_window_pattern")
@@ -132,8 +82,8 @@ def build_config(h: GGUFHeader) -> dict:
         raise ModelLoadError(f"{h.path}: Gemma 4's full-layer RoPE spans the whole head (rope_freqs mark the rest)")
     if h.metadata.get(f"{a}.rope.scaling.type", "none") != "none":
         raise ModelLoadError(f"{h.path}: rope scaling on Gemma 4 is not supported")
-    kv = _per_layer(h, f"{a}.attention.head_count_kv", n)
-    ff = _per_layer(h, f"{a}.feed_forward_length", n)
+    kv = per_layer(h, f"{a}.attention.head_count_kv", n)
+    ff = per_layer(h, f"{a}.feed_forward_length", n)
     head_dims = [head_swa if t == SLIDING else head_full for t in types]
 
     shared = _scalar(h, f"{a}.attention.shared_kv_layers", 0)
@@ -203,17 +153,10 @@ def build_config(h: GGUFHeader) -> dict:
         config |= {"num_experts": _scalar(h, f"{a}.expert_count"),
                    "top_k_experts": _scalar(h, f"{a}.expert_used_count"),
                    "moe_intermediate_size": _scalar(h, f"{a}.expert_feed_forward_length")}
-    eos = config.get("eos_token_id")
-    eog = ([eos] if isinstance(eos, int) else []) + [t for t in _eog_ids(h) if t != eos]
-    if eog:
-        config["eos_token_id"] = eog if len(eog) > 1 else eog[0]
+    stop_ids(h, config, EOG_TEXTS, keys=())   # the file's eos and the EOG tokens, not its eot / eom ids
     return config
 
 
-_GLOBAL = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-}
 _PLE_GLOBAL = {
     "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
     "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
@@ -249,9 +192,7 @@ _MOE = {
 
 
 def tensor_names(h: GGUFHeader, config: dict) -> dict[str, str]:
-    names = dict(_GLOBAL)
-    if not config["tie_word_embeddings"]:
-        names["output.weight"] = "lm_head.weight"
+    names = global_names(h)
     if config["hidden_size_per_layer_input"]:
         names |= _PLE_GLOBAL
     first_shared = config["num_hidden_layers"] - config["num_kv_shared_layers"]
@@ -277,11 +218,7 @@ def tensor_names(h: GGUFHeader, config: dict) -> dict[str, str]:
 
 
 def finish(tensors: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}.experts"
-        if f"{p}.gate_stack" in tensors:
-            gate, up = tensors.pop(f"{p}.gate_stack"), tensors.pop(f"{p}.up_stack")
-            tensors[f"{p}.gate_up_proj"] = torch.cat([gate, up], dim=1)
+    fuse_gate_up(tensors)   # experts whose gate and up were stacked apart
     return tensors
 
 

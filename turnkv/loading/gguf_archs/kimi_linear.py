@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from ..gguf import GGUFArchitecture, GGUFHeader, _scalar, _token_ids, _vocab_size, register
-from .common import f32, per_layer, uniform
-from .kda_mla import FULL, LINEAR, finish_attention, hybrid_names, mla_config, moe_config
+from ..gguf import GGUFArchitecture, GGUFHeader, _scalar, register
+from .common import per_layer, uniform
+from .kda_mla import finish_attention, hybrid_config, hybrid_names
 
 ARCH = "kimi-linear"
 # KDA tensors beyond q/k/v and their convolutions: gguf suffix -> name under self_attn
@@ -36,31 +36,12 @@ _KDA = {"ssm_f_a.weight": "f_a_proj.weight", "ssm_f_b.weight": "f_b_proj.weight"
 def _config(h: GGUFHeader) -> dict:
     a = ARCH
     n = _scalar(h, f"{a}.block_count")
-    heads = _scalar(h, f"{a}.attention.head_count")
-    layer_types = [LINEAR if kv == 0 else FULL for kv in per_layer(h, f"{a}.attention.head_count_kv", n)]
     return {
         "model_type": "kimi_linear",
         "architectures": ["KimiLinearForCausalLM"],
-        "vocab_size": _vocab_size(h, a),
-        "hidden_size": _scalar(h, f"{a}.embedding_length"),
-        "intermediate_size": _scalar(h, f"{a}.feed_forward_length"),
+        **hybrid_config(h, a, n, per_layer(h, f"{a}.attention.head_count_kv", n), eps=1e-5),
         "moe_intermediate_size": uniform(h, f"{a}.expert_feed_forward_length", n),
-        "num_hidden_layers": n,
-        "num_attention_heads": heads,
-        "num_key_value_heads": heads,
-        **mla_config(h, a),
-        **moe_config(h, a),
         "norm_topk_prob": True,
-        "layer_types": layer_types,
-        "linear_num_heads": heads,
-        "linear_head_dim": _scalar(h, f"{a}.kda.head_dim"),
-        "linear_conv_kernel_dim": _scalar(h, f"{a}.ssm.conv_kernel"),
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "max_position_embeddings": _scalar(h, f"{a}.context_length", 4096),
-        "rms_norm_eps": f32(_scalar(h, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
-        "tie_word_embeddings": "output.weight" not in h.tensors,
-        **_token_ids(h),
     }
 
 

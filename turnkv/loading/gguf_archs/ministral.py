@@ -18,9 +18,10 @@ llama.cpp: no GGUF layout to read. Mistral 4 (``mistral4``) and mistral3 MoE fil
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..errors import ModelLoadError
-from ..gguf import (_LLAMA_LAYER, GGUFArchitecture, GGUFHeader, _llama_transform, _scalar, _token_ids,
-                    _vocab_size, register)
+from ..gguf import SUPPORTED_GGUF_ARCHITECTURES, GGUFHeader, _llama_style_config, _scalar, _token_ids, register
 from .rope_freqs import freq_factors, llama3_rope
 
 ARCH = "mistral3"
@@ -77,18 +78,9 @@ def _config(h: GGUFHeader) -> dict:
     n_ctx = int(_scalar(h, f"{a}.context_length", 32768))
     rope = _rope(h, head_dim, n_ctx)
     return {
-        "model_type": "ministral3",
-        "architectures": ["Ministral3ForCausalLM"],
-        "vocab_size": _vocab_size(h, a),
-        "hidden_size": hidden,
-        "intermediate_size": _scalar(h, f"{a}.feed_forward_length"),
-        "num_hidden_layers": _scalar(h, f"{a}.block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": _scalar(h, f"{a}.attention.head_count_kv", heads),
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": n_ctx,
-        "rms_norm_eps": _scalar(h, f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
+        **_llama_style_config(h, a, model_type="ministral3", architecture="Ministral3ForCausalLM",
+                              layers=_scalar(h, f"{a}.block_count"), hidden=hidden, heads=heads, head_dim=head_dim,
+                              context=n_ctx, eps=1e-5),
         "sliding_window": None,
         "rope_theta": rope["rope_theta"],
         "rope_parameters": rope,
@@ -97,11 +89,5 @@ def _config(h: GGUFHeader) -> dict:
     }
 
 
-register(ARCH, GGUFArchitecture(
-    model_type="ministral3",
-    build_config=_config,
-    layer_tensors=_LLAMA_LAYER,
-    transform=_llama_transform,
-    needs_transform=lambda name: ".self_attn.q_proj." in name or ".self_attn.k_proj." in name,
-    transform_permutes_rows=True,
-))
+# llama's tensor names and q/k un-permute, with this config
+register(ARCH, dataclasses.replace(SUPPORTED_GGUF_ARCHITECTURES["llama"], model_type="ministral3", build_config=_config))

@@ -36,11 +36,12 @@ interleaved M-RoPE sections do not matter for text (every axis has the token's p
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..errors import ModelLoadError
-from ..gguf import GGUFArchitecture, GGUFHeader, _rope_scaling, _scalar, _token_ids, _vocab_size, register
+from ..gguf import (GATED_MLP_TENSORS, GGUFArchitecture, GGUFHeader, _default_rope, _scalar, _token_ids, _vocab_size,
+                    register)
+from .common import f32, fuse_gate_up, global_names, layer_weights, uniform
 
 LINEAR, FULL = "linear_attention", "full_attention"
 DEFAULT_FULL_ATTENTION_INTERVAL = 4   # llama.cpp's default when the file has neither key
@@ -49,23 +50,6 @@ DEFAULT_FULL_ATTENTION_INTERVAL = 4   # llama.cpp's default when the file has ne
 _NORM_SUFFIXES = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".self_attn.q_norm.weight",
                   ".self_attn.k_norm.weight")
 _FUSED_QKV = ".self_attn.qkv_proj.weight"   # a --fuse-qkv file's full-attention attn_qkv (split in finish)
-
-
-def f32(value: float) -> float:
-    """A float32 metadata value as the shortest decimal that rounds to it (1e-06, not
-    9.99999997e-07): what config.json held."""
-    return float(str(np.float32(value)))
-
-
-def _uniform(h: GGUFHeader, key: str, n: int, default=...):
-    """A value llama.cpp may store per layer (get_key_or_arr), which turnkv takes as one."""
-    value = h.get(key, default)
-    if isinstance(value, list):
-        values = set(value[:n])
-        if len(values) != 1:
-            raise ModelLoadError(f"{h.path}: per-layer values for '{key}' that differ are not supported")
-        return values.pop()
-    return value
 
 
 def _layer_types(h: GGUFHeader, a: str, n: int) -> list[str]:
@@ -91,9 +75,7 @@ def _config(h: GGUFHeader, moe: bool) -> dict:
     v_heads = _scalar(h, f"{a}.ssm.time_step_rank")
     rope_theta = float(_scalar(h, f"{a}.rope.freq_base", 10000.0))
     partial = _scalar(h, f"{a}.rope.dimension_count", head_dim // 4) / head_dim
-    rope = {"rope_type": "default", "rope_theta": rope_theta, "partial_rotary_factor": partial}
-    if scaling := _rope_scaling(h, a):
-        rope.update(scaling)
+    rope = _default_rope(h, a, rope_theta, partial_rotary_factor=partial)
     scale = h.metadata.get(f"{a}.expert_weights_scale", 1.0)
     if moe and scale not in (0.0, 1.0):
         raise ModelLoadError(f"{h.path}: expert_weights_scale {scale} is not supported")
@@ -105,7 +87,7 @@ def _config(h: GGUFHeader, moe: bool) -> dict:
         "hidden_size": _scalar(h, f"{a}.embedding_length"),
         "num_hidden_layers": n,
         "num_attention_heads": heads,
-        "num_key_value_heads": _uniform(h, f"{a}.attention.head_count_kv", n, heads),
+        "num_key_value_heads": uniform(h, f"{a}.attention.head_count_kv", n, heads),
         "head_dim": head_dim,
         "linear_conv_kernel_dim": _scalar(h, f"{a}.ssm.conv_kernel"),
         "linear_key_head_dim": _scalar(h, f"{a}.ssm.state_size"),
@@ -129,19 +111,17 @@ def _config(h: GGUFHeader, moe: bool) -> dict:
         config |= {
             "num_experts": experts,
             "num_experts_per_tok": _scalar(h, f"{a}.expert_used_count"),
-            "moe_intermediate_size": _uniform(h, f"{a}.expert_feed_forward_length", n),
+            "moe_intermediate_size": uniform(h, f"{a}.expert_feed_forward_length", n),
             "shared_expert_intermediate_size": _scalar(h, f"{a}.expert_shared_feed_forward_length",
                                                        up.shape[0] if up is not None else 0),
         }
     else:
-        config["intermediate_size"] = _uniform(h, f"{a}.feed_forward_length", n)
+        config["intermediate_size"] = uniform(h, f"{a}.feed_forward_length", n)
     return config
 
 
 def _tensor_names(h: GGUFHeader, config: dict) -> dict[str, str]:
-    names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
-    if "output.weight" in h.tensors:
-        names["output.weight"] = "lm_head.weight"
+    names = global_names(h)
     moe = config["model_type"] == "qwen3_5_moe_text"
     for i, kind in enumerate(config["layer_types"]):
         b, p = f"blk.{i}", f"model.layers.{i}"
@@ -180,7 +160,7 @@ def _tensor_names(h: GGUFHeader, config: dict) -> dict[str, str]:
                           f"{b}.ffn_up_exps.weight": f"{m}.experts.up_exps"}
             names |= {f"{b}.ffn_{x}_shexp.weight": f"{m}.shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")}
         else:
-            names |= {f"{b}.ffn_{x}.weight": f"{m}.{x}_proj.weight" for x in ("gate", "up", "down")}
+            names |= layer_weights(b, p, GATED_MLP_TENSORS)
     return names
 
 
@@ -234,9 +214,7 @@ def _value_heads(t: dict[str, torch.Tensor], config: dict) -> None:
 
 def _finish(t: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
     _value_heads(t, config)
-    for name in [n for n in t if n.endswith(".experts.gate_exps")]:
-        p = name[: -len(".gate_exps")]
-        t[f"{p}.gate_up_proj"] = torch.cat([t.pop(f"{p}.gate_exps"), t.pop(f"{p}.up_exps")], dim=1)
+    fuse_gate_up(t, "gate_exps", "up_exps")
     for name in [n for n in t if n.endswith(".shared_expert_gate.weight")]:
         t[name] = t[name].reshape(1, -1)
     d, hq, hk = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
