@@ -31,6 +31,21 @@ def make_llama():
     return perturb(LlamaForCausalLM(cfg)), ()
 
 
+def make_llama3():
+    """Llama 3.x: rope_type llama3, which the converter writes as rope_freqs.weight divisors."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                      tie_word_embeddings=True,
+                      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 256})
+    return perturb(LlamaForCausalLM(cfg)), ()
+
+
 def _score_biases(model, seed: int = 3):
     """Set the routers' score-correction biases (zero at init, which would hide a dropped bias)."""
     g = torch.Generator().manual_seed(seed)

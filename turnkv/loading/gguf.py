@@ -437,19 +437,24 @@ def _llama_style_config(h: GGUFHeader, arch: str, *, model_type: str, architectu
 
 
 def _llama_config(h: GGUFHeader) -> dict:
+    from .gguf_archs.rope_freqs import freq_factors, llama3_rope
+
     a = "llama"
-    if "rope_freqs.weight" in h.tensors:
-        raise ModelLoadError(f"{h.path}: Llama 3 style rope scaling (rope_freqs) is not supported")
     hidden = _scalar(h, f"{a}.embedding_length")
     heads = _scalar(h, f"{a}.attention.head_count")
+    head_dim = _scalar(h, f"{a}.rope.dimension_count", hidden // heads)
     rope_theta = float(_scalar(h, f"{a}.rope.freq_base", 10000.0))
+    rope = _default_rope(h, a, rope_theta)
+    # Llama 3.1+ / 3.2: the converter writes rope_type llama3 as per-dimension divisors
+    if (factors := freq_factors(h, head_dim)) is not None:
+        rope = {"rope_theta": rope_theta, **llama3_rope(factors, head_dim, rope_theta)}
     return {
         **_llama_style_config(
             h, a, model_type="llama", architecture="LlamaForCausalLM", layers=_scalar(h, f"{a}.block_count"),
-            hidden=hidden, heads=heads, head_dim=_scalar(h, f"{a}.rope.dimension_count", hidden // heads),
+            hidden=hidden, heads=heads, head_dim=head_dim,
             context=_scalar(h, f"{a}.context_length", 2048), eps=1e-6),
         "rope_theta": rope_theta,
-        "rope_parameters": _default_rope(h, a, rope_theta),
+        "rope_parameters": rope,
         "attention_bias": "blk.0.attn_q.bias" in h.tensors,
         "mlp_bias": False,
         "tie_word_embeddings": "output.weight" not in h.tensors,
