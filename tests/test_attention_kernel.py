@@ -18,6 +18,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from pathlib import Path
 
 import pytest
@@ -179,6 +181,43 @@ def test_many_spans_in_one_call_equal_each_span_alone(isa, sinks):
     # one span is the plain call; other spans' presence changes nothing
     assert torch.equal(A.attend_many_native(qs[2:3], ks[2:3], vs[2:3], q0s[2:3], k0s[2:3], kinds[2:3], spans[2:3],
                                             0.3, isa=isa, sinks=sink), alone[2])
+
+
+@contextlib.contextmanager
+def max_group(g: int):
+    before = torch.ops.turnkv_attn.set_max_group(g)
+    try:
+        yield
+    finally:
+        torch.ops.turnkv_attn.set_max_group(before)
+
+
+@needs_attn
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("heads", [(9, 3), (8, 1), (6, 2), (4, 4)])
+@pytest.mark.parametrize("D", [64, 80, 256])
+def test_query_heads_sharing_kv_loads_change_no_bit(isa, heads, D):
+    """The query heads of one kv head run as a group that loads each key and value row once
+    (decode reads the KV once per kv head, not once per query head). Each head's arithmetic is
+    its own: one head at a time (set_max_group(1)) gives the same bits, for decode rows and a
+    prefill chunk, every rule, softcap and sinks, and in attend_many."""
+    Hq, Hk = heads
+    q, k, v = rand_qkv(Hq, Hk, 150, 150, D, seed=7, strided_q=True)
+    sinks = torch.linspace(-2.0, 3.0, Hq)
+    for kind, span in RULES:
+        for T, softcap, sink in ((1, None, None), (20, 30.0, None), (1, None, sinks), (3, None, None)):
+            q0 = 150 - T
+            args = (q[:, q0:], k, v, q0, 0, kind, span, 0.2, softcap)
+            grouped = A.attend(*args, isa=isa, sinks=sink)
+            with max_group(1):
+                single = A.attend(*args, isa=isa, sinks=sink)
+            assert torch.equal(grouped, single), (kind, T, softcap, sink is not None)
+    qs, ks, vs = [q[:, 149:], q[:, 100:]], [k, k[:, 20:]], [v, v[:, 20:]]
+    many = lambda: A.attend_many_native(qs, ks, vs, [149, 100], [0, 20], ["full", "sliding"], [0, 80], 0.2,  # noqa: E731
+                                        isa=isa)
+    grouped = many()
+    with max_group(1):
+        assert torch.equal(many(), grouped)
 
 
 def make_cache(kind):

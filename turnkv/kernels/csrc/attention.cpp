@@ -15,7 +15,8 @@
 //     invisible keys hold exactly +0.0, which leaves every lane's rounding unchanged;
 //   - P.V: acc[d] += p_s * v_s[d] for the visible keys in increasing position (vectorized over d).
 // Nothing depends on how many queries the call has, where its key range starts, or the thread
-// count: threads split (head, query) units, never a query's keys. Each ISA path is invariant on
+// count: threads split (kv head, query head group, query) units, never a query's keys; the query
+// heads of a group share each K/V load and keep their own arithmetic. Each ISA path is invariant on
 // its own; the paths differ from each other by rounding (their exp and FMA use differ).
 // Registered as torch.ops.turnkv_attn.{attend,attend_many,best_isa} (a library fragment, so it shares the
 // extension binary with gguf_matmul.cpp without touching its Python module).
@@ -275,8 +276,48 @@ static int64_t best_isa() {
     return isa;
 }
 
+// A unit is (kv head, group of up to G of its query heads, query): the heads of a group share
+// every K/V load (attention_body.inc's unit_group); each head's bits do not depend on the group.
 using UnitFn = void (*)(const Params&, int, int);
-static const UnitFn kUnit[] = {scalar::unit, avx2::unit, avx512::unit};
+constexpr int GMAX = 4;
+namespace scalar {
+template <int G>
+static void unit_n(const Params& P, int h0, int t) {
+    for (int g = 0; g < G; g++) unit(P, h0 + g, t);
+}
+}  // namespace scalar
+// kUnit[isa][n - 1]: n heads from h0
+static const UnitFn kUnit[][GMAX] = {
+    {scalar::unit_n<1>, scalar::unit_n<2>, scalar::unit_n<3>, scalar::unit_n<4>},
+    {avx2::unit1, avx2::unit2, avx2::unit3, avx2::unit4},
+    {avx512::unit1, avx512::unit2, avx512::unit3, avx512::unit4}};
+// the most query heads one unit takes per ISA (registers: 4 accumulators per head + 4 value rows)
+static const int kGroupMax[] = {1, 2, 4};
+static int g_group_limit = GMAX;   // set_max_group (tests: grouped == one head at a time)
+
+static int64_t set_max_group(int64_t g) {
+    const int64_t before = g_group_limit;
+    g_group_limit = (int)std::max<int64_t>(1, std::min<int64_t>(GMAX, g));
+    return before;
+}
+
+// Heads per unit: as many as the ISA holds in registers, fewer while that would leave threads idle
+// (a decode step has Hk units per sequence at most).
+static int group_size(int rep, int64_t kv_units, int isa) {
+    int G = std::min(std::min(rep, kGroupMax[isa]), g_group_limit);
+    const int64_t threads = at::get_num_threads();
+    while (G > 1 && kv_units * ((rep + G - 1) / G) < threads) G = (G + 1) / 2;
+    return G;
+}
+
+// unit u of a sequence (units (kv head, head group) major, query minor) -> its call
+static inline void run_unit(const UnitFn* fns, const Params& P, int G, int64_t u) {
+    const int rep = P.Hq / P.Hk, groups = (rep + G - 1) / G;
+    const int64_t hg = u / P.T;
+    const int t = (int)(u % P.T), kh = (int)(hg / groups), gi = (int)(hg % groups);
+    const int h0 = kh * rep + gi * G, n = std::min(G, rep - gi * G);
+    fns[n - 1](P, h0, t);
+}
 
 // Checks one sequence's tensors and fills its Params (``out`` set by the caller).
 static Params make_params(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t q_pos0,
@@ -348,13 +389,13 @@ static torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, i
     auto out = torch::empty({T, Hq * D}, torch::kFloat32);
     if (T == 0 || Hq == 0) return out;
     P.out = out.data_ptr<float>();
-    const UnitFn fn = kUnit[isa];
-    // units (head, query), head-major
-    const int64_t units = Hq * T;
+    const UnitFn* fns = kUnit[isa];
+    const int rep = P.Hq / P.Hk, G = group_size(rep, (int64_t)P.Hk * T, (int)isa);
+    const int64_t units = (int64_t)P.Hk * ((rep + G - 1) / G) * T;
     int64_t keys = S;
     if (kind != FULL) keys = std::min<int64_t>(S, wc);
-    at::parallel_for(0, units, grain_for(keys, D), [&](int64_t b, int64_t e) {
-        for (int64_t u = b; u < e; u++) fn(P, (int)(u / T), (int)(u % T));
+    at::parallel_for(0, units, grain_for(keys, D * G), [&](int64_t b, int64_t e) {
+        for (int64_t u = b; u < e; u++) run_unit(fns, P, G, u);
     });
     return out;
 }
@@ -373,30 +414,36 @@ static torch::Tensor attend_many(std::vector<torch::Tensor> qs, std::vector<torc
     std::vector<Params> P;
     P.reserve(n);
     std::vector<int64_t> first_unit(n + 1, 0), first_row(n + 1, 0);
-    int64_t Hq = -1, D = -1, cost = 0;
+    int64_t Hq = -1, Hk = -1, D = -1, cost = 0, rows = 0;
     for (size_t j = 0; j < n; j++) {
         P.push_back(make_params(qs[j], ks[j], vs[j], q_pos0[j], k_pos0[j], kind[j], wc[j], scale, softcap, isa, sinks));
         const Params& p = P.back();
-        TORCH_CHECK(Hq < 0 || (p.Hq == Hq && p.D == D), "attend_many: every span must have the same heads and head_dim");
+        TORCH_CHECK(Hq < 0 || (p.Hq == Hq && p.Hk == Hk && p.D == D),
+                    "attend_many: every span must have the same heads and head_dim");
         Hq = p.Hq;
+        Hk = p.Hk;
         D = p.D;
-        first_unit[j + 1] = first_unit[j] + (int64_t)p.Hq * p.T;
+        rows += p.T;
+    }
+    const int rep = (int)(Hq / Hk), G = group_size(rep, Hk * rows, (int)isa), groups = (rep + G - 1) / G;
+    for (size_t j = 0; j < n; j++) {
+        const Params& p = P[j];
+        first_unit[j + 1] = first_unit[j] + Hk * groups * p.T;
         first_row[j + 1] = first_row[j] + p.T;
         const int64_t keys = p.kind == FULL ? p.S : std::min<int64_t>(p.S, p.wc);
-        cost += keys * (int64_t)p.Hq * p.T;
+        cost += keys * (int64_t)Hk * groups * p.T;
     }
     auto out = torch::empty({first_row[n], Hq * D}, torch::kFloat32);
     const int64_t units = first_unit[n];
     if (units == 0) return out;
     float* base = out.data_ptr<float>();
     for (size_t j = 0; j < n; j++) P[j].out = base + first_row[j] * Hq * D;
-    const UnitFn fn = kUnit[isa];
-    at::parallel_for(0, units, grain_for(std::max<int64_t>(1, cost / units), D), [&](int64_t b, int64_t e) {
+    const UnitFn* fns = kUnit[isa];
+    at::parallel_for(0, units, grain_for(std::max<int64_t>(1, cost / units), D * G), [&](int64_t b, int64_t e) {
         size_t j = std::upper_bound(first_unit.begin(), first_unit.end(), b) - first_unit.begin() - 1;
         for (int64_t u = b; u < e; u++) {
             while (u >= first_unit[j + 1]) j++;
-            const int64_t local = u - first_unit[j], T = P[j].T;
-            fn(P[j], (int)(local / T), (int)(local % T));
+            run_unit(fns, P[j], G, u - first_unit[j]);
         }
     });
     return out;
@@ -416,6 +463,7 @@ const bool g_registered = [] {
     lib.def("attend_many(Tensor[] q, Tensor[] k, Tensor[] v, int[] q_pos0, int[] k_pos0, int[] kind, int[] wc, "
             "float scale, float softcap, int isa, Tensor? sinks=None) -> Tensor", &tkv_attn::attend_many);
     lib.def("best_isa() -> int", &tkv_attn::best_isa);
+    lib.def("set_max_group(int g) -> int", &tkv_attn::set_max_group);
     return true;
 }();
 }  // namespace
