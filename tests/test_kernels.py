@@ -283,3 +283,38 @@ def test_from_raw_checks():
         GGUFWeight.from_raw(w.raw, Q.Q2_K, (N, K))
     again = GGUFWeight.from_raw(w.raw.numpy(), Q.Q4_0, (N, K))
     assert again.nbytes == N * K // 32 * 18 and torch.equal(again.raw, w.raw)
+
+
+# ------------------------------------------------------------------ RMSNorm (csrc/norm.cpp)
+
+
+@pytest.mark.skipif(not tk.native_available(), reason="native kernels not built (python -m turnkv.kernels.build)")
+@pytest.mark.parametrize("D", [64, 250, 576, 640])
+def test_native_rms_norm_equals_torch_and_is_row_invariant(D):
+    """One native call instead of torch's six ops: within float32 rounding of F.rms_norm, with and
+    without a weight, on strided views (q/k heads of a fused projection), and every row the same
+    bits alone as in a 512-row prefill batch or a 3-row decode batch."""
+    from turnkv.kernels.norm import native_rms_norm
+    from turnkv.models.base import rms_norm
+
+    op = native_rms_norm()
+    assert op is not None
+    g = torch.Generator().manual_seed(D)
+    x = 3 * torch.randn(512, D, generator=g)
+    w = torch.randn(D, generator=g)
+    for weight in (w, None):
+        want = torch.nn.functional.rms_norm(x, (D,), weight, 1e-6)
+        got = op(x, weight, 1e-6)
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-6), (got - want).abs().max()
+        assert torch.equal(rms_norm(x, weight, 1e-6), got)          # the models' helper takes it
+        for r in (0, 17, 511):
+            assert torch.equal(op(x[r:r + 1], weight, 1e-6), got[r:r + 1])
+        assert torch.equal(op(x[5:8], weight, 1e-6), got[5:8])
+    heads = x[:12].view(12, 2, D // 2).transpose(0, 1) if D % 2 == 0 else None   # [2, 12, D/2] view
+    if heads is not None:
+        assert not heads.is_contiguous()
+        assert torch.equal(op(heads, None, 1e-6), op(heads.contiguous(), None, 1e-6))
+        assert torch.allclose(op(heads, None, 1e-6), torch.nn.functional.rms_norm(heads, (D // 2,), None, 1e-6),
+                              rtol=1e-6, atol=1e-6)
+    with pytest.raises(RuntimeError, match="float32"):
+        op(x.bfloat16(), None, 1e-6)

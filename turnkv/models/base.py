@@ -20,8 +20,11 @@ from ..cache.kv import KVView
 from ..cache.specs import CacheSpec
 from ..kernels.attention import attend_many_native, attend_native, native_many_available
 from ..kernels.attention import native_ok as native_attention_ok
+from ..kernels.norm import native_rms_norm
 from .batch import Batch, Span, select_rows
 from .weights import PackedWeight
+
+_native_norm = native_rms_norm()
 
 
 @dataclass
@@ -251,6 +254,12 @@ def embedding(tokens: torch.Tensor, w: torch.Tensor | PackedWeight, dtype: torch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim: turnkv's native op for float32 CPU tensors (one call, where torch
+    runs six ops; a per-row fixed order, so rows are the same bits in any batch), else torch's."""
+    if (_native_norm is not None and x.dtype == torch.float32 and x.is_cpu and not x.requires_grad
+            and (weight is None or (weight.dtype == torch.float32 and weight.is_contiguous()
+                                    and not weight.requires_grad))):
+        return _native_norm(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
