@@ -220,6 +220,48 @@ def test_query_heads_sharing_kv_loads_change_no_bit(isa, heads, D):
         assert torch.equal(many(), grouped)
 
 
+@needs_attn
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 72, 256])
+def test_half_kv_read_as_stored_equals_widened_float32(isa, dtype, D):
+    """``--kv-cache-mode fp16 / bf16`` storage goes to the kernel as stored: it widens each K/V
+    element on load (exactly), so the result is the float32 kernel's on the widened K/V bit for
+    bit (every rule, decode and prefill rows, sinks, attend_many), with no per-call conversion."""
+    Hq, Hk = 6, 2
+    q, k, v = rand_qkv(Hq, Hk, 150, 150, D, seed=9, strided_q=True)
+    kh, vh = k.to(dtype), v.to(dtype)
+    assert A.native_ok(q, kh, vh) == (isa != "scalar" or A.attention_isas()[-1] != "scalar")
+    sinks = torch.linspace(-1.0, 2.0, Hq)
+    for kind, span in RULES:
+        for T, sink in ((1, None), (17, None), (1, sinks)):
+            q0 = 150 - T
+            half = A.attend(q[:, q0:], kh, vh, q0, 0, kind, span, 0.2, isa=isa, sinks=sink)
+            wide = A.attend(q[:, q0:], kh.float(), vh.float(), q0, 0, kind, span, 0.2, isa=isa, sinks=sink)
+            assert torch.equal(half, wide), (kind, T)
+    got = A.attend_many_native([q[:, 149:], q[:, 100:]], [kh, kh[:, 20:]], [vh, vh[:, 20:]], [149, 100], [0, 20],
+                               ["full", "sliding"], [0, 80], 0.2, isa=isa)
+    want = A.attend_many_native([q[:, 149:], q[:, 100:]], [kh.float(), kh[:, 20:].float()],
+                                [vh.float(), vh[:, 20:].float()], [149, 100], [0, 20], ["full", "sliding"], [0, 80],
+                                0.2, isa=isa)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("mode", ["fp16", "bf16"])
+def test_half_kv_cache_hands_the_kernel_its_storage(mode):
+    """A fp16 / bf16 KV cache's view carries the stored half tensors (no float32 copy per call)
+    and converts them only when a reader asks for ``keys`` / ``values``."""
+    cache = KVCache(2, 64, torch.float32, "cpu", mode=mode)
+    k, v = torch.randn(2, 10, 64), torch.randn(2, 10, 64)
+    view = cache.update_and_fetch(k, v)
+    want = torch.float16 if mode == "fp16" else torch.bfloat16
+    assert view.stored is not None and view.stored[0].dtype == want and view.key_count == 10
+    assert view._keys is None                                  # nothing converted yet
+    assert torch.equal(view.keys, k.to(want).float()) and view.keys.dtype == torch.float32
+    native = KVCache(2, 64, torch.float32, "cpu").update_and_fetch(k, v)
+    assert native.stored is None and torch.equal(native.keys, k)
+
+
 def make_cache(kind):
     if kind == "full":
         return KVCache(2, 32)

@@ -95,8 +95,8 @@ class KVView:
     attention kernel reads the rule itself; ``mask`` (for the SDPA fallback) is built only when
     asked for."""
 
-    keys: torch.Tensor
-    values: torch.Tensor
+    _keys: torch.Tensor | None
+    _values: torch.Tensor | None
     key_pos0: int
     query_pos0: int
     queries: int
@@ -104,6 +104,27 @@ class KVView:
     span: int
     needed_from_many: Callable[[torch.Tensor], torch.Tensor]   # builds the mask (SDPA fallback)
     _mask: torch.Tensor | None = None
+    # float16 / bfloat16 storage (``--kv-cache-mode fp16/bf16``) as stored, without the per-call
+    # conversion: the native kernel widens it exactly on load. ``keys``/``values`` convert it to
+    # ``dtype`` only when somebody else asks.
+    stored: tuple[torch.Tensor, torch.Tensor] | None = None
+    dtype: torch.dtype | None = None
+
+    @property
+    def keys(self) -> torch.Tensor:
+        if self._keys is None:
+            self._keys = self.stored[0].to(self.dtype)
+        return self._keys
+
+    @property
+    def values(self) -> torch.Tensor:
+        if self._values is None:
+            self._values = self.stored[1].to(self.dtype)
+        return self._values
+
+    @property
+    def key_count(self) -> int:
+        return (self.stored[0] if self._keys is None else self._keys).shape[1]
 
     @property
     def mask(self) -> torch.Tensor | None:
@@ -112,7 +133,7 @@ class KVView:
         if self.queries == 1:
             return None
         if self._mask is None:
-            self._mask = _prefill_mask(self.query_pos0, self.queries, self.key_pos0, self.keys.shape[1],
+            self._mask = _prefill_mask(self.query_pos0, self.queries, self.key_pos0, self.key_count,
                                        self.needed_from_many, self.keys.device)
         return self._mask
 
@@ -204,6 +225,10 @@ class KVCache(LayerCache):
         q0 = self.offset
         self.offset += T
         first = max(self.floor, self.needed_from(q0))
+        stored = self.store.read_stored(first - self.start, self.used)
+        if stored is not None:
+            return KVView(None, None, first, q0, T, self.kind, self.span, self.needed_from_many,
+                          stored=stored, dtype=self.dtype)
         keys, values = self.store.read(first - self.start, self.used)
         return KVView(keys, values, first, q0, T, self.kind, self.span, self.needed_from_many)
 

@@ -252,6 +252,14 @@ class KVStore:
         return tuple(self._decode(which, tuple(self.parts[which + s][:, a:b] for s in self.SUFFIXES))
                      for which in ("k", "v"))
 
+    def read_stored(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The stored K/V slices themselves when they are a plain float16 / bfloat16 copy of the
+        values (``fp16``, ``bf16``: no scales), for a reader that widens them itself (the native
+        attention kernel); None otherwise (``read`` then)."""
+        if self.mode not in _FLOAT_STORAGE or self.SUFFIXES != ("",) or self.storage_dtype == self.dtype:
+            return None
+        return self.parts["k"][:, a:b], self.parts["v"][:, a:b]
+
     def move(self, src: int, n: int, dst: int) -> None:
         if n <= 0 or src == dst:
             return

@@ -35,10 +35,11 @@ _op_many = None   # several sequences in one call (a build from before it has no
 _best = -1
 _default = -1
 _sinks = False     # the build takes ``sinks`` (a build from before them does not)
+_half_kv = False   # the build reads float16 / bfloat16 K/V
 
 
 def _init() -> None:
-    global _op, _op_many, _best, _default, _sinks
+    global _op, _op_many, _best, _default, _sinks, _half_kv
     if not native_available() or os.environ.get("TURNKV_ATTENTION", "").strip().lower() == "reference":
         return
     try:
@@ -54,6 +55,7 @@ def _init() -> None:
     except (AttributeError, RuntimeError):
         _op_many = None
     _sinks = any(a.name == "sinks" for a in _op.default._schema.arguments)
+    _half_kv = hasattr(torch.ops.turnkv_attn, "kv_dtypes")
     want = os.environ.get("TURNKV_KERNEL_ISA", "").strip().lower()
     if want == "avx512vnni":
         want = "avx512"
@@ -124,10 +126,15 @@ def reference(q, k, v, q_pos0: int, k_pos0: int, kind: str = "full", window_or_c
     return out.transpose(0, 1).reshape(T, Hq * D).to(q.dtype)
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 def native_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None) -> bool:
-    """Whether the native kernel takes these tensors (float32 on CPU, head_dim <= 1024; sinks
-    float32 on CPU and a build that has them)."""
-    return (_op is not None and q.dtype == torch.float32 and k.dtype == torch.float32 and v.dtype == torch.float32
+    """Whether the native kernel takes these tensors (float32 q on CPU, K/V float32 or, on the
+    avx2 / avx512 paths, both float16 or both bfloat16, widened exactly on load; head_dim <= 1024;
+    sinks float32 on CPU and a build that has them)."""
+    kv_ok = k.dtype == v.dtype and (k.dtype == torch.float32 or (k.dtype in _HALF and _half_kv and _default > 0))
+    return (_op is not None and q.dtype == torch.float32 and kv_ok
             and q.device.type == "cpu" and k.device.type == "cpu" and v.device.type == "cpu"
             and q.shape[-1] <= 1024
             and (sinks is None or (_sinks and sinks.dtype == torch.float32 and sinks.device.type == "cpu")))
@@ -139,6 +146,8 @@ def attend_native(q, k, v, q_pos0: int, k_pos0: int, kind: str, window_or_chunk:
     """The kernel itself (``native_ok`` must hold); any head / row strides, a copy only when the
     last dim is not contiguous."""
     i = _default if isa is None else ISAS.index(isa)
+    if i == 0 and k.dtype != torch.float32:    # the scalar path reads float32 K/V only
+        k, v = k.float(), v.float()
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     args = (q, k, v, int(q_pos0), int(k_pos0), KINDS[kind], int(window_or_chunk or 0), float(scale),
@@ -159,6 +168,8 @@ def attend_many_native(qs, ks, vs, q_pos0s, k_pos0s, kinds, spans, scale: float,
     [sum T_j, Hq * D], each bit-identical to ``attend_native`` on that span alone."""
     i = _default if isa is None else ISAS.index(isa)
     fix = (lambda t: t if t.stride(-1) == 1 else t.contiguous())
+    if i == 0:     # the scalar path reads float32 K/V only
+        ks, vs = [k.float() for k in ks], [v.float() for v in vs]
     return _op_many([fix(q) for q in qs], [fix(k) for k in ks], [fix(v) for v in vs],
                     [int(p) for p in q_pos0s], [int(p) for p in k_pos0s], [KINDS[k] for k in kinds],
                     [int(w or 0) for w in spans], float(scale), float(softcap) if softcap else 0.0, i,

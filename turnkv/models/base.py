@@ -186,13 +186,24 @@ def attention_spans(batch: Batch, layer: int, q: torch.Tensor, k: torch.Tensor, 
     spans: list[Span] = batch.spans
     views = [s.caches[layer].update_and_fetch(k[:, s.rows], v[:, s.rows]) for s in spans]
     qs = [q[:, s.rows] for s in spans]
-    if (len(spans) > 1 and native_many_available()
-            and all(native_attention_ok(qq, w.keys, w.values, sinks) for qq, w in zip(qs, views))):
-        return attend_many_native(qs, [w.keys for w in views], [w.values for w in views],
-                                  [w.query_pos0 for w in views], [w.key_pos0 for w in views],
-                                  [w.kind for w in views], [w.span for w in views], scale, softcap, sinks=sinks)
+    if len(spans) > 1 and native_many_available():
+        kvs = [native_kv(qq, w, sinks) for qq, w in zip(qs, views)]
+        if all(kv is not None for kv in kvs):
+            return attend_many_native(qs, [kv[0] for kv in kvs], [kv[1] for kv in kvs],
+                                      [w.query_pos0 for w in views], [w.key_pos0 for w in views],
+                                      [w.kind for w in views], [w.span for w in views], scale, softcap, sinks=sinks)
     outs = [attention(qq, w, scale, softcap, sinks) for qq, w in zip(qs, views)]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def native_kv(q: torch.Tensor, view: KVView, sinks: torch.Tensor | None = None):
+    """(keys, values) the native kernel takes for this view (float16 / bfloat16 storage as stored
+    when the kernel reads it, else the float32 ones), or None when it takes neither."""
+    if view.stored is not None and native_attention_ok(q, *view.stored, sinks):
+        return view.stored
+    if native_attention_ok(q, view.keys, view.values, sinks):
+        return view.keys, view.values
+    return None
 
 
 def attention(q: torch.Tensor, view: KVView, scale: float, softcap: float | None = None,
@@ -208,10 +219,11 @@ def attention(q: torch.Tensor, view: KVView, scale: float, softcap: float | None
     keys in blocks aligned to absolute positions, so a query's output is bit-identical however the
     prompt was chunked, cached or batched. Otherwise (other dtypes or devices, no build, or a build
     from before sinks): SDPA with the mask, or the explicit masked softmax (softcap, sinks)."""
-    k, v = view.keys, view.values
-    if native_attention_ok(q, k, v, sinks):
-        return attend_native(q, k, v, view.query_pos0, view.key_pos0, view.kind, view.span, scale, softcap,
+    kv = native_kv(q, view, sinks)
+    if kv is not None:
+        return attend_native(q, kv[0], kv[1], view.query_pos0, view.key_pos0, view.kind, view.span, scale, softcap,
                              sinks=sinks)
+    k, v = view.keys, view.values
     mask = view.mask
     Hq, T, D = q.shape
     if softcap is None and sinks is None:

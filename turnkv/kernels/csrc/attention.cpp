@@ -40,14 +40,16 @@ constexpr int MAXD = 1024;     // head_dim limit (stack accumulator)
 
 enum Kind : int { FULL = 0, SLIDING = 1, CHUNKED = 2 };
 enum Isa : int { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+enum KvType : int { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
 
 struct Params {
     const float* q;
     int64_t qsh, qst;  // strides (elements): head, row
-    const float* k;
+    const void* k;     // float32, float16 or bfloat16 (``kv``), the same for k and v
     int64_t ksh, kst;
-    const float* v;
+    const void* v;
     int64_t vsh, vst;
+    int kv;            // KV_F32 / KV_F16 / KV_BF16
     float* out;        // [T, Hq * D]
     int Hq, Hk, T, S, D;
     int64_t q_pos0, k_pos0, wc;
@@ -98,8 +100,8 @@ static inline float dot(const float* a, const float* b, int D) {
 static void unit(const Params& P, int h, int t) {
     const int D = P.D, rep = P.Hq / P.Hk, kh = h / rep;
     const float* qv = P.q + h * P.qsh + t * P.qst;
-    const float* K = P.k + kh * P.ksh;
-    const float* V = P.v + kh * P.vsh;
+    const float* K = (const float*)P.k + kh * P.ksh;   // the scalar path gets float32 K/V only
+    const float* V = (const float*)P.v + kh * P.vsh;
     float* o = P.out + (int64_t)t * P.Hq * D + (int64_t)h * D;
     int64_t lo, hi;
     visible(P, P.q_pos0 + t, lo, hi);
@@ -157,7 +159,7 @@ static void unit(const Params& P, int h, int t) {
 
 // ---- AVX2 (W = 8)
 namespace avx2 {
-#define TKV_TARGET __attribute__((target("avx2,fma")))
+#define TKV_TARGET __attribute__((target("avx2,fma,f16c")))
 typedef __m256 VF;
 constexpr int W = 8;
 #define SET1(x) _mm256_set1_ps(x)
@@ -195,6 +197,8 @@ TKV_TARGET static inline __m256i tail_mask(int n) {
 #define MUL(a, b) _mm256_mul_ps(a, b)
 #define ADD(a, b) _mm256_add_ps(a, b)
 #define ZERO() _mm256_setzero_ps()
+#define LOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p)))
+#define LOAD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p))), 16))
 #include "attention_body.inc"
 #undef LOAD
 #undef STORE
@@ -205,6 +209,8 @@ TKV_TARGET static inline __m256i tail_mask(int n) {
 #undef ADD
 #undef ZERO
 #undef SET1
+#undef LOAD_F16
+#undef LOAD_BF16
 #undef TKV_TARGET
 }  // namespace avx2
 
@@ -248,6 +254,8 @@ TKV_TARGET static inline float hsum(VF x) {  // fixed tree: halves, then avx2's
 #define MUL(a, b) _mm512_mul_ps(a, b)
 #define ADD(a, b) _mm512_add_ps(a, b)
 #define ZERO() _mm512_setzero_ps()
+#define LOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p)))
+#define LOAD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(p))), 16))
 #include "attention_body.inc"
 #undef LOAD
 #undef STORE
@@ -258,6 +266,8 @@ TKV_TARGET static inline float hsum(VF x) {  // fixed tree: halves, then avx2's
 #undef ADD
 #undef ZERO
 #undef SET1
+#undef LOAD_F16
+#undef LOAD_BF16
 #undef TKV_TARGET
 }  // namespace avx512
 
@@ -286,14 +296,21 @@ static void unit_n(const Params& P, int h0, int t) {
     for (int g = 0; g < G; g++) unit(P, h0 + g, t);
 }
 }  // namespace scalar
-// kUnit[isa][n - 1]: n heads from h0
-static const UnitFn kUnit[][GMAX] = {
-    {scalar::unit_n<1>, scalar::unit_n<2>, scalar::unit_n<3>, scalar::unit_n<4>},
-    {avx2::unit1, avx2::unit2, avx2::unit3, avx2::unit4},
-    {avx512::unit1, avx512::unit2, avx512::unit3, avx512::unit4}};
+// kUnit[isa][kv type][n - 1]: n heads from h0 (the scalar path runs on float32 K/V only)
+#define TKV_UNITS(ns, L) {ns::unit1<ns::L>, ns::unit2<ns::L>, ns::unit3<ns::L>, ns::unit4<ns::L>}
+#define TKV_SCALAR {scalar::unit_n<1>, scalar::unit_n<2>, scalar::unit_n<3>, scalar::unit_n<4>}
+static const UnitFn kUnit[][3][GMAX] = {
+    {TKV_SCALAR, TKV_SCALAR, TKV_SCALAR},
+    {TKV_UNITS(avx2, LF32), TKV_UNITS(avx2, LF16), TKV_UNITS(avx2, LBF16)},
+    {TKV_UNITS(avx512, LF32), TKV_UNITS(avx512, LF16), TKV_UNITS(avx512, LBF16)}};
+#undef TKV_UNITS
+#undef TKV_SCALAR
 // the most query heads one unit takes per ISA (registers: 4 accumulators per head + 4 value rows)
 static const int kGroupMax[] = {1, 2, 4};
 static int g_group_limit = GMAX;   // set_max_group (tests: grouped == one head at a time)
+
+// K/V element types the kernel reads: float32, float16, bfloat16 (the Python side checks for it)
+static int64_t kv_dtypes() { return 3; }
 
 static int64_t set_max_group(int64_t g) {
     const int64_t before = g_group_limit;
@@ -324,8 +341,10 @@ static Params make_params(const torch::Tensor& q, const torch::Tensor& k, const 
                           int64_t k_pos0, int64_t kind, int64_t wc, double scale, double softcap, int64_t isa,
                           const std::optional<torch::Tensor>& sinks) {
     TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "attend: q [Hq, T, D], k/v [Hk, S, D]");
-    TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
-                    v.scalar_type() == torch::kFloat32, "attend: float32 tensors");
+    const auto kt = k.scalar_type();
+    TORCH_CHECK(q.scalar_type() == torch::kFloat32 && v.scalar_type() == kt &&
+                    (kt == torch::kFloat32 || kt == torch::kHalf || kt == torch::kBFloat16),
+                "attend: float32 q, and k/v both float32, float16 or bfloat16");
     TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "attend: CPU tensors");
     TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "attend: last dim must be contiguous");
     const int64_t Hq = q.size(0), T = q.size(1), D = q.size(2), Hk = k.size(0), S = k.size(1);
@@ -344,10 +363,12 @@ static Params make_params(const torch::Tensor& q, const torch::Tensor& k, const 
     P.q = q.data_ptr<float>();
     P.qsh = q.stride(0);
     P.qst = q.stride(1);
-    P.k = k.data_ptr<float>();
+    P.kv = kt == torch::kFloat32 ? KV_F32 : kt == torch::kHalf ? KV_F16 : KV_BF16;
+    TORCH_CHECK(P.kv == KV_F32 || isa != ISA_SCALAR, "attend: half-precision K/V need the avx2 or avx512 path");
+    P.k = k.data_ptr();
     P.ksh = k.stride(0);
     P.kst = k.stride(1);
-    P.v = v.data_ptr<float>();
+    P.v = v.data_ptr();
     P.vsh = v.stride(0);
     P.vst = v.stride(1);
     P.out = nullptr;
@@ -389,7 +410,7 @@ static torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, i
     auto out = torch::empty({T, Hq * D}, torch::kFloat32);
     if (T == 0 || Hq == 0) return out;
     P.out = out.data_ptr<float>();
-    const UnitFn* fns = kUnit[isa];
+    const UnitFn* fns = kUnit[isa][P.kv];
     const int rep = P.Hq / P.Hk, G = group_size(rep, (int64_t)P.Hk * T, (int)isa);
     const int64_t units = (int64_t)P.Hk * ((rep + G - 1) / G) * T;
     int64_t keys = S;
@@ -438,12 +459,11 @@ static torch::Tensor attend_many(std::vector<torch::Tensor> qs, std::vector<torc
     if (units == 0) return out;
     float* base = out.data_ptr<float>();
     for (size_t j = 0; j < n; j++) P[j].out = base + first_row[j] * Hq * D;
-    const UnitFn* fns = kUnit[isa];
     at::parallel_for(0, units, grain_for(std::max<int64_t>(1, cost / units), D * G), [&](int64_t b, int64_t e) {
         size_t j = std::upper_bound(first_unit.begin(), first_unit.end(), b) - first_unit.begin() - 1;
         for (int64_t u = b; u < e; u++) {
             while (u >= first_unit[j + 1]) j++;
-            run_unit(fns, P[j], G, u - first_unit[j]);
+            run_unit(kUnit[isa][P[j].kv], P[j], G, u - first_unit[j]);
         }
     });
     return out;
@@ -464,6 +484,7 @@ const bool g_registered = [] {
             "float scale, float softcap, int isa, Tensor? sinks=None) -> Tensor", &tkv_attn::attend_many);
     lib.def("best_isa() -> int", &tkv_attn::best_isa);
     lib.def("set_max_group(int g) -> int", &tkv_attn::set_max_group);
+    lib.def("kv_dtypes() -> int", &tkv_attn::kv_dtypes);
     return true;
 }();
 }  // namespace
