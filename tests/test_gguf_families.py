@@ -110,7 +110,8 @@ def test_gguf_tokenizer_matches_folder(family, tmp_path, monkeypatch):
 
 def test_default_weight_format_follows_how_the_file_is_stored(tmp_path, monkeypatch):
     """A GGUF stored quantized runs on its own blocks by default (when the kernels are built); one
-    stored in float32 has none to run on and loads native instead of failing."""
+    stored in float32 has none to run on and loads native instead of failing. The default KV mode
+    follows: float16 on the gguf weights, native otherwise."""
     from turnkv.engine.engine import Engine
     from turnkv.loading import gguf_runs_quantized
     from turnkv.models.weights import native_kernels_built
@@ -122,3 +123,9 @@ def test_default_weight_format_follows_how_the_file_is_stored(tmp_path, monkeypa
     assert Engine.load(str(f32), weights=None, progress=False).weights == "native"
     assert Engine.load(str(q8), weights=None, progress=False).weights == (
         "gguf" if native_kernels_built() else "native")
+    # --kv-cache-mode auto: fp16 KV under the gguf weights at float32, the compute dtype otherwise
+    auto = Engine.load(str(q8), weights=None, progress=False, kv_mode="auto")
+    assert auto.kv_mode == ("fp16" if native_kernels_built() else "native")
+    assert set(auto.modes) == {auto.kv_mode}
+    assert Engine.load(str(f32), weights=None, progress=False, kv_mode="auto").kv_mode == "native"
+    assert Engine.load(str(q8), weights="native", progress=False, kv_mode="auto").kv_mode == "native"

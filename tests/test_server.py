@@ -280,10 +280,12 @@ def test_cache_stats_show_hits_and_kv_modes(cached, cold, conversation):
     stats = cached.get("/v1/cache/stats").json()
     assert stats["hits"] >= 7 and stats["tokens_reused"] > 0 and stats["entries"] > 0 and stats["bytes"] > 0
     assert stats["prompt_cache_enabled"] is True
-    assert stats["kv_cache_mode_effective"] == ["native"] * 30
     from turnkv.models.weights import native_kernels_built    # the default: gguf when built
 
-    assert stats["weights"] == ("gguf" if native_kernels_built() else "native") and stats["dtype"] == "float32"
+    gguf = native_kernels_built()
+    assert stats["weights"] == ("gguf" if gguf else "native") and stats["dtype"] == "float32"
+    # --kv-cache-mode auto: float16 KV under the gguf weights, the compute dtype otherwise
+    assert stats["kv_cache_mode_effective"] == ["fp16" if gguf else "native"] * 30
     assert stats["namespaces"] >= 2          # the tenants above
     off = cold.get("/v1/cache/stats").json()
     assert off["prompt_cache_enabled"] is False and off["hits"] == 0 and off["entries"] == 0

@@ -59,8 +59,9 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smol
                         "before it; older entries of it are dropped (0 keeps all; default 1; docs/tiers.md)")
     c.add_argument("--swa-slack", type=int, default=256,
                    help="extra tokens kept on sliding-window layers so a reply can be edited/regenerated (default 256)")
-    c.add_argument("--kv-cache-mode", default="native", choices=["native", "bf16", "fp16", "int8", "int4"],
-                   help="storage mode of attention KV (default native = compute dtype)")
+    c.add_argument("--kv-cache-mode", default="auto", choices=["auto", "native", "bf16", "fp16", "int8", "int4"],
+                   help="storage mode of attention KV (default auto: fp16 under the gguf weights at float32, "
+                        "else native = the compute dtype; docs/kv_modes.md)")
     c.add_argument("--kv-boundary-layers", type=int, default=0,
                    help="keep the first and last N attention layers native (default 0)")
 
