@@ -83,7 +83,8 @@ class _Sinks(torch.nn.Module):   # what transformers' eager attention reads off 
 
 
 def _bf16(view):
-    return dataclasses.replace(view, keys=view.keys.bfloat16(), values=view.values.bfloat16(), _mask=None)
+    return dataclasses.replace(view, _keys=view.keys.bfloat16(), _values=view.values.bfloat16(), stored=None,
+                               _mask=None)
 
 
 @pytest.mark.parametrize("kind", ["full", "sliding"])
