@@ -15,6 +15,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
 from ssm_family_checks import check_parity, greedy, hf_greedy, perturb_vectors, save_and_load, single_thread
+from tiny import random_mxfp4_experts
 from turnkv.cache.kv import KVCache
 from turnkv.cache.rotating import SlidingWindowCache
 from turnkv.cache.specs import FULL, SLIDING
@@ -183,18 +184,7 @@ def test_mxfp4_checkpoint_loads_like_its_float_weights(tmp_path):
     torch.manual_seed(1)
     hf = GptOssForCausalLM(config(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])).eval()
     perturb_vectors(hf, scale=0.5)
-    g = torch.Generator().manual_seed(2)
-    packed = {}
-    for i, layer in enumerate(hf.model.layers):
-        ex = layer.mlp.experts
-        for name, p in (("gate_up_proj", ex.gate_up_proj), ("down_proj", ex.down_proj)):
-            E, n_in, n_out = p.shape   # [E, in, out]; blocks are [E, out, in / 32, 16]
-            blocks = torch.randint(0, 256, (E, n_out, n_in // 32, 16), generator=g, dtype=torch.uint8)
-            scales = torch.randint(121, 125, (E, n_out, n_in // 32), generator=g, dtype=torch.uint8)
-            with torch.no_grad():
-                p.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
-            packed[f"model.layers.{i}.mlp.experts.{name}_blocks"] = blocks
-            packed[f"model.layers.{i}.mlp.experts.{name}_scales"] = scales
+    packed = random_mxfp4_experts(hf, torch.Generator().manual_seed(2))
     hf.save_pretrained(tmp_path)
     path = tmp_path / "model.safetensors"
     tensors = load_file(path)

@@ -52,3 +52,23 @@ def request(messages: list[list[int]], max_tokens: int, stop_ids=(), tenant: str
         ids.extend(m)
         bounds.append(len(ids))
     return GenerationRequest(ids, greedy(max_tokens), bounds[:-1] + [len(ids)], tenant, list(stop_ids))
+
+
+def random_mxfp4_experts(model, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Give a transformers gpt-oss model's experts random MXFP4 codes and power-of-two scales, as
+    the released checkpoints store them: the float expert weights are set to exactly what those
+    blocks hold, and the blocks / scales are returned under their checkpoint names."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    packed = {}
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            ex = layer.mlp.experts
+            for name, p in (("gate_up_proj", ex.gate_up_proj), ("down_proj", ex.down_proj)):
+                E, n_in, n_out = p.shape   # [E, in, out]; blocks are [E, out, in / 32, 16]
+                blocks = torch.randint(0, 256, (E, n_out, n_in // 32, 16), generator=generator, dtype=torch.uint8)
+                scales = torch.randint(121, 125, (E, n_out, n_in // 32), generator=generator, dtype=torch.uint8)
+                p.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+                packed[f"model.layers.{i}.mlp.experts.{name}_blocks"] = blocks
+                packed[f"model.layers.{i}.mlp.experts.{name}_scales"] = scales
+    return packed

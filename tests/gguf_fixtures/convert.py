@@ -102,6 +102,7 @@ def main() -> None:
     ap.add_argument("families", nargs="+")
     args = ap.parse_args()
     sys.path.insert(0, str(HERE))
+    sys.path.insert(1, str(HERE.parent))     # tests/: tiny.py's shared builders
     families = importlib.import_module("families")
     for name in args.families:
         spec = getattr(families, f"make_{name}")

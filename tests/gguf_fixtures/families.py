@@ -303,21 +303,10 @@ class _Mxfp4Folder:
 def make_gpt_oss_mxfp4():
     """gpt-oss as released: the same tiny model as make_gpt_oss, its experts random MXFP4 codes
     and power-of-two scales (the float weights set to exactly what those blocks hold)."""
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    from tiny import random_mxfp4_experts    # tests/ (convert.py puts it on the path)
 
     model, patches = make_gpt_oss()
-    g = torch.Generator().manual_seed(3)
-    packed = {}
-    with torch.no_grad():
-        for i, layer in enumerate(model.model.layers):
-            ex = layer.mlp.experts
-            for name, p in (("gate_up_proj", ex.gate_up_proj), ("down_proj", ex.down_proj)):
-                E, n_in, n_out = p.shape   # [E, in, out]; blocks are [E, out, in / 32, 16]
-                blocks = torch.randint(0, 256, (E, n_out, n_in // 32, 16), generator=g, dtype=torch.uint8)
-                scales = torch.randint(121, 125, (E, n_out, n_in // 32), generator=g, dtype=torch.uint8)
-                p.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
-                packed[f"model.layers.{i}.mlp.experts.{name}_blocks"] = blocks
-                packed[f"model.layers.{i}.mlp.experts.{name}_scales"] = scales
+    packed = random_mxfp4_experts(model, torch.Generator().manual_seed(3))
     return _Mxfp4Folder(model, packed), patches
 
 
