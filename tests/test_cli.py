@@ -94,6 +94,14 @@ def test_bad_sampling_value():
     assert_clean_error(turnkv("generate", "-m", "smollm2-135m", "-p", "hi", "--top-p", "0"), "top_p")
 
 
+def test_negative_tier_keep_turns_is_refused_before_loading():
+    proc = turnkv("generate", "-m", "smollm2-135m", "--cache-dir", "/nonexistent", "--tier-keep-turns", "-1",
+                  "-p", "hi", timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "--tier-keep-turns: expected an integer >= 0, got -1" in proc.stderr.strip().splitlines()[-1]
+    assert "Loading" not in proc.stderr                      # refused by argparse, no model read
+
+
 def test_help_defaults_match_the_engine():
     """cli.py repeats a few defaults so `--help` need not import torch; they must stay equal."""
     from turnkv import cli
@@ -106,6 +114,8 @@ def test_help_defaults_match_the_engine():
     from turnkv import images
     assert (cli.DEFAULT_MAX_IMAGE_PIXELS, cli.DEFAULT_IMAGE_CACHE_MB) == (images.DEFAULT_MAX_IMAGE_PIXELS,
                                                                          images.DEFAULT_IMAGE_CACHE_MB)
+    from turnkv.prompt_cache import tiers
+    assert cli.build_parser().parse_args(["generate", "-p", "hi"]).tier_keep_turns == tiers.DEFAULT_KEEP_TURNS
     from turnkv.server import app
     assert (cli.DEFAULT_MAX_MESSAGES, cli.DEFAULT_MAX_CONNECTIONS) == (app.DEFAULT_MAX_MESSAGES,
                                                                        app.DEFAULT_MAX_CONNECTIONS)

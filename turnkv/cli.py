@@ -16,6 +16,17 @@ DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_IMAGE_CACHE_MB = 4096 * 4096, 256.0     # = tu
 WEIGHT_FORMATS = ("native", "bf16", "int8", "int4x2", "int4", "auto", "gguf")
 
 
+
+def _count(text: str) -> int:
+    """An argparse type: an integer >= 0 (refused at parse time, before the model loads)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {n}")
+    return n
+
 def add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smollm2-135m") -> None:
     g = p.add_argument_group("model")
     g.add_argument("-m", "--model", default=default_model,
@@ -54,7 +65,7 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smol
                    help="byte budget of this model's snapshots in Redis in MiB (default 4096)")
     c.add_argument("--redis-timeout-ms", type=float, default=500.0,
                    help="a Redis call slower than this counts as down; local tiers only for 5 s (default 500)")
-    c.add_argument("--tier-keep-turns", type=int, default=1, metavar="N",
+    c.add_argument("--tier-keep-turns", type=_count, default=1, metavar="N",
                    help="disk / Redis tiers keep a conversation's newest turn and the ends of the N turns "
                         "before it; older entries of it are dropped (0 keeps all; default 1; docs/tiers.md)")
     c.add_argument("--swa-slack", type=int, default=256,
