@@ -186,6 +186,21 @@ TKV_TARGET static inline float hsum(VF x) {  // fixed tree: (0+4, 1+5, ...), the
     s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
     return _mm_cvtss_f32(s);
 }
+// hsum of W = 8 vectors at once: lane j of the result is exactly hsum(x[j]) (the same additions
+// of the same lanes: halves, then (0+2, 1+3), then 0+1), the vectors' trees sharing shuffles
+TKV_TARGET static inline VF hsum_many(const VF* x) {
+    VF p[4], r[2];
+    for (int i = 0; i < 4; i++)
+        p[i] = _mm256_add_ps(_mm256_permute2f128_ps(x[2 * i], x[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(x[2 * i], x[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++)
+        r[i] = _mm256_add_ps(_mm256_shuffle_ps(p[2 * i], p[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(p[2 * i], p[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    // element 4k + e holds the sum of x[2e + k]
+    const VF f = _mm256_add_ps(_mm256_shuffle_ps(r[0], r[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                               _mm256_shuffle_ps(r[0], r[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
 TKV_TARGET static inline __m256i tail_mask(int n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
@@ -245,6 +260,24 @@ TKV_TARGET static inline float hsum(VF x) {  // fixed tree: halves, then avx2's
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
     return _mm_cvtss_f32(s);
+}
+// hsum of W = 16 vectors at once: lane j of the result is exactly hsum(x[j]) (the same additions
+// of the same lanes: halves, quarters, then (0+2, 1+3), then 0+1), the trees sharing shuffles
+TKV_TARGET static inline VF hsum_many(const VF* x) {
+    VF p[8], q[4], r[2];
+    for (int i = 0; i < 8; i++)
+        p[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)
+        q[i] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)
+        r[i] = _mm512_add_ps(_mm512_shuffle_ps(q[2 * i], q[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(q[2 * i], q[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    // element 4k + e holds the sum of x[4e + k]
+    const VF f = _mm512_add_ps(_mm512_shuffle_ps(r[0], r[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                               _mm512_shuffle_ps(r[0], r[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), f);
 }
 #define LOAD(p) _mm512_loadu_ps(p)
 #define STORE(p, x) _mm512_storeu_ps(p, x)
