@@ -68,6 +68,11 @@ class Model(nn.Module, ABC):
     def vocab_size(self) -> int:
         return self.args.vocab_size
 
+    def enable_fused(self) -> int:
+        """Let every block that can run as fused native calls do so (models/fused.py; the gguf
+        weights at float32 call this after loading). Returns how many blocks will."""
+        return sum(bool(m.fuse()) for m in self.modules() if m is not self and callable(getattr(m, "fuse", None)))
+
     # --- the decoder skeleton most families share ---------------------------------------------
     def decoder_weights(self, tensors: dict, args, dtype: torch.dtype, block) -> None:
         """The embedding, the blocks (``block(args, tensors, i, dtype)``), the final norm and the

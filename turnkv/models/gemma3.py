@@ -11,6 +11,7 @@ from torch import nn
 from ..cache import specs
 from ..images import IMAGE_KEY_BASE
 from .batch import Batch, Span, select_rows, spans_apply
+from .fused import FusedBlock
 from .base import (BaseArgs, Model, Rope, apply_rope, attention, attention_spans, embedding, linear, param,
                    rms_norm, take)
 from .rope_config import inv_freq_for, rope_params
@@ -70,18 +71,22 @@ class Attention(nn.Module):
         qkv = linear(x, self.wqkv).view(x.shape[0], hq + 2 * hk, self.d).transpose(0, 1)
         # same order as transformers' Gemma3RMSNorm: normalize, then scale by (1 + w)
         qk = apply_rope(rms_norm(qkv[: hq + hk], None, self.eps).mul_(self.qk_norm), *rope)
+        return linear(self.attend(qk, qkv[hq + hk:], batch, i, blocks), self.wo)
+
+    def attend(self, qk, v, batch: Batch, i: int, blocks: dict | None = None):
+        """The rows' attention output [T, hq * D] from their rotated q/k [hq + hk, T, D] and v."""
+        hq = self.hq
         if blocks is None:      # text only: every sequence's rows over its own KV, one native call
-            return linear(attention_spans(batch, i, qk[:hq], qk[hq:], qkv[hq + hk:], self.scale, self.softcap),
-                          self.wo)
+            return attention_spans(batch, i, qk[:hq], qk[hq:], v, self.scale, self.softcap)
 
         def one(s: Span):   # this sequence's rows over its own KV
-            view = s.caches[i].update_and_fetch(qk[hq:, s.rows], qkv[hq + hk:, s.rows])
+            view = s.caches[i].update_and_fetch(qk[hq:, s.rows], v[:, s.rows])
             out = attention(qk[:hq, s.rows], view, self.scale, self.softcap)
-            if blocks is not None and s in blocks:   # image rows: their whole image too (Gemma 3 vision)
+            if s in blocks:   # image rows: their whole image too (Gemma 3 vision)
                 rows, same = blocks[s]
                 out[rows] = image_rows_attention(qk[:hq, s.rows], view, rows, same, self.scale, self.softcap)
             return out
-        return linear(spans_apply(batch, one), self.wo)
+        return spans_apply(batch, one)
 
 
 def image_blocks(batch: Batch) -> dict | None:
@@ -154,7 +159,22 @@ class Block(nn.Module):
         self.attn = Attention(a, t, f"{p}.self_attn", dtype, self.sliding)
         self.mlp = MLP(t, f"{p}.mlp", dtype)
 
+    fused: FusedBlock | None = None
+
+    def fuse(self) -> bool:
+        """Run the block as two native calls (models/fused.py) when its weights allow it."""
+        a = self.attn
+        self.fused = FusedBlock.build(hq=a.hq, hk=a.hk, head_dim=a.d, eps=self.eps, attn_norm=self.ln_in,
+                                      wqkv=a.wqkv, qk_norm=a.qk_norm, wo=a.wo, post_attn=self.ln_post_attn,
+                                      mlp_norm=self.ln_pre_ff, wgu=self.mlp.wgu, act="gelu_tanh",
+                                      wdown=self.mlp.wdown, post_ff=self.ln_post_ff)
+        return self.fused is not None
+
     def forward(self, x, batch, i, rope, blocks=None):
+        f = self.fused
+        if f is not None and f.takes(x):
+            qk, v = f.qkv(x, rope)
+            return f.out_mlp(x, self.attn.attend(qk, v, batch, i, blocks))
         # x is the model's own residual buffer (fresh from the embedding): accumulate in place
         h = self.attn.forward(rms_norm(x, self.ln_in, self.eps), batch, i, rope, blocks)
         x += rms_norm(h, self.ln_post_attn, self.eps)

@@ -10,6 +10,7 @@ from torch import nn
 
 from ..cache import specs
 from .batch import Batch
+from .fused import FusedBlock
 from .base import (BaseArgs, Model, Rope, apply_rope, attention_spans, embedding, linear, param, rms_norm,
                    take)
 from .rope_config import inv_freq_for, rope_params
@@ -80,7 +81,24 @@ class Block(nn.Module):
         self.attn = Attention(a, t, f"{p}.self_attn", dtype)
         self.mlp = MLP(a, t, f"{p}.mlp", dtype)
 
+    fused: FusedBlock | None = None
+
+    def fuse(self) -> bool:
+        """Run the block as two native calls (models/fused.py) when its weights allow it."""
+        a, m = self.attn, self.mlp
+        if any(b is not None for b in (a.bqkv, a.bo, m.bgu, m.bdown)):
+            return False
+        self.fused = FusedBlock.build(hq=a.hq, hk=a.hk, head_dim=a.d, eps=self.eps, attn_norm=self.ln_attn,
+                                      wqkv=a.wqkv, qk_norm=None, wo=a.wo, post_attn=None, mlp_norm=self.ln_mlp,
+                                      wgu=m.wgu, act="silu", wdown=m.wdown, post_ff=None)
+        return self.fused is not None
+
     def forward(self, x, batch, i, rope):
+        f = self.fused
+        if f is not None and f.takes(x):
+            qk, v = f.qkv(x, rope)
+            hq = self.attn.hq
+            return f.out_mlp(x, attention_spans(batch, i, qk[:hq], qk[hq:], v, self.attn.scale))
         # x is the model's own residual buffer (fresh from the embedding): accumulate in place
         x += self.attn.forward(rms_norm(x, self.ln_attn, self.eps), batch, i, rope)
         x += self.mlp.forward(rms_norm(x, self.ln_mlp, self.eps))

@@ -672,6 +672,10 @@ def load_gguf_model(cls, config: dict, tensors: dict, quantized: dict, dtype: to
         raise ValueError(f"gguf weights: could not place {', '.join(leftovers[:5])}")
     for qt, n in sorted(split.items()):
         notes.append(f"{n} fused weight(s) with parts {qt}: one GGUF kernel per part")
+    if dtype == torch.float32:
+        fused = model.enable_fused()
+        if fused:
+            notes.append(f"{fused} block(s) run as fused native calls (models/fused.py)")
     for note in notes:
         log.info("gguf weights: %s", note)
     model.weight_notes = notes

@@ -76,7 +76,8 @@ struct Args {
     int64_t row_bytes;
     int N, K, M, qt;
     const Act* a;
-    float* Y;  // [M][N]
+    float* Y;  // [M][ldy]: output n of row m at Y[m * ldy + n]
+    int64_t ldy;
 };
 
 // Per-thread tile scratch: a tile's weights unpacked to one byte per value plus its scales.

@@ -206,7 +206,7 @@ static void dot_tile(const Args& g, const Scratch& s, int n0, int nv) {
                     acc = acc + t;
                 }
             }
-            g.Y[(int64_t)m * g.N + n0 + r] = acc;
+            g.Y[(int64_t)m * g.ldy + n0 + r] = acc;
         }
     }
 }
@@ -311,24 +311,9 @@ static const int kTile[][2] = {{TILE, TILE}, {8, 8}, {8, 16}, {8, 16}};
 constexpr int64_t WIDE_MIN_ROWS = 16;
 static const QuantFn kQuant[] = {scalar::quantize, avx2::quantize, avx512::quantize, avx512vnni::quantize};
 
-static torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor w, int64_t qt, int64_t N, int64_t K, int64_t isa) {
-    TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "gguf_matmul: CPU tensors only");
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.size(1) == K,
-                "gguf_matmul: x must be contiguous float32 [M, K]");
-    const int bb = block_bytes((int)qt), be = block_elems((int)qt);
-    TORCH_CHECK(bb > 0, "gguf_matmul: unsupported quantization type ", qt);
-    TORCH_CHECK(K % be == 0, "gguf_matmul: K not a multiple of the block size");
-    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(0) == N &&
-                    w.size(1) == K / be * bb,
-                "gguf_matmul: w must be contiguous uint8 [N, row_bytes]");
-    TORCH_CHECK(isa >= 0 && isa <= best_isa(), "gguf_matmul: ISA path ", isa, " not supported by this CPU");
-    const int64_t M = x.size(0);
-    auto y = torch::empty({M, N}, torch::kFloat32);
-    if (M == 0 || N == 0) return y;
-
-    // quantized activations: a per-thread buffer reused across calls
+// Quantize X [M, K] (contiguous float32) into the calling thread's activation buffer.
+static void quantize_act(const float* X, int64_t M, int64_t K, int isa, Act& a) {
     static thread_local std::vector<uint8_t> abuf;
-    Act a;
     a.M = (int)M;
     a.K = (int)K;
     a.QB = 32;  // 32-value activation blocks for every type (the k-quants too; docs/kernels.md)
@@ -343,24 +328,28 @@ static torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor w, int64_t qt, i
     a.sx = (float*)take(n32 * 4);
     a.bs16 = (int32_t*)take(n16 * 4);
     a.bs32 = (int32_t*)take(n32 * 4);
-
-    const float* X = x.data_ptr<float>();
     const QuantFn qf = kQuant[isa];
     if (M >= 16) {
         at::parallel_for(0, M, 4, [&](int64_t b, int64_t e) { qf(X, a, (int)b, (int)e); });
     } else {
         qf(X, a, 0, (int)M);
     }
+}
 
+// Y[:, 0:N] (row stride ldy) = the quantized activations a times W [N, K] (GGUF blocks).
+static void run_weight(const Act& a, const uint8_t* W, int64_t row_bytes, int qt, int64_t N, int isa, float* Y,
+                       int64_t ldy) {
+    const int64_t M = a.M;
     Args g;
-    g.W = w.data_ptr<uint8_t>();
-    g.row_bytes = w.size(1);
+    g.W = W;
+    g.row_bytes = row_bytes;
     g.N = (int)N;
-    g.K = (int)K;
+    g.K = a.K;
     g.M = (int)M;
-    g.qt = (int)qt;
+    g.qt = qt;
     g.a = &a;
-    g.Y = y.data_ptr<float>();
+    g.Y = Y;
+    g.ldy = ldy;
     const int wide = M >= WIDE_MIN_ROWS ? 1 : 0;
     const int tile = kTile[isa][wide];
     const int64_t ntiles = (N + tile - 1) / tile;
@@ -371,8 +360,29 @@ static torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor w, int64_t qt, i
     const int64_t grain = std::max<int64_t>(1, g_par_bytes / std::max<int64_t>(1, tile_work));
     const RunFn rf = kRun[isa][wide];
     at::parallel_for(0, ntiles, grain, [&](int64_t b, int64_t e) { rf(g, b, e); });
+}
+
+static torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor w, int64_t qt, int64_t N, int64_t K, int64_t isa) {
+    TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "gguf_matmul: CPU tensors only");
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.size(1) == K,
+                "gguf_matmul: x must be contiguous float32 [M, K]");
+    const int bb = block_bytes((int)qt), be = block_elems((int)qt);
+    TORCH_CHECK(bb > 0, "gguf_matmul: unsupported quantization type ", qt);
+    TORCH_CHECK(K % be == 0, "gguf_matmul: K not a multiple of the block size");
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(0) == N &&
+                    w.size(1) == K / be * bb,
+                "gguf_matmul: w must be contiguous uint8 [N, row_bytes]");
+    TORCH_CHECK(isa >= 0 && isa <= best_isa(), "gguf_matmul: ISA path ", isa, " not supported by this CPU");
+    const int64_t M = x.size(0);
+    auto y = torch::empty({M, N}, torch::kFloat32);
+    if (M == 0 || N == 0) return y;
+    Act a;
+    quantize_act(x.data_ptr<float>(), M, K, (int)isa, a);
+    run_weight(a, w.data_ptr<uint8_t>(), w.size(1), (int)qt, N, (int)isa, y.data_ptr<float>(), N);
     return y;
 }
+
+#include "fused_layer.inc"
 
 }  // namespace tkv
 
@@ -382,4 +392,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("gguf_matmul", &tkv::gguf_matmul, "Y = X @ W^T, W in GGUF blocks", py::arg("x"), py::arg("w"), py::arg("qtype"),
           py::arg("n"), py::arg("k"), py::arg("isa"), py::call_guard<py::gil_scoped_release>());
     m.def("best_isa", &tkv::best_isa, "best ISA path: 0 scalar, 1 avx2, 2 avx512, 3 avx512vnni");
+    tkv::register_fused(m);
 }

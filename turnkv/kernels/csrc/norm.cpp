@@ -18,24 +18,9 @@
 #include <cstdint>
 #include <optional>
 
-namespace tkv_norm {
+#include "norm_row.h"
 
-static inline void row(const float* x, const float* w, float* o, int64_t D, float eps) {
-    float lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    int64_t d = 0;
-    for (; d + 8 <= D; d += 8)
-        for (int i = 0; i < 8; i++) lane[i] = lane[i] + x[d + i] * x[d + i];
-    for (int i = 0; d < D; d++, i++) lane[i] = lane[i] + x[d] * x[d];
-    for (int i = 0; i < 4; i++) lane[i] = lane[i] + lane[i + 4];
-    for (int i = 0; i < 2; i++) lane[i] = lane[i] + lane[i + 2];
-    const float ss = lane[0] + lane[1];
-    const float inv = 1.f / std::sqrt(ss / (float)D + eps);
-    if (w != nullptr) {
-        for (int64_t j = 0; j < D; j++) o[j] = (x[j] * inv) * w[j];
-    } else {
-        for (int64_t j = 0; j < D; j++) o[j] = x[j] * inv;
-    }
-}
+namespace tkv_norm {
 
 static torch::Tensor rms_norm(torch::Tensor x, const std::optional<torch::Tensor>& weight, double eps) {
     TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.device().is_cpu() && x.dim() >= 1,

@@ -1,0 +1,124 @@
+"""The fused layer calls (models/fused.py, kernels/csrc/fused_layer.inc) on the bundled GGUFs:
+they are on under the gguf weights at float32, and every logit they give is the same bits as the
+unfused Python path's: a whole prompt, the prompt in 64-token chunks, decode steps, and several
+sequences in one batch. Off for every other weight format and dtype, and with TURNKV_FUSED=0."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from turnkv.cache.specs import default_modes, make_caches
+from turnkv.loading import load_checkpoint
+from turnkv.models import family_class
+from turnkv.models.batch import Batch
+from turnkv.models.fused import fused_available
+from turnkv.models.weights import load_model
+
+pytestmark = [pytest.mark.real, pytest.mark.skipif(not fused_available(), reason="native kernels not built")]
+
+MODELS = ["smollm2-135m", "gemma3-270m"]
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def model(request):
+    q = load_checkpoint(request.param, dtype=torch.float32, progress=False, keep_quantized=True)
+    return load_model(family_class(q.architecture), q.config, q.tensors, torch.float32, "gguf", quantized=q.quantized)
+
+
+def fused_blocks(model):
+    return [m for m in model.modules() if getattr(m, "fused", None) is not None]
+
+
+class Switch:
+    """Turns a model's fused blocks off and on again (the same objects, so the same weights)."""
+
+    def __init__(self, model):
+        self.blocks = fused_blocks(model)
+        self.fused = [b.fused for b in self.blocks]
+
+    def __call__(self, on: bool):
+        for b, f in zip(self.blocks, self.fused):
+            b.fused = f if on else None
+
+
+def caches(model, kv="fp16"):
+    specs = model.cache_specs()
+    return make_caches(specs, dtype=torch.float32, modes=default_modes(specs, kv))
+
+
+def prompt(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(100, 32000, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def run(model, ids, chunk: int | None, steps: int, kv: str = "fp16") -> torch.Tensor:
+    """Last-token logits of the prompt, then of ``steps`` greedy decode steps, stacked."""
+    c = caches(model, kv)
+    chunk = chunk or len(ids)
+    for i in range(0, len(ids), chunk):
+        out = model.step(ids[i:i + chunk], c, logits="last")
+    outs = [out]
+    for _ in range(steps):
+        outs.append(model.step(torch.tensor([int(outs[-1].argmax())]), c, logits="last"))
+    return torch.stack(outs)
+
+
+def test_on_for_every_block(model):
+    assert len(fused_blocks(model)) == model.args.num_hidden_layers
+    assert any("fused native calls" in n for n in model.weight_notes)
+
+
+@pytest.mark.parametrize("kv", ["fp16", "native"])
+def test_same_bits_as_unfused(model, kv):
+    switch = Switch(model)
+    ids = prompt(300, 0)
+    with torch.inference_mode():
+        fused = run(model, ids, None, 6, kv)
+        chunked = run(model, ids, 64, 6, kv)
+        switch(False)
+        try:
+            plain = run(model, ids, None, 6, kv)
+            plain_chunked = run(model, ids, 64, 6, kv)
+        finally:
+            switch(True)
+    assert torch.equal(fused, plain)
+    assert torch.equal(chunked, plain_chunked)
+    assert torch.equal(fused, chunked)     # chunk-invariant, as the unfused path
+
+
+def test_batch_same_bits_as_alone_unfused(model):
+    """Three sequences in one batch (a prefill chunk beside two decode rows) through the fused
+    calls equal each sequence run alone through the unfused path."""
+    switch = Switch(model)
+    prompts = [prompt(n, s) for n, s in ((40, 1), (75, 2), (130, 3))]
+    with torch.inference_mode():
+        cs = [caches(model) for _ in prompts]
+        # the first two read their prompts alone, then all three step together
+        firsts = [model.step(p, c, logits="last") for p, c in zip(prompts[:2], cs[:2])]
+        parts = [(torch.tensor([int(f.argmax())]), c, "last") for f, c in zip(firsts, cs[:2])]
+        parts.append((prompts[2], cs[2], "last"))
+        together = model.forward(Batch.build(parts))
+        switch(False)
+        try:
+            want = []
+            for j, p in enumerate(prompts):
+                c = caches(model)
+                first = model.step(p, c, logits="last")
+                want.append(first if j == 2 else model.step(torch.tensor([int(first.argmax())]), c, logits="last"))
+        finally:
+            switch(True)
+    for j in range(3):
+        assert torch.equal(together[j], want[j]), j
+
+
+def test_off_for_other_formats_and_when_disabled(monkeypatch):
+    q = load_checkpoint("smollm2-135m", dtype=torch.float32, progress=False, keep_quantized=True)
+    cls = family_class(q.architecture)
+    native = load_model(cls, q.config, q.tensors, torch.float32, "native", quantized=q.quantized)
+    assert fused_blocks(native) == []
+    bf16 = load_model(cls, q.config, q.tensors, torch.bfloat16, "gguf", quantized=q.quantized)
+    assert fused_blocks(bf16) == []
+    monkeypatch.setenv("TURNKV_FUSED", "0")
+    assert not fused_available()
+    off = load_model(cls, q.config, q.tensors, torch.float32, "gguf", quantized=q.quantized)
+    assert fused_blocks(off) == []

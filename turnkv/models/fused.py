@@ -1,0 +1,96 @@
+"""A pre-norm decoder layer's two dense halves as one native call each (kernels/csrc/fused_layer.inc).
+
+Under the ``gguf`` weights at float32 a decode step of a small model spends about as long in ~25
+small ATen ops and Python wrappers per layer as in reading the layer's weights. ``FusedBlock``
+runs the same operations in the same order with the same roundings in two calls:
+
+- ``qkv(x, rope)``: input RMSNorm, the q/k/v projection, the optional per-head q/k RMSNorm (Gemma 3)
+  and RoPE -> (q and k rotated [hq + hk, T, D], v [hk, T, D]);
+- ``out_mlp(x, a)``: the o projection of the attention output ``a``, the optional post-attention
+  norm, the residual add, the MLP (pre-norm, gate/up, silu or gelu-tanh, down, optional post norm)
+  and its residual add, in place on the residual ``x``.
+
+The attention between them stays in Python (every sequence's own cache, models/base.py). The
+results are bit-identical to the unfused path (tests/test_fused_layer.py), which the families keep
+for every other case (native weights, other dtypes, biases, no build). ``TURNKV_FUSED=0`` turns it
+off (A/B).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .. import kernels
+from ..kernels.norm import native_rms_norm
+from .weights import GGUFPacked
+
+ACTS = {"silu": 0, "gelu_tanh": 1}
+
+
+def fused_available() -> bool:
+    """The build has the fused calls, the native RMSNorm (the unfused path's, whose bits they
+    share) is on, and TURNKV_FUSED is not 0."""
+    ext = kernels._ext
+    return (ext is not None and hasattr(ext, "fused_qkv") and native_rms_norm() is not None
+            and os.environ.get("TURNKV_FUSED", "1").strip() != "0")
+
+
+def _qlinear(w):
+    if not isinstance(w, GGUFPacked) or w.float_out:
+        return None
+    parts = w.parts
+    if not all(p.raw.is_cpu for p in parts):
+        return None
+    return kernels._ext.QLinear([p.raw for p in parts], [int(p.qtype) for p in parts], int(w.in_features))
+
+
+def _vec(t):
+    if t is None:
+        return None
+    if not (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.is_cpu):
+        raise TypeError
+    return t.detach().reshape(-1).contiguous()
+
+
+class FusedBlock:
+    def __init__(self, *, hq: int, hk: int, head_dim: int, eps: float, attn_norm, wqkv, qk_norm, wo, post_attn,
+                 mlp_norm, wgu, act: str, wdown, post_ff):
+        self.hq, self.hk, self.d, self.eps = hq, hk, head_dim, float(eps)
+        self.attn_norm, self.qk_norm = _vec(attn_norm), _vec(qk_norm)
+        self.post_attn, self.mlp_norm, self.post_ff = _vec(post_attn), _vec(mlp_norm), _vec(post_ff)
+        self.wqkv, self.wo, self.wgu, self.wdown = (_qlinear(w) for w in (wqkv, wo, wgu, wdown))
+        self.act = ACTS[act]
+        self.isa = kernels._isa_index(None)
+
+    @classmethod
+    def build(cls, **kw) -> "FusedBlock | None":
+        """The fused calls for one block, or None when its weights are not all GGUF blocks on the
+        CPU, a norm weight is not float32, or the build lacks them."""
+        if not fused_available():
+            return None
+        try:
+            f = cls(**kw)
+        except TypeError:
+            return None
+        if None in (f.wqkv, f.wo, f.wgu, f.wdown):
+            return None
+        return f
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() and x.dim() == 2
+
+    def qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """(q and k after norm and RoPE [hq + hk, T, D], v [hk, T, D]) for the rows ``x`` [T, H]."""
+        cos, sin = rope
+        qkv, qk = kernels._ext.fused_qkv(x, self.attn_norm, self.eps, self.wqkv, self.hq, self.hk, self.d,
+                                         self.qk_norm, self.eps, cos.contiguous(), sin.contiguous(), self.isa)
+        v = qkv.view(x.shape[0], self.hq + 2 * self.hk, self.d).transpose(0, 1)[self.hq + self.hk:]
+        return qk, v
+
+    def out_mlp(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """The rest of the layer on the attention output ``a`` [T, hq * D], in place on ``x``."""
+        kernels._ext.fused_out_mlp(x, a.contiguous(), self.wo, self.post_attn, self.mlp_norm, self.eps, self.wgu,
+                                   self.act, self.wdown, self.post_ff, self.isa)
+        return x
