@@ -190,6 +190,33 @@ def test_decode_fast_path_equals_general(qtype):
                     assert torch.equal(w.matmul(x[r0 : r0 + m], isa=isa), full[r0 : r0 + m]), (isa, n, m, r0)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1], ids=lambda q: q.name)
+def test_largest_values_stay_exact(qtype):
+    """Every weight at its largest quantized value (15 / 31) against activations at +127 or -127:
+    the largest integer block dots there are. The AVX2 decode path adds several vpmaddubsw pair
+    sums in int16 before widening; an overflow there would show as a difference from the
+    reference (which computes in float64)."""
+    n, k = 24, 256
+    scale = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    parts = [scale]
+    if qtype in (Q.Q4_1, Q.Q5_1):
+        parts.append(np.zeros(2, np.uint8))           # the block minimum m = 0
+    if qtype in (Q.Q5_0, Q.Q5_1):
+        parts.append(np.full(4, 0xFF, np.uint8))      # every high bit set: values 16 + 15 = 31
+    parts.append(np.full(16, 0xFF, np.uint8))         # both nibbles 15
+    block = np.concatenate(parts)
+    assert block.size == GGML_QUANT_SIZES[qtype][1]
+    raw = torch.from_numpy(np.tile(block, (n, k // 32)).copy())
+    w = GGUFWeight.from_raw(raw, qtype, (n, k))
+    for sign in (1.0, -1.0):
+        x = torch.full((13, k), 2.5 * sign)
+        x[5:] *= torch.linspace(0.5, 1.0, k)          # other rows: not all at the block maximum
+        ref = w.matmul(x, native=False)
+        for isa in ISAS:
+            for m in (1, 4, 8, 13):
+                assert torch.equal(w.matmul(x[:m], isa=isa), ref[:m]), (isa, m, sign)
+
+
 def test_decode_fast_path_equals_general_real(real_weights):
     for name, w in real_weights:
         x = _x(13, w.shape[1]) * 3
