@@ -190,23 +190,34 @@ def test_decode_fast_path_equals_general(qtype):
                     assert torch.equal(w.matmul(x[r0 : r0 + m], isa=isa), full[r0 : r0 + m]), (isa, n, m, r0)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1], ids=lambda q: q.name)
-def test_largest_values_stay_exact(qtype):
-    """Every weight at its largest quantized value (15 / 31) against activations at +127 or -127:
-    the largest integer block dots there are. The AVX2 decode path adds several vpmaddubsw pair
-    sums in int16 before widening; an overflow there would show as a difference from the
-    reference (which computes in float64)."""
-    n, k = 24, 256
-    scale = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
-    parts = [scale]
-    if qtype in (Q.Q4_1, Q.Q5_1):
-        parts.append(np.zeros(2, np.uint8))           # the block minimum m = 0
-    if qtype in (Q.Q5_0, Q.Q5_1):
-        parts.append(np.full(4, 0xFF, np.uint8))      # every high bit set: values 16 + 15 = 31
-    parts.append(np.full(16, 0xFF, np.uint8))         # both nibbles 15
+def _largest_block(qtype: Q) -> np.ndarray:
+    """One GGUF block whose quantized values are all the type's largest (4-bit 15, 5-bit 31,
+    6-bit 63), scales 1."""
+    one = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    ff = lambda n: np.full(n, 0xFF, np.uint8)   # noqa: E731  every nibble / high bit set
+    parts = {
+        Q.Q4_0: [one, ff(16)],
+        Q.Q4_1: [one, np.zeros(2, np.uint8), ff(16)],                       # minimum 0
+        Q.Q5_0: [one, ff(4), ff(16)],
+        Q.Q5_1: [one, np.zeros(2, np.uint8), ff(4), ff(16)],
+        Q.Q4_K: [one, one, np.full(12, 0x01, np.uint8), ff(128)],           # 6-bit scales / mins 1 or 0
+        Q.Q5_K: [one, one, np.full(12, 0x01, np.uint8), ff(32), ff(128)],
+        Q.Q6_K: [ff(128), ff(64), np.full(16, 1, np.uint8), one],           # ql, qh, int8 scales, d
+    }[qtype]
     block = np.concatenate(parts)
     assert block.size == GGML_QUANT_SIZES[qtype][1]
-    raw = torch.from_numpy(np.tile(block, (n, k // 32)).copy())
+    return block
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+def test_largest_values_stay_exact(qtype):
+    """Every weight at its largest quantized value against activations at +127 or -127: the
+    largest integer block dots there are. The AVX2 paths add several vpmaddubsw pair sums in
+    int16 before widening; an overflow there would show as a difference from the reference
+    (which computes in float64)."""
+    n, k = 24, 256
+    block = _largest_block(qtype)
+    raw = torch.from_numpy(np.tile(block, (n, k // GGML_QUANT_SIZES[qtype][0])).copy())
     w = GGUFWeight.from_raw(raw, qtype, (n, k))
     for sign in (1.0, -1.0):
         x = torch.full((13, k), 2.5 * sign)
