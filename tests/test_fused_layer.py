@@ -5,6 +5,8 @@ sequences in one batch. Off for every other weight format and dtype, and with TU
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -47,8 +49,8 @@ def caches(model, kv="fp16"):
     return make_caches(specs, dtype=torch.float32, modes=default_modes(specs, kv))
 
 
-def prompt(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(100, 32000, (n,), generator=torch.Generator().manual_seed(seed))
+def prompt(n: int, seed: int, vocab: int = 32000) -> torch.Tensor:
+    return torch.randint(min(100, vocab // 4), vocab, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def run(model, ids, chunk: int | None, steps: int, kv: str = "fp16") -> torch.Tensor:
@@ -109,6 +111,31 @@ def test_batch_same_bits_as_alone_unfused(model):
             switch(True)
     for j in range(3):
         assert torch.equal(together[j], want[j]), j
+
+
+FIXTURES = Path(__file__).resolve().parent / "gguf_fixtures"
+FIXTURE_FAMILIES = ["llama", "llama3", "ministral"]    # Llama-shaped blocks (models/fused.fuse_llama_block)
+
+
+@pytest.mark.parametrize("family", FIXTURE_FAMILIES)
+def test_fixture_families_same_bits_as_unfused(family):
+    """The Q8_0 GGUFs llama.cpp's converter wrote for the Llama-shaped families (Ministral 3: its
+    position-scaled queries between the two calls): fused on, and the same bits as unfused."""
+    q = load_checkpoint(str(FIXTURES / family / f"{family}-q8_0.gguf"), dtype=torch.float32, progress=False,
+                        keep_quantized=True)
+    m = load_model(family_class(q.architecture), q.config, q.tensors, torch.float32, "gguf", quantized=q.quantized)
+    assert len(fused_blocks(m)) == m.args.num_hidden_layers
+    switch = Switch(m)
+    ids = prompt(150, 4, m.vocab_size)
+    with torch.inference_mode():
+        fused, chunked = run(m, ids, None, 5), run(m, ids, 32, 5)
+        switch(False)
+        try:
+            plain = run(m, ids, None, 5)
+        finally:
+            switch(True)
+    assert torch.equal(fused, plain)
+    assert torch.equal(chunked, plain)
 
 
 def test_off_for_other_formats_and_when_disabled(monkeypatch):

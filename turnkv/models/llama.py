@@ -10,7 +10,7 @@ from torch import nn
 
 from ..cache import specs
 from .batch import Batch
-from .fused import FusedBlock
+from .fused import FusedBlock, fuse_llama_block
 from .base import (BaseArgs, Model, Rope, apply_rope, attention_spans, embedding, linear, param, rms_norm,
                    take)
 from .rope_config import inv_freq_for, rope_params
@@ -85,12 +85,7 @@ class Block(nn.Module):
 
     def fuse(self) -> bool:
         """Run the block as two native calls (models/fused.py) when its weights allow it."""
-        a, m = self.attn, self.mlp
-        if any(b is not None for b in (a.bqkv, a.bo, m.bgu, m.bdown)):
-            return False
-        self.fused = FusedBlock.build(hq=a.hq, hk=a.hk, head_dim=a.d, eps=self.eps, attn_norm=self.ln_attn,
-                                      wqkv=a.wqkv, qk_norm=None, wo=a.wo, post_attn=None, mlp_norm=self.ln_mlp,
-                                      wgu=m.wgu, act="silu", wdown=m.wdown, post_ff=None)
+        self.fused = fuse_llama_block(self)
         return self.fused is not None
 
     def forward(self, x, batch, i, rope):

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..cache import specs
 from .batch import Batch, select_rows
+from .fused import FusedBlock, fuse_llama_block
 from .base import BaseArgs, Model, Rope, apply_rope, attention_spans, embedding, linear, param, rms_norm, take
 from .rope_config import inv_freq_for, rope_params
 
@@ -92,7 +93,20 @@ class Block(nn.Module):
         self.attn = Attention(a, t, f"{p}.self_attn", dtype)
         self.mlp = MLP(t, f"{p}.mlp", dtype)
 
+    fused: FusedBlock | None = None
+
+    def fuse(self) -> bool:
+        """Run the block as two native calls (models/fused.py) when its weights allow it."""
+        self.fused = fuse_llama_block(self)
+        return self.fused is not None
+
     def forward(self, x, batch, i, rope, q_scale):
+        f = self.fused
+        if f is not None and f.takes(x):
+            qk, v = f.qkv(x, rope)
+            hq = self.attn.hq
+            q = qk[:hq] if q_scale is None else qk[:hq] * q_scale
+            return f.out_mlp(x, attention_spans(batch, i, q, qk[hq:], v, self.attn.scale))
         x += self.attn.forward(rms_norm(x, self.ln_attn, self.eps), batch, i, rope, q_scale)
         x += self.mlp.forward(rms_norm(x, self.ln_mlp, self.eps))
         return x
