@@ -37,6 +37,7 @@ class Switch:
 
     def __init__(self, model):
         self.blocks = fused_blocks(model)
+        assert self.blocks, "no block runs fused: the comparisons below would compare nothing"
         self.fused = [b.fused for b in self.blocks]
 
     def __call__(self, on: bool):
