@@ -299,6 +299,83 @@ def test_cache_view_native_equals_sdpa_fallback(kind, monkeypatch):
         pos += T
 
 
+def _span_batch(caches_list, lengths):
+    """A Batch over one cache list per span (only the fields attention_spans reads)."""
+    from turnkv.models.batch import Batch
+    return Batch.build([(torch.zeros(n, dtype=torch.long), c, "none") for c, n in zip(caches_list, lengths)])
+
+
+@needs_attn
+@pytest.mark.parametrize("mode", ["native", "fp16", "bf16"])
+def test_write_attend_equals_cache_update_then_attend(mode, monkeypatch):
+    """attention_spans' one-call path (the kernel writes each span's K/V into its cache buffers,
+    then attends) against the cache's own update_and_fetch + attend, step by step on two copies
+    of the same caches (full, sliding with compaction, chunked; prefill chunks beside decode rows,
+    buffers that grow): the outputs and every stored K/V slot are bit-identical."""
+    from turnkv.models import base
+
+    if not A.write_attend_ok(torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), [torch.float32]):
+        pytest.skip("this build has no write_attend")
+
+    def caches():
+        return [KVCache(2, 32, mode=mode, block_size=8),
+                SlidingWindowCache(2, 32, window=40, slack=8, block_size=8, mode=mode),
+                ChunkedCache(2, 32, chunk=48, block_size=8, mode=mode)]
+    fast, slow = caches(), caches()
+    g = torch.Generator().manual_seed(3)
+    called = []
+    real = base.write_attend
+    monkeypatch.setattr(base, "write_attend", lambda *a, **k: called.append(1) or real(*a, **k))
+    for lens in ([70, 1, 33], [1, 1, 1], [33, 64, 1], [1, 300, 1], [1, 1, 64], [5, 1, 1]):
+        R = sum(lens)
+        qkv = torch.randn(R, 6 + 2 + 2, 32, generator=g).transpose(0, 1)   # [H, R, D] strided like the families
+        q, k, v = qkv[:6], qkv[6:8], qkv[8:]
+        got = base.attention_spans(_span_batch([[c] for c in fast], lens), 0, q, k, v, 0.17)
+        with monkeypatch.context() as m:
+            m.setattr(base, "write_attend_ok", lambda *a, **kw: False)
+            want = base.attention_spans(_span_batch([[c] for c in slow], lens), 0, q, k, v, 0.17)
+        assert torch.equal(got, want), lens
+        for a, b in zip(fast, slow):
+            assert (a.offset, a.start, a.floor) == (b.offset, b.start, b.floor)
+            for name in ("k", "v"):
+                assert torch.equal(a.store.parts[name][:, :a.used], b.store.parts[name][:, :b.used])
+    assert len(called) == 6
+
+
+@needs_attn
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_write_attend_rounds_like_copy(dtype):
+    """The kernel's float32 -> float16 / bfloat16 stores round as ``copy_`` does, on values that
+    sit exactly half-way between two neighbours, subnormals, overflow and signed zeros."""
+    if not A.write_attend_ok(torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), [dtype]):
+        pytest.skip("write_attend does not take this dtype here")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(4096, generator=g) * torch.logspace(-9, 6, 4096)
+    h = x.to(dtype).float()
+    # ties: midpoints between neighbouring representable values
+    nxt = torch.nextafter(x.to(dtype), torch.tensor(float("inf"), dtype=dtype)).float()
+    special = torch.tensor([0.0, -0.0, 65504.0, 65520.0, 1e5, -1e5, 6e-8, 3e-8, 1e-40, float("inf"), float("-inf")])
+    vals = torch.cat([x, (h + nxt) / 2, special])
+    n = vals.numel() // 64 * 64
+    k = vals[:n].view(1, -1, 64)
+    buf_k, buf_v = torch.zeros(1, k.shape[1] + 3, 64, dtype=dtype), torch.zeros(1, k.shape[1] + 3, 64, dtype=dtype)
+    q = torch.zeros(1, k.shape[1], 64)
+    A.write_attend(q, k, k, [buf_k], [buf_v], [k.shape[1]], [3], [0], [3], [0], ["full"], [0], 0.1)
+    assert torch.equal(buf_k[:, 3:], k.to(dtype)) and torch.equal(buf_v[:, 3:], k.to(dtype))
+
+
+@needs_attn
+def test_write_attend_rejects_slots_outside_the_buffer():
+    q, k, v = torch.zeros(2, 4, 32), torch.zeros(1, 4, 32), torch.zeros(1, 4, 32)
+    buf = torch.zeros(1, 6, 32)
+    if not A.write_attend_ok(q, k, v, [torch.float32]):
+        pytest.skip("this build has no write_attend")
+    with pytest.raises(RuntimeError, match="out of range"):
+        A.write_attend(q, k, v, [buf], [buf.clone()], [4], [3], [0], [3], [0], ["full"], [0], 0.1)
+    with pytest.raises(RuntimeError, match="add up"):
+        A.write_attend(q, k, v, [buf], [buf.clone()], [3], [0], [0], [0], [0], ["full"], [0], 0.1)
+
+
 # ------------------------------------------------------------------ bundled models, gguf weights
 
 TEXT = Path(__file__).resolve().parents[1] / "turnkv" / "data" / "coriolanus.txt"

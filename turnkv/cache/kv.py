@@ -216,21 +216,27 @@ class KVCache(LayerCache):
         if n + T > self.store.capacity:
             self.store.grow(grown_capacity(max(n + T, 2 * n), self.store.capacity), keep=n)
 
+    def reserve(self, T: int) -> tuple[int, int, int, int]:
+        """Take the slots of ``T`` new tokens (the caller writes their K/V there) and return
+        ``(slot, first_slot, first_pos, q_pos0)``: the new tokens' first slot, and the slot and
+        position of the first key those queries attend to, and the first new token's position."""
+        self._make_room(T)
+        slot, q0 = self.offset - self.start, self.offset
+        self.offset += T
+        first = max(self.floor, self.needed_from(q0))
+        return slot, first - self.start, first, q0
+
     def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor) -> KVView:
         """Append K/V of ``T`` new tokens ([heads, T, head_dim]); return the keys/values those
         queries attend over, with their positions and this layer's visibility rule (``KVView``)."""
-        T = k.shape[1]
-        self._make_room(T)
-        self.store.write(self.used, k, v)
-        q0 = self.offset
-        self.offset += T
-        first = max(self.floor, self.needed_from(q0))
-        stored = self.store.read_stored(first - self.start, self.used)
+        slot, a, first, q0 = self.reserve(k.shape[1])
+        self.store.write(slot, k, v)
+        stored = self.store.read_stored(a, self.used)
         if stored is not None:
-            return KVView(None, None, first, q0, T, self.kind, self.span, self.needed_from_many,
+            return KVView(None, None, first, q0, k.shape[1], self.kind, self.span, self.needed_from_many,
                           stored=stored, dtype=self.dtype)
-        keys, values = self.store.read(first - self.start, self.used)
-        return KVView(keys, values, first, q0, T, self.kind, self.span, self.needed_from_many)
+        keys, values = self.store.read(a, self.used)
+        return KVView(keys, values, first, q0, k.shape[1], self.kind, self.span, self.needed_from_many)
 
     # --- snapshots -------------------------------------------------------------
     def snapshot(self) -> KVSnapshot:

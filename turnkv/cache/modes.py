@@ -193,6 +193,9 @@ class KVStore:
 
     # name suffixes of the tensors one of K or V is stored as ("" = the values themselves)
     SUFFIXES: ClassVar[tuple[str, ...]] = ("",)
+    # the buffers ``k`` / ``v`` hold the values as they are (a cast of them at most): a writer
+    # that rounds as ``copy_`` does may store into them directly (kernels.attention.write_attend)
+    plain: ClassVar[bool] = True
 
     def __init__(self, heads: int, head_dim: int, dtype: torch.dtype, device, mode: str = NATIVE, capacity: int = 0):
         self.heads, self.head_dim = heads, head_dim
@@ -292,6 +295,7 @@ class Int8Store(KVStore):
     """int8 values with one float16 scale per token and head (symmetric, absmax / 127)."""
 
     SUFFIXES = ("", "_scale")
+    plain = False
 
     def _widths(self):
         return ((self.head_dim, torch.int8), (1, SCALE_DTYPE))
@@ -311,6 +315,7 @@ class Int4Store(KVStore):
     (bench/kv_modes.py). The rotation is undone on read, exactly and in the same GEMM as before."""
 
     SUFFIXES = ("", "_scale")
+    plain = False
 
     def __init__(self, heads: int, head_dim: int, dtype: torch.dtype, device, mode: str = "int4", capacity: int = 0):
         self.groups = int4_groups(head_dim)

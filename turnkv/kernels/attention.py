@@ -36,10 +36,12 @@ _best = -1
 _default = -1
 _sinks = False     # the build takes ``sinks`` (a build from before them does not)
 _half_kv = False   # the build reads float16 / bfloat16 K/V
+_write = None      # the extension's write_attend: a batch's K/V cache writes and attention in one call
+_write_dtypes: frozenset = frozenset()   # cache buffer dtypes write_attend takes on the default path
 
 
 def _init() -> None:
-    global _op, _op_many, _best, _default, _sinks, _half_kv
+    global _op, _op_many, _best, _default, _sinks, _half_kv, _write, _write_dtypes
     if not native_available() or os.environ.get("TURNKV_ATTENTION", "").strip().lower() == "reference":
         return
     try:
@@ -61,6 +63,9 @@ def _init() -> None:
         want = "avx512"
     if want in ISAS:
         _default = min(_best, ISAS.index(want))
+    from . import _ext
+    _write = getattr(_ext, "write_attend", None)
+    _write_dtypes = frozenset({torch.float32} | ({torch.float16, torch.bfloat16} if _default > 0 else set()))
 
 
 _init()
@@ -174,6 +179,29 @@ def attend_many_native(qs, ks, vs, q_pos0s, k_pos0s, kinds, spans, scale: float,
                     [int(p) for p in q_pos0s], [int(p) for p in k_pos0s], [KINDS[k] for k in kinds],
                     [int(w or 0) for w in spans], float(scale), float(softcap) if softcap else 0.0, i,
                     None if sinks is None else sinks.contiguous())
+
+
+def write_attend_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buffer_dtypes,
+                    sinks: torch.Tensor | None = None) -> bool:
+    """Whether ``write_attend`` takes these rows and caches whose K/V buffers have ``buffer_dtypes``."""
+    return (_write is not None and q.dtype == torch.float32 and k.dtype == torch.float32
+            and v.dtype == torch.float32 and q.device.type == "cpu" and q.shape[-1] <= 1024
+            and all(d in _write_dtypes for d in buffer_dtypes)
+            and (sinks is None or (sinks.dtype == torch.float32 and sinks.device.type == "cpu")))
+
+
+def write_attend(q, k, v, kbufs, vbufs, lens, slots, firsts, q_pos0s, k_pos0s, kinds, spans, scale: float,
+                 softcap: float | None = None, sinks: torch.Tensor | None = None, isa: str | None = None):
+    """One layer for a batch of spans in one native call: span j (rows ``lens`` in order) stores its
+    K/V rows of ``k`` / ``v`` [Hk, R, D] into its cache buffers ``kbufs[j]`` / ``vbufs[j]``
+    [Hk, capacity, D] at slots ``slots[j] ..`` (float16 / bfloat16 rounded as ``copy_`` rounds),
+    then its queries of ``q`` [Hq, R, D] at ``q_pos0s[j] ..`` attend over the buffer slots
+    ``firsts[j] ..`` (position ``k_pos0s[j]``) up to its last new one. Returns [R, Hq * D]; each row
+    bit-identical to ``attend_native`` over the same keys (``write_attend_ok`` must hold)."""
+    i = _default if isa is None else ISAS.index(isa)
+    return _write(q, k, v, kbufs, vbufs, lens, slots, firsts, q_pos0s, k_pos0s, [KINDS[x] for x in kinds],
+                  [int(w or 0) for w in spans], float(scale), float(softcap) if softcap else 0.0, i,
+                  None if sinks is None else sinks.contiguous())
 
 
 def attend(q, k, v, q_pos0: int, k_pos0: int, kind: str = "full", window_or_chunk: int = 0,

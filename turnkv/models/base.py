@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache.kv import KVView
+from ..cache.kv import KVCache, KVView
 from ..cache.specs import CacheSpec
-from ..kernels.attention import attend_many_native, attend_native, native_many_available
+from ..kernels.attention import attend_many_native, attend_native, native_many_available, write_attend, write_attend_ok
 from ..kernels.attention import native_ok as native_attention_ok
 from ..kernels.norm import native_rms_norm
 from .batch import Batch, Span, select_rows
@@ -185,11 +185,21 @@ def attention_spans(batch: Batch, layer: int, q: torch.Tensor, k: torch.Tensor, 
     [Hk, R, D], the batch's rows) into its own cache ``span.caches[layer]`` and attends its
     queries (``q`` [Hq, R, D]) over what that cache returns. Returns [R, Hq * D] in row order.
 
-    With more than one span and the native kernel, all spans run in one native call (one parallel
-    region per layer instead of one per sequence: decode of many sequences is many tiny
-    attentions); each row is bit-identical to ``attention`` on its span alone."""
+    With the native kernel, all spans run in one native call (one parallel region per layer
+    instead of one per sequence: decode of many sequences is many tiny attentions); each row is
+    bit-identical to ``attention`` on its span alone. When every span's cache keeps its K/V as
+    plain float buffers, that call also writes the new rows into them (``write_attend``: no
+    per-sequence copies, slices and views in Python)."""
     spans: list[Span] = batch.spans
-    views = [s.caches[layer].update_and_fetch(k[:, s.rows], v[:, s.rows]) for s in spans]
+    caches = [s.caches[layer] for s in spans]
+    if (all(type(c.store).plain if isinstance(c, KVCache) else False for c in caches)
+            and write_attend_ok(q, k, v, {c.store.storage_dtype for c in caches}, sinks)):
+        plan = [c.reserve(s.length) for c, s in zip(caches, spans)]
+        kbufs = [c.store.parts["k"] for c in caches]     # after reserve: it may have grown them
+        return write_attend(q, k, v, kbufs, [c.store.parts["v"] for c in caches], [s.length for s in spans],
+                            [p[0] for p in plan], [p[1] for p in plan], [p[3] for p in plan], [p[2] for p in plan],
+                            [c.kind for c in caches], [c.span for c in caches], scale, softcap, sinks)
+    views = [c.update_and_fetch(k[:, s.rows], v[:, s.rows]) for c, s in zip(caches, spans)]
     qs = [q[:, s.rows] for s in spans]
     if len(spans) > 1 and native_many_available():
         kvs = [native_kv(qq, w, sinks) for qq, w in zip(qs, views)]

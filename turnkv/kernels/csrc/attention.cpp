@@ -28,6 +28,7 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -369,6 +370,34 @@ static inline void run_unit(const UnitFn* fns, const Params& P, int G, int64_t u
     fns[n - 1](P, h0, t);
 }
 
+// The rest of a sequence's Params (its shapes and pointers already set): positions, rule, scale,
+// softcap, sinks; every query must see a key present (one before all keys would be a bug).
+static void set_rule(Params& P, int64_t q_pos0, int64_t k_pos0, int64_t kind, int64_t wc, double scale,
+                     double softcap, const std::optional<torch::Tensor>& sinks) {
+    TORCH_CHECK(kind >= FULL && kind <= CHUNKED, "attend: kind 0 full, 1 sliding, 2 chunked");
+    TORCH_CHECK(kind == FULL || wc >= 1, "attend: window / chunk must be >= 1");
+    if (sinks.has_value()) {
+        const torch::Tensor& s = *sinks;
+        TORCH_CHECK(s.dim() == 1 && s.size(0) == P.Hq && s.scalar_type() == torch::kFloat32 && s.device().is_cpu() &&
+                        s.is_contiguous(), "attend: sinks must be a contiguous float32 CPU tensor [Hq]");
+    }
+    P.q_pos0 = q_pos0;
+    P.k_pos0 = k_pos0;
+    P.wc = wc;
+    P.kind = (int)kind;
+    P.scale = (float)scale;
+    P.softcap = softcap > 0 ? (float)softcap : 0.f;
+    P.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+    if (P.T > 0) {
+        for (int64_t t : {int64_t(0), int64_t(P.T - 1)}) {
+            int64_t lo, hi;
+            visible(P, q_pos0 + t, lo, hi);
+            TORCH_CHECK(lo <= hi, "attend: query at ", q_pos0 + t, " sees no key (keys at ", k_pos0, "..",
+                        k_pos0 + P.S - 1, ")");
+        }
+    }
+}
+
 // Checks one sequence's tensors and fills its Params (``out`` set by the caller).
 static Params make_params(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t q_pos0,
                           int64_t k_pos0, int64_t kind, int64_t wc, double scale, double softcap, int64_t isa,
@@ -384,14 +413,7 @@ static Params make_params(const torch::Tensor& q, const torch::Tensor& k, const 
     TORCH_CHECK(v.size(0) == Hk && v.size(1) == S && k.size(2) == D && v.size(2) == D, "attend: k/v shapes");
     TORCH_CHECK(Hk > 0 && Hq % Hk == 0, "attend: query heads must be a multiple of kv heads");
     TORCH_CHECK(D <= MAXD, "attend: head_dim above ", MAXD);
-    TORCH_CHECK(kind >= FULL && kind <= CHUNKED, "attend: kind 0 full, 1 sliding, 2 chunked");
-    TORCH_CHECK(kind == FULL || wc >= 1, "attend: window / chunk must be >= 1");
     TORCH_CHECK(isa >= 0 && isa <= best_isa(), "attend: ISA path ", isa, " not supported by this CPU");
-    if (sinks.has_value()) {
-        const torch::Tensor& s = *sinks;
-        TORCH_CHECK(s.dim() == 1 && s.size(0) == Hq && s.scalar_type() == torch::kFloat32 && s.device().is_cpu() &&
-                        s.is_contiguous(), "attend: sinks must be a contiguous float32 CPU tensor [Hq]");
-    }
     Params P;
     P.q = q.data_ptr<float>();
     P.qsh = q.stride(0);
@@ -410,22 +432,7 @@ static Params make_params(const torch::Tensor& q, const torch::Tensor& k, const 
     P.T = (int)T;
     P.S = (int)S;
     P.D = (int)D;
-    P.q_pos0 = q_pos0;
-    P.k_pos0 = k_pos0;
-    P.wc = wc;
-    P.kind = (int)kind;
-    P.scale = (float)scale;
-    P.softcap = softcap > 0 ? (float)softcap : 0.f;
-    P.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
-    // every query sees all keys present (queries before any key see none: they would be a bug)
-    if (T > 0) {
-        for (int64_t t : {int64_t(0), T - 1}) {
-            int64_t lo, hi;
-            visible(P, q_pos0 + t, lo, hi);
-            TORCH_CHECK(lo <= hi, "attend: query at ", q_pos0 + t, " sees no key (keys at ", k_pos0, "..",
-                        k_pos0 + S - 1, ")");
-        }
-    }
+    set_rule(P, q_pos0, k_pos0, kind, wc, scale, softcap, sinks);
     return P;
 }
 
@@ -454,24 +461,16 @@ static torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, i
     return out;
 }
 
-// Several sequences' attention in one call (one parallel region for a whole batch of spans): span
-// j's queries qs[j] over its own keys/values; the output stacks the spans' rows in order
+// Several sequences' attention in one parallel region: span j's Params P[j] (``out`` set here),
+// every span with the same heads and head_dim; the output stacks the spans' rows in order
 // [sum T_j, Hq * D]. Every (span, head, query) unit runs the same code as ``attend`` on the same
 // Params, so each row is bit-identical to that span's ``attend`` call.
-static torch::Tensor attend_many(std::vector<torch::Tensor> qs, std::vector<torch::Tensor> ks,
-                                 std::vector<torch::Tensor> vs, std::vector<int64_t> q_pos0,
-                                 std::vector<int64_t> k_pos0, std::vector<int64_t> kind, std::vector<int64_t> wc,
-                                 double scale, double softcap, int64_t isa, const std::optional<torch::Tensor>& sinks) {
-    const size_t n = qs.size();
-    TORCH_CHECK(n > 0 && ks.size() == n && vs.size() == n && q_pos0.size() == n && k_pos0.size() == n &&
-                    kind.size() == n && wc.size() == n, "attend_many: one q, k, v, positions and kind per span");
-    std::vector<Params> P;
-    P.reserve(n);
+static torch::Tensor run_many(std::vector<Params>& P, int64_t isa) {
+    const size_t n = P.size();
     std::vector<int64_t> first_unit(n + 1, 0), first_row(n + 1, 0);
     int64_t Hq = -1, Hk = -1, D = -1, cost = 0, rows = 0;
     for (size_t j = 0; j < n; j++) {
-        P.push_back(make_params(qs[j], ks[j], vs[j], q_pos0[j], k_pos0[j], kind[j], wc[j], scale, softcap, isa, sinks));
-        const Params& p = P.back();
+        const Params& p = P[j];
         TORCH_CHECK(Hq < 0 || (p.Hq == Hq && p.Hk == Hk && p.D == D),
                     "attend_many: every span must have the same heads and head_dim");
         Hq = p.Hq;
@@ -500,6 +499,128 @@ static torch::Tensor attend_many(std::vector<torch::Tensor> qs, std::vector<torc
         }
     });
     return out;
+}
+
+// Several sequences' attention in one call: span j's queries qs[j] over its own keys/values.
+static torch::Tensor attend_many(std::vector<torch::Tensor> qs, std::vector<torch::Tensor> ks,
+                                 std::vector<torch::Tensor> vs, std::vector<int64_t> q_pos0,
+                                 std::vector<int64_t> k_pos0, std::vector<int64_t> kind, std::vector<int64_t> wc,
+                                 double scale, double softcap, int64_t isa, const std::optional<torch::Tensor>& sinks) {
+    const size_t n = qs.size();
+    TORCH_CHECK(n > 0 && ks.size() == n && vs.size() == n && q_pos0.size() == n && k_pos0.size() == n &&
+                    kind.size() == n && wc.size() == n, "attend_many: one q, k, v, positions and kind per span");
+    std::vector<Params> P;
+    P.reserve(n);
+    for (size_t j = 0; j < n; j++)
+        P.push_back(make_params(qs[j], ks[j], vs[j], q_pos0[j], k_pos0[j], kind[j], wc[j], scale, softcap, isa, sinks));
+    return run_many(P, isa);
+}
+
+// ------------------------------------------------------------------ K/V write + attention
+
+// src [n] float32 -> dst in the cache's element type, rounded as ATen's copy_ rounds (to nearest
+// even; float16 through F16C on the SIMD paths, which rounds the same way)
+namespace avx2 {
+__attribute__((target("avx2,fma,f16c"))) static void to_f16(const float* src, uint16_t* dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i*)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) dst[i] = c10::Half(src[i]).x;
+}
+}  // namespace avx2
+
+static void store_row(const float* src, void* dst, int kv, int64_t n, int64_t isa) {
+    if (kv == KV_F32) {
+        std::memcpy(dst, src, (size_t)n * sizeof(float));
+    } else if (kv == KV_F16) {
+        uint16_t* d = (uint16_t*)dst;
+        if (isa >= ISA_AVX2) avx2::to_f16(src, d, n);
+        else for (int64_t i = 0; i < n; i++) d[i] = c10::Half(src[i]).x;
+    } else {
+        uint16_t* d = (uint16_t*)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = c10::BFloat16(src[i]).x;
+    }
+}
+
+// One layer's attention for every span of a batch, each span's cache write included (the
+// decode-step work of a KV cache whose buffers hold K/V as they are, float32 / float16 /
+// bfloat16: one call instead of a copy, a slice and a view per sequence). Span j owns rows
+// [r_j, r_j + lens[j]) of q [Hq, R, D] and k / v [Hk, R, D] (float32, any head / row strides, last
+// dim contiguous), r_j = the lengths before it. Its K/V rows are stored into kbufs[j] / vbufs[j]
+// [Hk, capacity, D] at slots [slot[j], slot[j] + lens[j]), then its queries (positions q_pos0[j]..)
+// attend over the buffer slots [first[j], slot[j] + lens[j]), whose first holds position k_pos0[j].
+// Returns [R, Hq * D], each row bit-identical to ``attend`` over the same keys.
+torch::Tensor write_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<torch::Tensor> kbufs,
+                           std::vector<torch::Tensor> vbufs, std::vector<int64_t> lens, std::vector<int64_t> slot,
+                           std::vector<int64_t> first, std::vector<int64_t> q_pos0, std::vector<int64_t> k_pos0,
+                           std::vector<int64_t> kind, std::vector<int64_t> wc, double scale, double softcap,
+                           int64_t isa, std::optional<torch::Tensor> sinks) {
+    const size_t n = kbufs.size();
+    TORCH_CHECK(n > 0 && vbufs.size() == n && lens.size() == n && slot.size() == n && first.size() == n &&
+                    q_pos0.size() == n && k_pos0.size() == n && kind.size() == n && wc.size() == n,
+                "write_attend: one buffer pair, length, slot, positions and kind per span");
+    TORCH_CHECK(isa >= 0 && isa <= best_isa(), "write_attend: ISA path ", isa, " not supported by this CPU");
+    TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "write_attend: q [Hq, R, D], k/v [Hk, R, D]");
+    TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
+                    v.scalar_type() == torch::kFloat32, "write_attend: float32 q, k, v");
+    TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "write_attend: CPU tensors");
+    TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "write_attend: last dim must be contiguous");
+    const int64_t Hq = q.size(0), R = q.size(1), D = q.size(2), Hk = k.size(0);
+    TORCH_CHECK(k.size(1) == R && k.size(2) == D && v.size(0) == Hk && v.size(1) == R && v.size(2) == D,
+                "write_attend: k/v shapes");
+    TORCH_CHECK(Hk > 0 && Hq % Hk == 0, "write_attend: query heads must be a multiple of kv heads");
+    TORCH_CHECK(D <= MAXD, "write_attend: head_dim above ", MAXD);
+    const float* qp = q.data_ptr<float>();
+    const float* kp = k.data_ptr<float>();
+    const float* vp = v.data_ptr<float>();
+    std::vector<Params> P(n);
+    int64_t r0 = 0;
+    for (size_t j = 0; j < n; j++) {
+        const torch::Tensor& kb = kbufs[j];
+        const torch::Tensor& vb = vbufs[j];
+        const auto kt = kb.scalar_type();
+        TORCH_CHECK(vb.scalar_type() == kt && (kt == torch::kFloat32 || kt == torch::kHalf || kt == torch::kBFloat16),
+                    "write_attend: K/V buffers both float32, float16 or bfloat16");
+        TORCH_CHECK(kb.device().is_cpu() && vb.device().is_cpu() && kb.dim() == 3 && vb.dim() == 3 &&
+                        kb.size(0) == Hk && vb.size(0) == Hk && kb.size(2) == D && vb.size(2) == D &&
+                        kb.size(1) == vb.size(1) && kb.stride(2) == 1 && vb.stride(2) == 1,
+                    "write_attend: K/V buffers must be [Hk, capacity, D], last dim contiguous");
+        const int64_t T = lens[j], cap = kb.size(1), end = slot[j] + T;
+        TORCH_CHECK(T >= 0 && slot[j] >= 0 && end <= cap && first[j] >= 0 && first[j] <= slot[j] && r0 + T <= R,
+                    "write_attend: span ", j, " slots out of range");
+        Params& p = P[j];
+        p.kv = kt == torch::kFloat32 ? KV_F32 : kt == torch::kHalf ? KV_F16 : KV_BF16;
+        TORCH_CHECK(p.kv == KV_F32 || isa != ISA_SCALAR, "write_attend: half-precision K/V need the avx2 or avx512 path");
+        const int64_t es = kb.element_size();
+        char* kd = (char*)kb.data_ptr();
+        char* vd = (char*)vb.data_ptr();
+        for (int64_t h = 0; h < Hk; h++)
+            for (int64_t t = 0; t < T; t++) {
+                store_row(kp + h * k.stride(0) + (r0 + t) * k.stride(1), kd + (h * kb.stride(0) + (slot[j] + t) * kb.stride(1)) * es,
+                          p.kv, D, isa);
+                store_row(vp + h * v.stride(0) + (r0 + t) * v.stride(1), vd + (h * vb.stride(0) + (slot[j] + t) * vb.stride(1)) * es,
+                          p.kv, D, isa);
+            }
+        p.q = qp + r0 * q.stride(1);
+        p.qsh = q.stride(0);
+        p.qst = q.stride(1);
+        p.k = kd + first[j] * kb.stride(1) * es;
+        p.ksh = kb.stride(0);
+        p.kst = kb.stride(1);
+        p.v = vd + first[j] * vb.stride(1) * es;
+        p.vsh = vb.stride(0);
+        p.vst = vb.stride(1);
+        p.out = nullptr;
+        p.Hq = (int)Hq;
+        p.Hk = (int)Hk;
+        p.T = (int)T;
+        p.S = (int)(end - first[j]);
+        p.D = (int)D;
+        set_rule(p, q_pos0[j], k_pos0[j], kind[j], wc[j], scale, softcap, sinks);
+        r0 += T;
+    }
+    TORCH_CHECK(r0 == R, "write_attend: the span lengths must add up to the rows of q");
+    return run_many(P, isa);
 }
 
 }  // namespace tkv_attn
