@@ -262,6 +262,50 @@ def test_half_kv_cache_hands_the_kernel_its_storage(mode):
     assert native.stored is None and torch.equal(native.keys, k)
 
 
+@needs_attn
+@pytest.mark.parametrize("isa", [i for i in ISAS if i != "scalar"])
+@pytest.mark.parametrize("kind,span", RULES)
+@pytest.mark.parametrize("heads,D", [((9, 3), 64), ((4, 1), 256), ((6, 2), 40), ((2, 2), 7)])
+def test_int8_kv_read_as_stored_equals_the_dequantized_copy(isa, kind, span, heads, D):
+    """--kv-cache-mode int8: the kernel reads the int8 values with their float16 row scales and
+    multiplies them on load (exact in float32), so every row is bit-identical to the kernel on a
+    dequantized float32 copy: decode, a prefill chunk, softcap, one query or several."""
+    from turnkv.cache.modes import dequantize_int8, quantize_int8
+
+    if not A.native_ok(torch.zeros(1, 1, 8), torch.zeros(1, 1, 8, dtype=torch.int8),
+                       torch.zeros(1, 1, 8, dtype=torch.int8), None, True):
+        pytest.skip("this build does not read int8 K/V")
+    Hq, Hk = heads
+    for T, S, cap in ((1, 300, None), (40, 170, None), (3, 90, 25.0)):
+        q, k, v = rand_qkv(Hq, Hk, T, S, D, seed=T + D, strided_q=True)
+        kq, ks = quantize_int8(k * 3)
+        vq, vs = quantize_int8(v)
+        q0 = S - T
+        k0 = lo(kind, span, q0)
+        got = A.attend_native(q, kq[:, k0:], vq[:, k0:], q0, k0, kind, span, 0.2, cap, isa=isa,
+                              scales=(ks[:, k0:], vs[:, k0:]))
+        want = A.attend_native(q, dequantize_int8(kq, ks, torch.float32)[:, k0:],
+                               dequantize_int8(vq, vs, torch.float32)[:, k0:], q0, k0, kind, span, 0.2, cap, isa=isa)
+        assert torch.equal(got, want), (T, S)
+        many = A.attend_many_native([q, q[:, :1]], [kq[:, k0:], kq[:, :S - T + 1]], [vq[:, k0:], vq[:, :S - T + 1]],
+                                    [q0, q0], [k0, 0], [kind, "full"], [span, 0], 0.2, cap, isa=isa,
+                                    scales=[(ks[:, k0:], vs[:, k0:]), (ks[:, :S - T + 1], vs[:, :S - T + 1])])
+        assert torch.equal(many[:T], want)
+
+
+def test_int8_kv_cache_hands_the_kernel_its_storage():
+    """An int8 KV cache's view carries the int8 values and their scales (no float32 copy per call)
+    and dequantizes only when a reader asks for ``keys`` / ``values``."""
+    from turnkv.cache.modes import dequantize_int8
+
+    cache = KVCache(2, 64, torch.float32, "cpu", mode="int8")
+    k, v = torch.randn(2, 10, 64), torch.randn(2, 10, 64)
+    view = cache.update_and_fetch(k, v)
+    assert view.stored[0].dtype == torch.int8 and view.scales[0].dtype == torch.float16 and view._keys is None
+    assert torch.equal(view.keys, dequantize_int8(view.stored[0], view.scales[0], torch.float32))
+    assert (view.keys - k).abs().max() < 0.05
+
+
 def make_cache(kind):
     if kind == "full":
         return KVCache(2, 32)
@@ -306,16 +350,18 @@ def _span_batch(caches_list, lengths):
 
 
 @needs_attn
-@pytest.mark.parametrize("mode", ["native", "fp16", "bf16"])
+@pytest.mark.parametrize("mode", ["native", "fp16", "bf16", "int8"])
 def test_write_attend_equals_cache_update_then_attend(mode, monkeypatch):
     """attention_spans' one-call path (the kernel writes each span's K/V into its cache buffers,
-    then attends) against the cache's own update_and_fetch + attend, step by step on two copies
-    of the same caches (full, sliding with compaction, chunked; prefill chunks beside decode rows,
-    buffers that grow): the outputs and every stored K/V slot are bit-identical."""
+    int8 ones quantized as quantize_int8 does, then attends) against the cache's own
+    update_and_fetch + attend, step by step on two copies of the same caches (full, sliding with
+    compaction, chunked; prefill chunks beside decode rows, buffers that grow): the outputs and
+    every stored K/V slot (and int8 scale) are bit-identical."""
     from turnkv.models import base
 
-    if not A.write_attend_ok(torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), [torch.float32]):
-        pytest.skip("this build has no write_attend")
+    want_dtype = torch.int8 if mode == "int8" else torch.float32
+    if not A.write_attend_ok(torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), [want_dtype]):
+        pytest.skip("this build has no write_attend for this mode")
 
     def caches():
         return [KVCache(2, 32, mode=mode, block_size=8),
@@ -337,8 +383,9 @@ def test_write_attend_equals_cache_update_then_attend(mode, monkeypatch):
         assert torch.equal(got, want), lens
         for a, b in zip(fast, slow):
             assert (a.offset, a.start, a.floor) == (b.offset, b.start, b.floor)
-            for name in ("k", "v"):
-                assert torch.equal(a.store.parts[name][:, :a.used], b.store.parts[name][:, :b.used])
+            assert set(a.store.parts) == set(b.store.parts)
+            for name in a.store.parts:
+                assert torch.equal(a.store.parts[name][:, :a.used], b.store.parts[name][:, :b.used]), name
     assert len(called) == 6
 
 
@@ -362,6 +409,29 @@ def test_write_attend_rounds_like_copy(dtype):
     q = torch.zeros(1, k.shape[1], 64)
     A.write_attend(q, k, k, [buf_k], [buf_v], [k.shape[1]], [3], [0], [3], [0], ["full"], [0], 0.1)
     assert torch.equal(buf_k[:, 3:], k.to(dtype)) and torch.equal(buf_v[:, 3:], k.to(dtype))
+
+
+@needs_attn
+def test_write_attend_quantizes_int8_like_quantize_int8():
+    """The kernel's int8 stores equal cache.modes.quantize_int8 on rows with exact .5 quotients,
+    all-zero rows (the scale's lower clamp), huge rows (its upper clamp) and tiny ones."""
+    from turnkv.cache.modes import quantize_int8
+
+    if not A.write_attend_ok(torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), [torch.int8]):
+        pytest.skip("this build has no int8 write_attend")
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randn(64, generator=g) * 10 ** e for e in range(-9, 7)]
+    rows += [torch.zeros(64), torch.full((64,), 1e9), torch.arange(64.0) - 31.5,
+             torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5] + [0.0] * 58)]
+    k = torch.stack(rows)[None]                       # [1, R, 64]
+    R = k.shape[1]
+    buf_k, buf_v = torch.zeros(1, R, 64, dtype=torch.int8), torch.zeros(1, R, 64, dtype=torch.int8)
+    sk, sv = torch.zeros(1, R, 1, dtype=torch.float16), torch.zeros(1, R, 1, dtype=torch.float16)
+    A.write_attend(torch.zeros(1, R, 64), k, -k, [buf_k], [buf_v], [R], [0], [0], [0], [0], ["full"], [0], 0.1,
+                   kscales=[sk], vscales=[sv])
+    qk, s_k = quantize_int8(k)
+    qv, s_v = quantize_int8(-k)
+    assert torch.equal(buf_k, qk) and torch.equal(sk, s_k) and torch.equal(buf_v, qv) and torch.equal(sv, s_v)
 
 
 @needs_attn

@@ -22,7 +22,7 @@ from typing import Callable, ClassVar
 import torch
 
 from .base import LayerCache, LayerSnapshot, StoredPart
-from .modes import NATIVE, grown_capacity, make_store, payload_len, slice_payload
+from .modes import NATIVE, dequantize_int8, grown_capacity, make_store, payload_len, slice_payload
 
 DEFAULT_BLOCK = 64
 
@@ -109,17 +109,25 @@ class KVView:
     # ``dtype`` only when somebody else asks.
     stored: tuple[torch.Tensor, torch.Tensor] | None = None
     dtype: torch.dtype | None = None
+    # int8 storage (``--kv-cache-mode int8``): ``stored`` holds the int8 values and ``scales`` their
+    # float16 [heads, S, 1] row scales; the native kernel reads ``q * scale`` itself
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _widen(self, i: int) -> torch.Tensor:
+        if self.scales is not None:
+            return dequantize_int8(self.stored[i], self.scales[i], self.dtype)
+        return self.stored[i].to(self.dtype)
 
     @property
     def keys(self) -> torch.Tensor:
         if self._keys is None:
-            self._keys = self.stored[0].to(self.dtype)
+            self._keys = self._widen(0)
         return self._keys
 
     @property
     def values(self) -> torch.Tensor:
         if self._values is None:
-            self._values = self.stored[1].to(self.dtype)
+            self._values = self._widen(1)
         return self._values
 
     @property
@@ -234,7 +242,7 @@ class KVCache(LayerCache):
         stored = self.store.read_stored(a, self.used)
         if stored is not None:
             return KVView(None, None, first, q0, k.shape[1], self.kind, self.span, self.needed_from_many,
-                          stored=stored, dtype=self.dtype)
+                          stored=stored, dtype=self.dtype, scales=self.store.read_scales(a, self.used))
         keys, values = self.store.read(a, self.used)
         return KVView(keys, values, first, q0, k.shape[1], self.kind, self.span, self.needed_from_many)
 

@@ -193,9 +193,11 @@ class KVStore:
 
     # name suffixes of the tensors one of K or V is stored as ("" = the values themselves)
     SUFFIXES: ClassVar[tuple[str, ...]] = ("",)
-    # the buffers ``k`` / ``v`` hold the values as they are (a cast of them at most): a writer
-    # that rounds as ``copy_`` does may store into them directly (kernels.attention.write_attend)
-    plain: ClassVar[bool] = True
+    # how the native attention call may write these buffers itself (kernels.attention.write_attend):
+    # "plain" (``k`` / ``v`` hold the values, a cast of them at most, rounded as ``copy_`` rounds),
+    # "int8" (``Int8Store``: int8 values and float16 scales, computed as ``quantize_int8`` does), or
+    # None (the store encodes in Python)
+    native_layout: ClassVar[str | None] = "plain"
 
     def __init__(self, heads: int, head_dim: int, dtype: torch.dtype, device, mode: str = NATIVE, capacity: int = 0):
         self.heads, self.head_dim = heads, head_dim
@@ -222,6 +224,11 @@ class KVStore:
     @property
     def storage_dtype(self) -> torch.dtype:
         return _FLOAT_STORAGE.get(self.mode, self.dtype)
+
+    @property
+    def parts_dtype(self) -> torch.dtype:
+        """The element type of the ``k`` / ``v`` buffers (int8 for ``Int8Store``)."""
+        return self.layout["k"][1]
 
     # --- shared slot machinery ---------------------------------------------------------------------
     def _layout(self) -> dict[str, tuple[int, torch.dtype]]:
@@ -263,6 +270,10 @@ class KVStore:
             return None
         return self.parts["k"][:, a:b], self.parts["v"][:, a:b]
 
+    def read_scales(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """With ``read_stored``: the per-row scales its int8 slices come with (``Int8Store``), else None."""
+        return None
+
     def move(self, src: int, n: int, dst: int) -> None:
         if n <= 0 or src == dst:
             return
@@ -295,7 +306,7 @@ class Int8Store(KVStore):
     """int8 values with one float16 scale per token and head (symmetric, absmax / 127)."""
 
     SUFFIXES = ("", "_scale")
-    plain = False
+    native_layout = "int8"
 
     def _widths(self):
         return ((self.head_dim, torch.int8), (1, SCALE_DTYPE))
@@ -306,6 +317,16 @@ class Int8Store(KVStore):
     def _decode(self, which, stored):
         return dequantize_int8(stored[0], stored[1], self.dtype)
 
+    def read_stored(self, a, b):
+        """The int8 slices as stored, for the native attention kernel, which reads ``q * scale``
+        (``read_scales``) exactly as ``_decode`` computes it; float32 compute only."""
+        if self.dtype != torch.float32:
+            return None
+        return self.parts["k"][:, a:b], self.parts["v"][:, a:b]
+
+    def read_scales(self, a, b):
+        return self.parts["k_scale"][:, a:b], self.parts["v_scale"][:, a:b]
+
 
 class Int4Store(KVStore):
     """4-bit values, two per byte, with one float16 scale per token, head and group of channels.
@@ -315,7 +336,7 @@ class Int4Store(KVStore):
     (bench/kv_modes.py). The rotation is undone on read, exactly and in the same GEMM as before."""
 
     SUFFIXES = ("", "_scale")
-    plain = False
+    native_layout = None
 
     def __init__(self, heads: int, head_dim: int, dtype: torch.dtype, device, mode: str = "int4", capacity: int = 0):
         self.groups = int4_groups(head_dim)

@@ -36,12 +36,13 @@ _best = -1
 _default = -1
 _sinks = False     # the build takes ``sinks`` (a build from before them does not)
 _half_kv = False   # the build reads float16 / bfloat16 K/V
+_int8_kv = False   # the build reads int8 K/V with a float16 scale per row (--kv-cache-mode int8)
 _write = None      # the extension's write_attend: a batch's K/V cache writes and attention in one call
 _write_dtypes: frozenset = frozenset()   # cache buffer dtypes write_attend takes on the default path
 
 
 def _init() -> None:
-    global _op, _op_many, _best, _default, _sinks, _half_kv, _write, _write_dtypes
+    global _op, _op_many, _best, _default, _sinks, _half_kv, _int8_kv, _write, _write_dtypes
     if not native_available() or os.environ.get("TURNKV_ATTENTION", "").strip().lower() == "reference":
         return
     try:
@@ -58,6 +59,7 @@ def _init() -> None:
         _op_many = None
     _sinks = any(a.name == "sinks" for a in _op.default._schema.arguments)
     _half_kv = hasattr(torch.ops.turnkv_attn, "kv_dtypes")
+    _int8_kv = _half_kv and int(torch.ops.turnkv_attn.kv_dtypes()) >= 4
     want = os.environ.get("TURNKV_KERNEL_ISA", "").strip().lower()
     if want == "avx512vnni":
         want = "avx512"
@@ -65,7 +67,8 @@ def _init() -> None:
         _default = min(_best, ISAS.index(want))
     from . import _ext
     _write = getattr(_ext, "write_attend", None)
-    _write_dtypes = frozenset({torch.float32} | ({torch.float16, torch.bfloat16} if _default > 0 else set()))
+    _write_dtypes = frozenset({torch.float32} | ({torch.float16, torch.bfloat16} if _default > 0 else set())
+                              | ({torch.int8} if _default > 0 and _int8_kv else set()))
 
 
 _init()
@@ -134,11 +137,14 @@ def reference(q, k, v, q_pos0: int, k_pos0: int, kind: str = "full", window_or_c
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def native_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None) -> bool:
+def native_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None,
+              scaled: bool = False) -> bool:
     """Whether the native kernel takes these tensors (float32 q on CPU, K/V float32 or, on the
-    avx2 / avx512 paths, both float16 or both bfloat16, widened exactly on load; head_dim <= 1024;
-    sinks float32 on CPU and a build that has them)."""
-    kv_ok = k.dtype == v.dtype and (k.dtype == torch.float32 or (k.dtype in _HALF and _half_kv and _default > 0))
+    avx2 / avx512 paths, both float16 or both bfloat16, widened exactly on load, or both int8 with
+    their float16 row scales (``scaled``); head_dim <= 1024; sinks float32 on CPU and a build that
+    has them)."""
+    kv_ok = k.dtype == v.dtype and (k.dtype == torch.float32 or (k.dtype in _HALF and _half_kv and _default > 0)
+                                    or (k.dtype == torch.int8 and scaled and _int8_kv and _default > 0))
     return (_op is not None and q.dtype == torch.float32 and kv_ok
             and q.device.type == "cpu" and k.device.type == "cpu" and v.device.type == "cpu"
             and q.shape[-1] <= 1024
@@ -147,9 +153,11 @@ def native_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Te
 
 def attend_native(q, k, v, q_pos0: int, k_pos0: int, kind: str, window_or_chunk: int, scale: float,
                   softcap: float | None = None, isa: str | None = None,
-                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+                  sinks: torch.Tensor | None = None, scales: tuple | None = None) -> torch.Tensor:
     """The kernel itself (``native_ok`` must hold); any head / row strides, a copy only when the
-    last dim is not contiguous."""
+    last dim is not contiguous. int8 ``k`` / ``v`` come with ``scales`` (their float16 [Hk, S, 1]
+    row scales): the kernel reads ``int8 * scale``, exactly the float32 values of a dequantized
+    copy, so the result is the bits it would give on that copy."""
     i = _default if isa is None else ISAS.index(isa)
     if i == 0 and k.dtype != torch.float32:    # the scalar path reads float32 K/V only
         k, v = k.float(), v.float()
@@ -157,6 +165,8 @@ def attend_native(q, k, v, q_pos0: int, k_pos0: int, kind: str, window_or_chunk:
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     args = (q, k, v, int(q_pos0), int(k_pos0), KINDS[kind], int(window_or_chunk or 0), float(scale),
             float(softcap) if softcap else 0.0, i)
+    if scales is not None:
+        return _op(*args, None if sinks is None else sinks.contiguous(), scales[0], scales[1])
     if sinks is None:
         return _op(*args)
     return _op(*args, sinks.contiguous())
@@ -167,10 +177,12 @@ def native_many_available() -> bool:
 
 
 def attend_many_native(qs, ks, vs, q_pos0s, k_pos0s, kinds, spans, scale: float, softcap: float | None = None,
-                       isa: str | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                       isa: str | None = None, sinks: torch.Tensor | None = None,
+                       scales: list | None = None) -> torch.Tensor:
     """Several sequences' attention in one native call (``native_ok`` must hold for each): span j's
-    queries ``qs[j]`` [Hq, T_j, D] over ``ks[j]``/``vs[j]``; returns their rows stacked in order,
-    [sum T_j, Hq * D], each bit-identical to ``attend_native`` on that span alone."""
+    queries ``qs[j]`` [Hq, T_j, D] over ``ks[j]``/``vs[j]`` (int8 ones with ``scales[j]``, every span
+    int8 or none); returns their rows stacked in order, [sum T_j, Hq * D], each bit-identical to
+    ``attend_native`` on that span alone."""
     i = _default if isa is None else ISAS.index(isa)
     fix = (lambda t: t if t.stride(-1) == 1 else t.contiguous())
     if i == 0:     # the scalar path reads float32 K/V only
@@ -178,7 +190,8 @@ def attend_many_native(qs, ks, vs, q_pos0s, k_pos0s, kinds, spans, scale: float,
     return _op_many([fix(q) for q in qs], [fix(k) for k in ks], [fix(v) for v in vs],
                     [int(p) for p in q_pos0s], [int(p) for p in k_pos0s], [KINDS[k] for k in kinds],
                     [int(w or 0) for w in spans], float(scale), float(softcap) if softcap else 0.0, i,
-                    None if sinks is None else sinks.contiguous())
+                    None if sinks is None else sinks.contiguous(),
+                    [s[0] for s in scales] if scales else None, [s[1] for s in scales] if scales else None)
 
 
 def write_attend_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buffer_dtypes,
@@ -191,17 +204,20 @@ def write_attend_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buffer_dt
 
 
 def write_attend(q, k, v, kbufs, vbufs, lens, slots, firsts, q_pos0s, k_pos0s, kinds, spans, scale: float,
-                 softcap: float | None = None, sinks: torch.Tensor | None = None, isa: str | None = None):
+                 softcap: float | None = None, sinks: torch.Tensor | None = None, isa: str | None = None,
+                 kscales: list | None = None, vscales: list | None = None):
     """One layer for a batch of spans in one native call: span j (rows ``lens`` in order) stores its
     K/V rows of ``k`` / ``v`` [Hk, R, D] into its cache buffers ``kbufs[j]`` / ``vbufs[j]``
     [Hk, capacity, D] at slots ``slots[j] ..`` (float16 / bfloat16 rounded as ``copy_`` rounds),
-    then its queries of ``q`` [Hq, R, D] at ``q_pos0s[j] ..`` attend over the buffer slots
+    (int8 buffers with float16 scale buffers ``kscales[j]`` / ``vscales[j]`` [Hk, capacity, 1],
+    quantized as ``cache.modes.quantize_int8`` does), then its queries of ``q`` [Hq, R, D] at
+    ``q_pos0s[j] ..`` attend over the buffer slots
     ``firsts[j] ..`` (position ``k_pos0s[j]``) up to its last new one. Returns [R, Hq * D]; each row
     bit-identical to ``attend_native`` over the same keys (``write_attend_ok`` must hold)."""
     i = _default if isa is None else ISAS.index(isa)
     return _write(q, k, v, kbufs, vbufs, lens, slots, firsts, q_pos0s, k_pos0s, [KINDS[x] for x in kinds],
                   [int(w or 0) for w in spans], float(scale), float(softcap) if softcap else 0.0, i,
-                  None if sinks is None else sinks.contiguous())
+                  None if sinks is None else sinks.contiguous(), kscales, vscales)
 
 
 def attend(q, k, v, q_pos0: int, k_pos0: int, kind: str = "full", window_or_chunk: int = 0,

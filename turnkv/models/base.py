@@ -192,32 +192,39 @@ def attention_spans(batch: Batch, layer: int, q: torch.Tensor, k: torch.Tensor, 
     per-sequence copies, slices and views in Python)."""
     spans: list[Span] = batch.spans
     caches = [s.caches[layer] for s in spans]
-    if (all(type(c.store).plain if isinstance(c, KVCache) else False for c in caches)
-            and write_attend_ok(q, k, v, {c.store.storage_dtype for c in caches}, sinks)):
+    layouts = {type(c.store).native_layout if isinstance(c, KVCache) else None for c in caches}
+    if (len(layouts) == 1 and None not in layouts
+            and write_attend_ok(q, k, v, {c.store.parts_dtype for c in caches}, sinks)):
         plan = [c.reserve(s.length) for c, s in zip(caches, spans)]
-        kbufs = [c.store.parts["k"] for c in caches]     # after reserve: it may have grown them
-        return write_attend(q, k, v, kbufs, [c.store.parts["v"] for c in caches], [s.length for s in spans],
+        parts = [c.store.parts for c in caches]     # after reserve: it may have grown them
+        int8 = "int8" in layouts
+        return write_attend(q, k, v, [b["k"] for b in parts], [b["v"] for b in parts], [s.length for s in spans],
                             [p[0] for p in plan], [p[1] for p in plan], [p[3] for p in plan], [p[2] for p in plan],
-                            [c.kind for c in caches], [c.span for c in caches], scale, softcap, sinks)
+                            [c.kind for c in caches], [c.span for c in caches], scale, softcap, sinks,
+                            kscales=[b["k_scale"] for b in parts] if int8 else None,
+                            vscales=[b["v_scale"] for b in parts] if int8 else None)
     views = [c.update_and_fetch(k[:, s.rows], v[:, s.rows]) for c, s in zip(caches, spans)]
     qs = [q[:, s.rows] for s in spans]
     if len(spans) > 1 and native_many_available():
         kvs = [native_kv(qq, w, sinks) for qq, w in zip(qs, views)]
-        if all(kv is not None for kv in kvs):
+        scaled = {kv[2] is not None for kv in kvs if kv is not None}
+        if all(kv is not None for kv in kvs) and len(scaled) == 1:     # every span int8 (with scales) or none
             return attend_many_native(qs, [kv[0] for kv in kvs], [kv[1] for kv in kvs],
                                       [w.query_pos0 for w in views], [w.key_pos0 for w in views],
-                                      [w.kind for w in views], [w.span for w in views], scale, softcap, sinks=sinks)
+                                      [w.kind for w in views], [w.span for w in views], scale, softcap, sinks=sinks,
+                                      scales=[kv[2] for kv in kvs] if True in scaled else None)
     outs = [attention(qq, w, scale, softcap, sinks) for qq, w in zip(qs, views)]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def native_kv(q: torch.Tensor, view: KVView, sinks: torch.Tensor | None = None):
-    """(keys, values) the native kernel takes for this view (float16 / bfloat16 storage as stored
-    when the kernel reads it, else the float32 ones), or None when it takes neither."""
-    if view.stored is not None and native_attention_ok(q, *view.stored, sinks):
-        return view.stored
+    """(keys, values, scales) the native kernel takes for this view: float16 / bfloat16 / int8
+    storage as stored when the kernel reads it (int8 with its row scales, else scales None),
+    else the float32 keys and values; None when it takes neither."""
+    if view.stored is not None and native_attention_ok(q, *view.stored, sinks, view.scales is not None):
+        return view.stored[0], view.stored[1], view.scales
     if native_attention_ok(q, view.keys, view.values, sinks):
-        return view.keys, view.values
+        return view.keys, view.values, None
     return None
 
 
@@ -237,7 +244,7 @@ def attention(q: torch.Tensor, view: KVView, scale: float, softcap: float | None
     kv = native_kv(q, view, sinks)
     if kv is not None:
         return attend_native(q, kv[0], kv[1], view.query_pos0, view.key_pos0, view.kind, view.span, scale, softcap,
-                             sinks=sinks)
+                             sinks=sinks, scales=kv[2])
     k, v = view.keys, view.values
     mask = view.mask
     Hq, T, D = q.shape

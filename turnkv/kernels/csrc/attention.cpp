@@ -41,7 +41,7 @@ constexpr int MAXD = 1024;     // head_dim limit (stack accumulator)
 
 enum Kind : int { FULL = 0, SLIDING = 1, CHUNKED = 2 };
 enum Isa : int { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
-enum KvType : int { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+enum KvType : int { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_I8 = 3 };
 
 struct Params {
     const float* q;
@@ -50,7 +50,13 @@ struct Params {
     int64_t ksh, kst;
     const void* v;
     int64_t vsh, vst;
-    int kv;            // KV_F32 / KV_F16 / KV_BF16
+    int kv;            // KV_F32 / KV_F16 / KV_BF16 / KV_I8
+    // KV_I8 (``--kv-cache-mode int8``): a float16 scale per (head, row) of K and of V, element
+    // (h, s) at ksc[h * kscsh + s * kscst]; a value is int8 * scale, exact in float32
+    const uint16_t* ksc;
+    int64_t kscsh, kscst;
+    const uint16_t* vsc;
+    int64_t vscsh, vscst;
     float* out;        // [T, Hq * D]
     int Hq, Hk, T, S, D;
     int64_t q_pos0, k_pos0, wc;
@@ -215,6 +221,9 @@ TKV_TARGET static inline __m256i tail_mask(int n) {
 #define ZERO() _mm256_setzero_ps()
 #define LOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p)))
 #define LOAD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p))), 16))
+#define LOAD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p))))
+#define BCAST(p) _mm256_broadcast_ss(p)
+TKV_TARGET static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 #include "attention_body.inc"
 #undef LOAD
 #undef STORE
@@ -227,12 +236,14 @@ TKV_TARGET static inline __m256i tail_mask(int n) {
 #undef SET1
 #undef LOAD_F16
 #undef LOAD_BF16
+#undef LOAD_I8
+#undef BCAST
 #undef TKV_TARGET
 }  // namespace avx2
 
 // ---- AVX-512 (W = 16)
 namespace avx512 {
-#define TKV_TARGET __attribute__((target("avx2,fma,avx512f,avx512dq")))
+#define TKV_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512dq")))
 typedef __m512 VF;
 constexpr int W = 16;
 #define SET1(x) _mm512_set1_ps(x)
@@ -290,6 +301,9 @@ TKV_TARGET static inline VF hsum_many(const VF* x) {
 #define ZERO() _mm512_setzero_ps()
 #define LOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p)))
 #define LOAD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(p))), 16))
+#define LOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p))))
+#define BCAST(p) _mm512_set1_ps(*(p))
+TKV_TARGET static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 #include "attention_body.inc"
 #undef LOAD
 #undef STORE
@@ -302,6 +316,8 @@ TKV_TARGET static inline VF hsum_many(const VF* x) {
 #undef SET1
 #undef LOAD_F16
 #undef LOAD_BF16
+#undef LOAD_I8
+#undef BCAST
 #undef TKV_TARGET
 }  // namespace avx512
 
@@ -333,18 +349,19 @@ static void unit_n(const Params& P, int h0, int t) {
 // kUnit[isa][kv type][n - 1]: n heads from h0 (the scalar path runs on float32 K/V only)
 #define TKV_UNITS(ns, L) {ns::unit1<ns::L>, ns::unit2<ns::L>, ns::unit3<ns::L>, ns::unit4<ns::L>}
 #define TKV_SCALAR {scalar::unit_n<1>, scalar::unit_n<2>, scalar::unit_n<3>, scalar::unit_n<4>}
-static const UnitFn kUnit[][3][GMAX] = {
-    {TKV_SCALAR, TKV_SCALAR, TKV_SCALAR},
-    {TKV_UNITS(avx2, LF32), TKV_UNITS(avx2, LF16), TKV_UNITS(avx2, LBF16)},
-    {TKV_UNITS(avx512, LF32), TKV_UNITS(avx512, LF16), TKV_UNITS(avx512, LBF16)}};
+static const UnitFn kUnit[][4][GMAX] = {
+    {TKV_SCALAR, TKV_SCALAR, TKV_SCALAR, TKV_SCALAR},
+    {TKV_UNITS(avx2, LF32), TKV_UNITS(avx2, LF16), TKV_UNITS(avx2, LBF16), TKV_UNITS(avx2, LI8)},
+    {TKV_UNITS(avx512, LF32), TKV_UNITS(avx512, LF16), TKV_UNITS(avx512, LBF16), TKV_UNITS(avx512, LI8)}};
 #undef TKV_UNITS
 #undef TKV_SCALAR
 // the most query heads one unit takes per ISA (registers: 4 accumulators per head + 4 value rows)
 static const int kGroupMax[] = {1, 2, 4};
 static int g_group_limit = GMAX;   // set_max_group (tests: grouped == one head at a time)
 
-// K/V element types the kernel reads: float32, float16, bfloat16 (the Python side checks for it)
-static int64_t kv_dtypes() { return 3; }
+// K/V element types the kernel reads: float32, float16, bfloat16, int8 with scales (the Python
+// side checks for it)
+static int64_t kv_dtypes() { return 4; }
 
 static int64_t set_max_group(int64_t g) {
     const int64_t before = g_group_limit;
@@ -399,14 +416,18 @@ static void set_rule(Params& P, int64_t q_pos0, int64_t k_pos0, int64_t kind, in
 }
 
 // Checks one sequence's tensors and fills its Params (``out`` set by the caller).
+// int8 K/V: k_scale / v_scale float16 [Hk, S, 1] (any head / row strides), else both absent.
 static Params make_params(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t q_pos0,
                           int64_t k_pos0, int64_t kind, int64_t wc, double scale, double softcap, int64_t isa,
-                          const std::optional<torch::Tensor>& sinks) {
+                          const std::optional<torch::Tensor>& sinks, const torch::Tensor* k_scale = nullptr,
+                          const torch::Tensor* v_scale = nullptr) {
     TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "attend: q [Hq, T, D], k/v [Hk, S, D]");
     const auto kt = k.scalar_type();
     TORCH_CHECK(q.scalar_type() == torch::kFloat32 && v.scalar_type() == kt &&
-                    (kt == torch::kFloat32 || kt == torch::kHalf || kt == torch::kBFloat16),
-                "attend: float32 q, and k/v both float32, float16 or bfloat16");
+                    (kt == torch::kFloat32 || kt == torch::kHalf || kt == torch::kBFloat16 || kt == torch::kChar),
+                "attend: float32 q, and k/v both float32, float16, bfloat16 or int8 (with scales)");
+    TORCH_CHECK((kt == torch::kChar) == (k_scale != nullptr && v_scale != nullptr),
+                "attend: int8 K/V take a k_scale and a v_scale, other types neither");
     TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "attend: CPU tensors");
     TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "attend: last dim must be contiguous");
     const int64_t Hq = q.size(0), T = q.size(1), D = q.size(2), Hk = k.size(0), S = k.size(1);
@@ -418,8 +439,22 @@ static Params make_params(const torch::Tensor& q, const torch::Tensor& k, const 
     P.q = q.data_ptr<float>();
     P.qsh = q.stride(0);
     P.qst = q.stride(1);
-    P.kv = kt == torch::kFloat32 ? KV_F32 : kt == torch::kHalf ? KV_F16 : KV_BF16;
-    TORCH_CHECK(P.kv == KV_F32 || isa != ISA_SCALAR, "attend: half-precision K/V need the avx2 or avx512 path");
+    P.kv = kt == torch::kFloat32 ? KV_F32 : kt == torch::kHalf ? KV_F16 : kt == torch::kBFloat16 ? KV_BF16 : KV_I8;
+    TORCH_CHECK(P.kv == KV_F32 || isa != ISA_SCALAR, "attend: float16 / bfloat16 / int8 K/V need the avx2 or avx512 path");
+    P.ksc = P.vsc = nullptr;
+    P.kscsh = P.kscst = P.vscsh = P.vscst = 0;
+    if (P.kv == KV_I8) {
+        for (const torch::Tensor* t : {k_scale, v_scale})
+            TORCH_CHECK(t->scalar_type() == torch::kHalf && t->device().is_cpu() && t->dim() == 3 && t->size(0) == Hk &&
+                            t->size(1) == S && t->size(2) == 1,
+                        "attend: int8 K/V scales must be float16 [Hk, S, 1]");
+        P.ksc = (const uint16_t*)k_scale->data_ptr();
+        P.kscsh = k_scale->stride(0);
+        P.kscst = k_scale->stride(1);
+        P.vsc = (const uint16_t*)v_scale->data_ptr();
+        P.vscsh = v_scale->stride(0);
+        P.vscst = v_scale->stride(1);
+    }
     P.k = k.data_ptr();
     P.ksh = k.stride(0);
     P.kst = k.stride(1);
@@ -444,8 +479,10 @@ static int64_t grain_for(int64_t keys, int64_t D) {
 
 static torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t q_pos0, int64_t k_pos0,
                             int64_t kind, int64_t wc, double scale, double softcap, int64_t isa,
-                            const std::optional<torch::Tensor>& sinks) {
-    Params P = make_params(q, k, v, q_pos0, k_pos0, kind, wc, scale, softcap, isa, sinks);
+                            const std::optional<torch::Tensor>& sinks, const std::optional<torch::Tensor>& k_scale,
+                            const std::optional<torch::Tensor>& v_scale) {
+    Params P = make_params(q, k, v, q_pos0, k_pos0, kind, wc, scale, softcap, isa, sinks,
+                           k_scale.has_value() ? &*k_scale : nullptr, v_scale.has_value() ? &*v_scale : nullptr);
     const int64_t Hq = P.Hq, T = P.T, D = P.D, S = P.S;
     auto out = torch::empty({T, Hq * D}, torch::kFloat32);
     if (T == 0 || Hq == 0) return out;
@@ -505,14 +542,22 @@ static torch::Tensor run_many(std::vector<Params>& P, int64_t isa) {
 static torch::Tensor attend_many(std::vector<torch::Tensor> qs, std::vector<torch::Tensor> ks,
                                  std::vector<torch::Tensor> vs, std::vector<int64_t> q_pos0,
                                  std::vector<int64_t> k_pos0, std::vector<int64_t> kind, std::vector<int64_t> wc,
-                                 double scale, double softcap, int64_t isa, const std::optional<torch::Tensor>& sinks) {
+                                 double scale, double softcap, int64_t isa, const std::optional<torch::Tensor>& sinks,
+                                 std::optional<std::vector<torch::Tensor>> k_scales_opt,
+                                 std::optional<std::vector<torch::Tensor>> v_scales_opt) {
+    const std::vector<torch::Tensor> k_scales = k_scales_opt.value_or(std::vector<torch::Tensor>{});
+    const std::vector<torch::Tensor> v_scales = v_scales_opt.value_or(std::vector<torch::Tensor>{});
     const size_t n = qs.size();
     TORCH_CHECK(n > 0 && ks.size() == n && vs.size() == n && q_pos0.size() == n && k_pos0.size() == n &&
                     kind.size() == n && wc.size() == n, "attend_many: one q, k, v, positions and kind per span");
+    TORCH_CHECK(k_scales.size() == v_scales.size() && (k_scales.empty() || k_scales.size() == n),
+                "attend_many: one k_scale and v_scale per span (int8 K/V), or none");
+    const bool scaled = !k_scales.empty();
     std::vector<Params> P;
     P.reserve(n);
     for (size_t j = 0; j < n; j++)
-        P.push_back(make_params(qs[j], ks[j], vs[j], q_pos0[j], k_pos0[j], kind[j], wc[j], scale, softcap, isa, sinks));
+        P.push_back(make_params(qs[j], ks[j], vs[j], q_pos0[j], k_pos0[j], kind[j], wc[j], scale, softcap, isa, sinks,
+                                scaled ? &k_scales[j] : nullptr, scaled ? &v_scales[j] : nullptr));
     return run_many(P, isa);
 }
 
@@ -528,6 +573,18 @@ __attribute__((target("avx2,fma,f16c"))) static void to_f16(const float* src, ui
     for (; i < n; i++) dst[i] = c10::Half(src[i]).x;
 }
 }  // namespace avx2
+
+// int8 with a float16 scale, as cache/modes.quantize_int8 computes them: scale = fp16(clamp(max|x| /
+// 127, 2^-24, 65504)), q = clamp(round_half_even(x / scale), -127, 127) (float32 division)
+static void store_row_i8(const float* src, int8_t* dst, uint16_t* scale, int64_t n) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < n; i++) amax = std::max(amax, std::fabs(src[i]));
+    const float s = std::min(std::max(amax / 127.0f, 5.9604644775390625e-08f), 65504.0f);
+    const c10::Half h(s);
+    *scale = h.x;
+    const float sf = (float)h;
+    for (int64_t i = 0; i < n; i++) dst[i] = (int8_t)std::min(std::max(std::nearbyint(src[i] / sf), -127.f), 127.f);
+}
 
 static void store_row(const float* src, void* dst, int kv, int64_t n, int64_t isa) {
     if (kv == KV_F32) {
@@ -554,8 +611,11 @@ torch::Tensor write_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, st
                            std::vector<torch::Tensor> vbufs, std::vector<int64_t> lens, std::vector<int64_t> slot,
                            std::vector<int64_t> first, std::vector<int64_t> q_pos0, std::vector<int64_t> k_pos0,
                            std::vector<int64_t> kind, std::vector<int64_t> wc, double scale, double softcap,
-                           int64_t isa, std::optional<torch::Tensor> sinks) {
+                           int64_t isa, std::optional<torch::Tensor> sinks,
+                           std::optional<std::vector<torch::Tensor>> kscales, std::optional<std::vector<torch::Tensor>> vscales) {
     const size_t n = kbufs.size();
+    TORCH_CHECK(kscales.has_value() == vscales.has_value() && (!kscales.has_value() || (kscales->size() == n && vscales->size() == n)),
+                "write_attend: int8 buffers come with one k and one v scale buffer per span");
     TORCH_CHECK(n > 0 && vbufs.size() == n && lens.size() == n && slot.size() == n && first.size() == n &&
                     q_pos0.size() == n && k_pos0.size() == n && kind.size() == n && wc.size() == n,
                 "write_attend: one buffer pair, length, slot, positions and kind per span");
@@ -579,8 +639,9 @@ torch::Tensor write_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, st
         const torch::Tensor& kb = kbufs[j];
         const torch::Tensor& vb = vbufs[j];
         const auto kt = kb.scalar_type();
-        TORCH_CHECK(vb.scalar_type() == kt && (kt == torch::kFloat32 || kt == torch::kHalf || kt == torch::kBFloat16),
-                    "write_attend: K/V buffers both float32, float16 or bfloat16");
+        TORCH_CHECK(vb.scalar_type() == kt && (kt == torch::kFloat32 || kt == torch::kHalf || kt == torch::kBFloat16 ||
+                                               (kt == torch::kChar && kscales.has_value())),
+                    "write_attend: K/V buffers both float32, float16, bfloat16 or int8 (with scale buffers)");
         TORCH_CHECK(kb.device().is_cpu() && vb.device().is_cpu() && kb.dim() == 3 && vb.dim() == 3 &&
                         kb.size(0) == Hk && vb.size(0) == Hk && kb.size(2) == D && vb.size(2) == D &&
                         kb.size(1) == vb.size(1) && kb.stride(2) == 1 && vb.stride(2) == 1,
@@ -589,17 +650,44 @@ torch::Tensor write_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, st
         TORCH_CHECK(T >= 0 && slot[j] >= 0 && end <= cap && first[j] >= 0 && first[j] <= slot[j] && r0 + T <= R,
                     "write_attend: span ", j, " slots out of range");
         Params& p = P[j];
-        p.kv = kt == torch::kFloat32 ? KV_F32 : kt == torch::kHalf ? KV_F16 : KV_BF16;
+        p.kv = kt == torch::kFloat32 ? KV_F32 : kt == torch::kHalf ? KV_F16 : kt == torch::kBFloat16 ? KV_BF16 : KV_I8;
+        p.ksc = p.vsc = nullptr;
+        p.kscsh = p.kscst = p.vscsh = p.vscst = 0;
+        uint16_t* ksd = nullptr;
+        uint16_t* vsd = nullptr;
+        if (p.kv == KV_I8) {
+            const torch::Tensor& ks = (*kscales)[j];
+            const torch::Tensor& vs = (*vscales)[j];
+            for (const torch::Tensor* t : {&ks, &vs})
+                TORCH_CHECK(t->scalar_type() == torch::kHalf && t->device().is_cpu() && t->dim() == 3 && t->size(0) == Hk &&
+                                t->size(1) == cap && t->size(2) == 1,
+                            "write_attend: int8 scale buffers must be float16 [Hk, capacity, 1]");
+            ksd = (uint16_t*)ks.data_ptr();
+            vsd = (uint16_t*)vs.data_ptr();
+            p.kscsh = ks.stride(0);
+            p.kscst = ks.stride(1);
+            p.vscsh = vs.stride(0);
+            p.vscst = vs.stride(1);
+            p.ksc = ksd + first[j] * p.kscst;
+            p.vsc = vsd + first[j] * p.vscst;
+        }
         TORCH_CHECK(p.kv == KV_F32 || isa != ISA_SCALAR, "write_attend: half-precision K/V need the avx2 or avx512 path");
         const int64_t es = kb.element_size();
         char* kd = (char*)kb.data_ptr();
         char* vd = (char*)vb.data_ptr();
         for (int64_t h = 0; h < Hk; h++)
             for (int64_t t = 0; t < T; t++) {
-                store_row(kp + h * k.stride(0) + (r0 + t) * k.stride(1), kd + (h * kb.stride(0) + (slot[j] + t) * kb.stride(1)) * es,
-                          p.kv, D, isa);
-                store_row(vp + h * v.stride(0) + (r0 + t) * v.stride(1), vd + (h * vb.stride(0) + (slot[j] + t) * vb.stride(1)) * es,
-                          p.kv, D, isa);
+                const float* ks = kp + h * k.stride(0) + (r0 + t) * k.stride(1);
+                const float* vs = vp + h * v.stride(0) + (r0 + t) * v.stride(1);
+                char* kdst = kd + (h * kb.stride(0) + (slot[j] + t) * kb.stride(1)) * es;
+                char* vdst = vd + (h * vb.stride(0) + (slot[j] + t) * vb.stride(1)) * es;
+                if (p.kv == KV_I8) {
+                    store_row_i8(ks, (int8_t*)kdst, ksd + h * p.kscsh + (slot[j] + t) * p.kscst, D);
+                    store_row_i8(vs, (int8_t*)vdst, vsd + h * p.vscsh + (slot[j] + t) * p.vscst, D);
+                } else {
+                    store_row(ks, kdst, p.kv, D, isa);
+                    store_row(vs, vdst, p.kv, D, isa);
+                }
             }
         p.q = qp + r0 * q.stride(1);
         p.qsh = q.stride(0);
@@ -633,9 +721,11 @@ const bool g_registered = [] {
     if (c10::Dispatcher::singleton().findSchema(c10::OperatorName("turnkv_attn::attend", "")).has_value()) return false;
     static torch::Library lib(torch::Library::FRAGMENT, "turnkv_attn", std::nullopt, __FILE__, __LINE__);
     lib.def("attend(Tensor q, Tensor k, Tensor v, int q_pos0, int k_pos0, int kind, int wc, float scale, "
-            "float softcap, int isa, Tensor? sinks=None) -> Tensor", &tkv_attn::attend);
+            "float softcap, int isa, Tensor? sinks=None, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor",
+            &tkv_attn::attend);
     lib.def("attend_many(Tensor[] q, Tensor[] k, Tensor[] v, int[] q_pos0, int[] k_pos0, int[] kind, int[] wc, "
-            "float scale, float softcap, int isa, Tensor? sinks=None) -> Tensor", &tkv_attn::attend_many);
+            "float scale, float softcap, int isa, Tensor? sinks=None, Tensor[]? k_scales=None, Tensor[]? v_scales=None) -> Tensor",
+            &tkv_attn::attend_many);
     lib.def("best_isa() -> int", &tkv_attn::best_isa);
     lib.def("set_max_group(int g) -> int", &tkv_attn::set_max_group);
     lib.def("kv_dtypes() -> int", &tkv_attn::kv_dtypes);
