@@ -415,58 +415,72 @@ static void set_rule(Params& P, int64_t q_pos0, int64_t k_pos0, int64_t kind, in
     }
 }
 
-// Checks one sequence's tensors and fills its Params (``out`` set by the caller).
-// int8 K/V: k_scale / v_scale float16 [Hk, S, 1] (any head / row strides), else both absent.
+// The K/V side of a sequence's Params: rows [row0, row0 + rows) of k / v [Hk, *, D] (float32,
+// float16, bfloat16, or int8 with float16 row scales ks / vs [Hk, *, 1], any head / row strides).
+static void set_kv(Params& P, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor* ks,
+                   const torch::Tensor* vs, int64_t row0, int64_t rows, int64_t isa, const char* who) {
+    const auto kt = k.scalar_type();
+    TORCH_CHECK(v.scalar_type() == kt && (kt == torch::kFloat32 || kt == torch::kHalf || kt == torch::kBFloat16 || kt == torch::kChar),
+                who, ": k/v both float32, float16, bfloat16 or int8 (with scales)");
+    TORCH_CHECK((kt == torch::kChar) == (ks != nullptr && vs != nullptr), who, ": int8 K/V take k and v scales, other types neither");
+    TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu() && k.stride(2) == 1 && v.stride(2) == 1,
+                who, ": k/v must be CPU tensors with a contiguous last dim");
+    P.kv = kt == torch::kFloat32 ? KV_F32 : kt == torch::kHalf ? KV_F16 : kt == torch::kBFloat16 ? KV_BF16 : KV_I8;
+    TORCH_CHECK(P.kv == KV_F32 || isa != ISA_SCALAR, who, ": float16 / bfloat16 / int8 K/V need the avx2 or avx512 path");
+    const int64_t es = k.element_size();
+    P.k = (const char*)k.data_ptr() + row0 * k.stride(1) * es;
+    P.ksh = k.stride(0);
+    P.kst = k.stride(1);
+    P.v = (const char*)v.data_ptr() + row0 * v.stride(1) * es;
+    P.vsh = v.stride(0);
+    P.vst = v.stride(1);
+    P.S = (int)rows;
+    P.ksc = P.vsc = nullptr;
+    P.kscsh = P.kscst = P.vscsh = P.vscst = 0;
+    if (P.kv == KV_I8) {
+        for (const torch::Tensor* t : {ks, vs})
+            TORCH_CHECK(t->scalar_type() == torch::kHalf && t->device().is_cpu() && t->dim() == 3 &&
+                            t->size(0) == k.size(0) && t->size(1) == k.size(1) && t->size(2) == 1,
+                        who, ": int8 K/V scales must be float16 [Hk, rows of k, 1]");
+        P.kscsh = ks->stride(0);
+        P.kscst = ks->stride(1);
+        P.ksc = (const uint16_t*)ks->data_ptr() + row0 * P.kscst;
+        P.vscsh = vs->stride(0);
+        P.vscst = vs->stride(1);
+        P.vsc = (const uint16_t*)vs->data_ptr() + row0 * P.vscst;
+    }
+}
+
+// The query side: rows [row0, row0 + T) of q [Hq, *, D] (float32, last dim contiguous), Hk kv heads.
+static void set_q(Params& P, const torch::Tensor& q, int64_t row0, int64_t T, int64_t Hk, int64_t isa, const char* who) {
+    TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.device().is_cpu() && q.stride(2) == 1,
+                who, ": q must be float32 [Hq, T, D] on the CPU with a contiguous last dim");
+    const int64_t Hq = q.size(0), D = q.size(2);
+    TORCH_CHECK(Hk > 0 && Hq % Hk == 0, who, ": query heads must be a multiple of kv heads");
+    TORCH_CHECK(D <= MAXD, who, ": head_dim above ", MAXD);
+    TORCH_CHECK(isa >= 0 && isa <= best_isa(), who, ": ISA path ", isa, " not supported by this CPU");
+    P.q = q.data_ptr<float>() + row0 * q.stride(1);
+    P.qsh = q.stride(0);
+    P.qst = q.stride(1);
+    P.out = nullptr;
+    P.Hq = (int)Hq;
+    P.Hk = (int)Hk;
+    P.T = (int)T;
+    P.D = (int)D;
+}
+
+// Checks one sequence's tensors and fills its Params (``out`` set by the caller). int8 K/V:
+// k_scale / v_scale float16 [Hk, S, 1], else both absent.
 static Params make_params(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t q_pos0,
                           int64_t k_pos0, int64_t kind, int64_t wc, double scale, double softcap, int64_t isa,
                           const std::optional<torch::Tensor>& sinks, const torch::Tensor* k_scale = nullptr,
                           const torch::Tensor* v_scale = nullptr) {
     TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "attend: q [Hq, T, D], k/v [Hk, S, D]");
-    const auto kt = k.scalar_type();
-    TORCH_CHECK(q.scalar_type() == torch::kFloat32 && v.scalar_type() == kt &&
-                    (kt == torch::kFloat32 || kt == torch::kHalf || kt == torch::kBFloat16 || kt == torch::kChar),
-                "attend: float32 q, and k/v both float32, float16, bfloat16 or int8 (with scales)");
-    TORCH_CHECK((kt == torch::kChar) == (k_scale != nullptr && v_scale != nullptr),
-                "attend: int8 K/V take a k_scale and a v_scale, other types neither");
-    TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "attend: CPU tensors");
-    TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "attend: last dim must be contiguous");
-    const int64_t Hq = q.size(0), T = q.size(1), D = q.size(2), Hk = k.size(0), S = k.size(1);
+    const int64_t Hk = k.size(0), S = k.size(1), D = q.size(2);
     TORCH_CHECK(v.size(0) == Hk && v.size(1) == S && k.size(2) == D && v.size(2) == D, "attend: k/v shapes");
-    TORCH_CHECK(Hk > 0 && Hq % Hk == 0, "attend: query heads must be a multiple of kv heads");
-    TORCH_CHECK(D <= MAXD, "attend: head_dim above ", MAXD);
-    TORCH_CHECK(isa >= 0 && isa <= best_isa(), "attend: ISA path ", isa, " not supported by this CPU");
     Params P;
-    P.q = q.data_ptr<float>();
-    P.qsh = q.stride(0);
-    P.qst = q.stride(1);
-    P.kv = kt == torch::kFloat32 ? KV_F32 : kt == torch::kHalf ? KV_F16 : kt == torch::kBFloat16 ? KV_BF16 : KV_I8;
-    TORCH_CHECK(P.kv == KV_F32 || isa != ISA_SCALAR, "attend: float16 / bfloat16 / int8 K/V need the avx2 or avx512 path");
-    P.ksc = P.vsc = nullptr;
-    P.kscsh = P.kscst = P.vscsh = P.vscst = 0;
-    if (P.kv == KV_I8) {
-        for (const torch::Tensor* t : {k_scale, v_scale})
-            TORCH_CHECK(t->scalar_type() == torch::kHalf && t->device().is_cpu() && t->dim() == 3 && t->size(0) == Hk &&
-                            t->size(1) == S && t->size(2) == 1,
-                        "attend: int8 K/V scales must be float16 [Hk, S, 1]");
-        P.ksc = (const uint16_t*)k_scale->data_ptr();
-        P.kscsh = k_scale->stride(0);
-        P.kscst = k_scale->stride(1);
-        P.vsc = (const uint16_t*)v_scale->data_ptr();
-        P.vscsh = v_scale->stride(0);
-        P.vscst = v_scale->stride(1);
-    }
-    P.k = k.data_ptr();
-    P.ksh = k.stride(0);
-    P.kst = k.stride(1);
-    P.v = v.data_ptr();
-    P.vsh = v.stride(0);
-    P.vst = v.stride(1);
-    P.out = nullptr;
-    P.Hq = (int)Hq;
-    P.Hk = (int)Hk;
-    P.T = (int)T;
-    P.S = (int)S;
-    P.D = (int)D;
+    set_q(P, q, 0, q.size(1), Hk, isa, "attend");
+    set_kv(P, k, v, k_scale, v_scale, 0, S, isa, "attend");
     set_rule(P, q_pos0, k_pos0, kind, wc, scale, softcap, sinks);
     return P;
 }
@@ -619,18 +633,13 @@ torch::Tensor write_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, st
     TORCH_CHECK(n > 0 && vbufs.size() == n && lens.size() == n && slot.size() == n && first.size() == n &&
                     q_pos0.size() == n && k_pos0.size() == n && kind.size() == n && wc.size() == n,
                 "write_attend: one buffer pair, length, slot, positions and kind per span");
-    TORCH_CHECK(isa >= 0 && isa <= best_isa(), "write_attend: ISA path ", isa, " not supported by this CPU");
     TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "write_attend: q [Hq, R, D], k/v [Hk, R, D]");
-    TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
-                    v.scalar_type() == torch::kFloat32, "write_attend: float32 q, k, v");
-    TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "write_attend: CPU tensors");
-    TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "write_attend: last dim must be contiguous");
-    const int64_t Hq = q.size(0), R = q.size(1), D = q.size(2), Hk = k.size(0);
+    TORCH_CHECK(k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32 && k.device().is_cpu() &&
+                    v.device().is_cpu() && k.stride(2) == 1 && v.stride(2) == 1,
+                "write_attend: k/v rows float32 on the CPU, last dim contiguous");
+    const int64_t R = q.size(1), D = q.size(2), Hk = k.size(0);
     TORCH_CHECK(k.size(1) == R && k.size(2) == D && v.size(0) == Hk && v.size(1) == R && v.size(2) == D,
                 "write_attend: k/v shapes");
-    TORCH_CHECK(Hk > 0 && Hq % Hk == 0, "write_attend: query heads must be a multiple of kv heads");
-    TORCH_CHECK(D <= MAXD, "write_attend: head_dim above ", MAXD);
-    const float* qp = q.data_ptr<float>();
     const float* kp = k.data_ptr<float>();
     const float* vp = v.data_ptr<float>();
     std::vector<Params> P(n);
@@ -638,72 +647,36 @@ torch::Tensor write_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, st
     for (size_t j = 0; j < n; j++) {
         const torch::Tensor& kb = kbufs[j];
         const torch::Tensor& vb = vbufs[j];
-        const auto kt = kb.scalar_type();
-        TORCH_CHECK(vb.scalar_type() == kt && (kt == torch::kFloat32 || kt == torch::kHalf || kt == torch::kBFloat16 ||
-                                               (kt == torch::kChar && kscales.has_value())),
-                    "write_attend: K/V buffers both float32, float16, bfloat16 or int8 (with scale buffers)");
-        TORCH_CHECK(kb.device().is_cpu() && vb.device().is_cpu() && kb.dim() == 3 && vb.dim() == 3 &&
-                        kb.size(0) == Hk && vb.size(0) == Hk && kb.size(2) == D && vb.size(2) == D &&
-                        kb.size(1) == vb.size(1) && kb.stride(2) == 1 && vb.stride(2) == 1,
-                    "write_attend: K/V buffers must be [Hk, capacity, D], last dim contiguous");
+        TORCH_CHECK(kb.dim() == 3 && vb.dim() == 3 && kb.size(0) == Hk && vb.size(0) == Hk && kb.size(2) == D &&
+                        vb.size(2) == D && kb.size(1) == vb.size(1),
+                    "write_attend: K/V buffers must be [Hk, capacity, D]");
         const int64_t T = lens[j], cap = kb.size(1), end = slot[j] + T;
         TORCH_CHECK(T >= 0 && slot[j] >= 0 && end <= cap && first[j] >= 0 && first[j] <= slot[j] && r0 + T <= R,
                     "write_attend: span ", j, " slots out of range");
         Params& p = P[j];
-        p.kv = kt == torch::kFloat32 ? KV_F32 : kt == torch::kHalf ? KV_F16 : kt == torch::kBFloat16 ? KV_BF16 : KV_I8;
-        p.ksc = p.vsc = nullptr;
-        p.kscsh = p.kscst = p.vscsh = p.vscst = 0;
-        uint16_t* ksd = nullptr;
-        uint16_t* vsd = nullptr;
-        if (p.kv == KV_I8) {
-            const torch::Tensor& ks = (*kscales)[j];
-            const torch::Tensor& vs = (*vscales)[j];
-            for (const torch::Tensor* t : {&ks, &vs})
-                TORCH_CHECK(t->scalar_type() == torch::kHalf && t->device().is_cpu() && t->dim() == 3 && t->size(0) == Hk &&
-                                t->size(1) == cap && t->size(2) == 1,
-                            "write_attend: int8 scale buffers must be float16 [Hk, capacity, 1]");
-            ksd = (uint16_t*)ks.data_ptr();
-            vsd = (uint16_t*)vs.data_ptr();
-            p.kscsh = ks.stride(0);
-            p.kscst = ks.stride(1);
-            p.vscsh = vs.stride(0);
-            p.vscst = vs.stride(1);
-            p.ksc = ksd + first[j] * p.kscst;
-            p.vsc = vsd + first[j] * p.vscst;
-        }
-        TORCH_CHECK(p.kv == KV_F32 || isa != ISA_SCALAR, "write_attend: half-precision K/V need the avx2 or avx512 path");
-        const int64_t es = kb.element_size();
-        char* kd = (char*)kb.data_ptr();
-        char* vd = (char*)vb.data_ptr();
+        const torch::Tensor* ks = kscales.has_value() ? &(*kscales)[j] : nullptr;
+        const torch::Tensor* vs = vscales.has_value() ? &(*vscales)[j] : nullptr;
+        if (kb.scalar_type() != torch::kChar) ks = vs = nullptr;
+        set_q(p, q, r0, T, Hk, isa, "write_attend");
+        set_kv(p, kb, vb, ks, vs, first[j], end - first[j], isa, "write_attend");
+        // the new rows' slots, from the first visible one: [slot - first, end - first)
+        const int64_t es = kb.element_size(), o = slot[j] - first[j];
+        char* kd = (char*)p.k;
+        char* vd = (char*)p.v;
         for (int64_t h = 0; h < Hk; h++)
             for (int64_t t = 0; t < T; t++) {
-                const float* ks = kp + h * k.stride(0) + (r0 + t) * k.stride(1);
-                const float* vs = vp + h * v.stride(0) + (r0 + t) * v.stride(1);
-                char* kdst = kd + (h * kb.stride(0) + (slot[j] + t) * kb.stride(1)) * es;
-                char* vdst = vd + (h * vb.stride(0) + (slot[j] + t) * vb.stride(1)) * es;
+                const float* kr = kp + h * k.stride(0) + (r0 + t) * k.stride(1);
+                const float* vr = vp + h * v.stride(0) + (r0 + t) * v.stride(1);
+                char* kdst = kd + (h * p.ksh + (o + t) * p.kst) * es;
+                char* vdst = vd + (h * p.vsh + (o + t) * p.vst) * es;
                 if (p.kv == KV_I8) {
-                    store_row_i8(ks, (int8_t*)kdst, ksd + h * p.kscsh + (slot[j] + t) * p.kscst, D);
-                    store_row_i8(vs, (int8_t*)vdst, vsd + h * p.vscsh + (slot[j] + t) * p.vscst, D);
+                    store_row_i8(kr, (int8_t*)kdst, (uint16_t*)p.ksc + h * p.kscsh + (o + t) * p.kscst, D);
+                    store_row_i8(vr, (int8_t*)vdst, (uint16_t*)p.vsc + h * p.vscsh + (o + t) * p.vscst, D);
                 } else {
-                    store_row(ks, kdst, p.kv, D, isa);
-                    store_row(vs, vdst, p.kv, D, isa);
+                    store_row(kr, kdst, p.kv, D, isa);
+                    store_row(vr, vdst, p.kv, D, isa);
                 }
             }
-        p.q = qp + r0 * q.stride(1);
-        p.qsh = q.stride(0);
-        p.qst = q.stride(1);
-        p.k = kd + first[j] * kb.stride(1) * es;
-        p.ksh = kb.stride(0);
-        p.kst = kb.stride(1);
-        p.v = vd + first[j] * vb.stride(1) * es;
-        p.vsh = vb.stride(0);
-        p.vst = vb.stride(1);
-        p.out = nullptr;
-        p.Hq = (int)Hq;
-        p.Hk = (int)Hk;
-        p.T = (int)T;
-        p.S = (int)(end - first[j]);
-        p.D = (int)D;
         set_rule(p, q_pos0[j], k_pos0[j], kind[j], wc[j], scale, softcap, sinks);
         r0 += T;
     }
