@@ -491,33 +491,49 @@ static int64_t grain_for(int64_t keys, int64_t D) {
     return std::max<int64_t>(1, ((int64_t)1 << 17) / per_unit);
 }
 
-static torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t q_pos0, int64_t k_pos0,
-                            int64_t kind, int64_t wc, double scale, double softcap, int64_t isa,
-                            const std::optional<torch::Tensor>& sinks, const std::optional<torch::Tensor>& k_scale,
-                            const std::optional<torch::Tensor>& v_scale) {
-    Params P = make_params(q, k, v, q_pos0, k_pos0, kind, wc, scale, softcap, isa, sinks,
-                           k_scale.has_value() ? &*k_scale : nullptr, v_scale.has_value() ? &*v_scale : nullptr);
-    const int64_t Hq = P.Hq, T = P.T, D = P.D, S = P.S;
-    auto out = torch::empty({T, Hq * D}, torch::kFloat32);
-    if (T == 0 || Hq == 0) return out;
-    P.out = out.data_ptr<float>();
-    const UnitFn* fns = kUnit[isa][P.kv];
-    const int rep = P.Hq / P.Hk, G = group_size(rep, (int64_t)P.Hk * T, (int)isa);
-    const int64_t units = (int64_t)P.Hk * ((rep + G - 1) / G) * T;
-    int64_t keys = S;
-    if (kind != FULL) keys = std::min<int64_t>(S, wc);
-    at::parallel_for(0, units, grain_for(keys, D * G), [&](int64_t b, int64_t e) {
-        for (int64_t u = b; u < e; u++) run_unit(fns, P, G, u);
-    });
-    return out;
-}
 
 // Several sequences' attention in one parallel region: span j's Params P[j] (``out`` set here),
 // every span with the same heads and head_dim; the output stacks the spans' rows in order
 // [sum T_j, Hq * D]. Every (span, head, query) unit runs the same code as ``attend`` on the same
 // Params, so each row is bit-identical to that span's ``attend`` call.
+// int8 K/V read by many queries (a prefill chunk): widened once to float32 rows (int8 x scale,
+// exact: the very values every unit would compute on load), so each query reads float32 instead of
+// widening every key again; a decode row reads the int8 rows themselves (half the bytes of fp16)
+constexpr int I8_WIDEN_ROWS = 8;
+static void widen_i8(Params& p, std::vector<torch::Tensor>& keep) {
+    auto kf = torch::empty({p.Hk, p.S, p.D}, torch::kFloat32), vf = torch::empty({p.Hk, p.S, p.D}, torch::kFloat32);
+    const int64_t D = p.D, S = p.S;
+    for (int which = 0; which < 2; which++) {
+        const int8_t* src = (const int8_t*)(which ? p.v : p.k);
+        const uint16_t* sc = which ? p.vsc : p.ksc;
+        const int64_t sh = which ? p.vsh : p.ksh, st = which ? p.vst : p.kst;
+        const int64_t ssh = which ? p.vscsh : p.kscsh, sst = which ? p.vscst : p.kscst;
+        float* dst = (which ? vf : kf).data_ptr<float>();
+        at::parallel_for(0, (int64_t)p.Hk * S, std::max<int64_t>(1, 4096 / std::max<int64_t>(D, 1)), [&](int64_t b, int64_t e) {
+            for (int64_t r = b; r < e; r++) {
+                const int64_t h = r / S, t = r % S;
+                const float s = c10::detail::fp16_ieee_to_fp32_value(sc[h * ssh + t * sst]);
+                const int8_t* row = src + h * sh + t * st;
+                float* o = dst + r * D;
+                for (int64_t d = 0; d < D; d++) o[d] = (float)row[d] * s;
+            }
+        });
+    }
+    p.k = kf.data_ptr<float>();
+    p.v = vf.data_ptr<float>();
+    p.ksh = p.vsh = S * D;
+    p.kst = p.vst = D;
+    p.kv = KV_F32;
+    p.ksc = p.vsc = nullptr;
+    keep.push_back(kf);
+    keep.push_back(vf);
+}
+
 static torch::Tensor run_many(std::vector<Params>& P, int64_t isa) {
     const size_t n = P.size();
+    std::vector<torch::Tensor> widened;
+    for (Params& p : P)
+        if (p.kv == KV_I8 && p.T >= I8_WIDEN_ROWS) widen_i8(p, widened);
     std::vector<int64_t> first_unit(n + 1, 0), first_row(n + 1, 0);
     int64_t Hq = -1, Hk = -1, D = -1, cost = 0, rows = 0;
     for (size_t j = 0; j < n; j++) {
@@ -550,6 +566,16 @@ static torch::Tensor run_many(std::vector<Params>& P, int64_t isa) {
         }
     });
     return out;
+}
+
+// One sequence's attention (``attend``): the same units as a batch of one span.
+static torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t q_pos0, int64_t k_pos0,
+                            int64_t kind, int64_t wc, double scale, double softcap, int64_t isa,
+                            const std::optional<torch::Tensor>& sinks, const std::optional<torch::Tensor>& k_scale,
+                            const std::optional<torch::Tensor>& v_scale) {
+    std::vector<Params> P{make_params(q, k, v, q_pos0, k_pos0, kind, wc, scale, softcap, isa, sinks,
+                                      k_scale.has_value() ? &*k_scale : nullptr, v_scale.has_value() ? &*v_scale : nullptr)};
+    return run_many(P, isa);
 }
 
 // Several sequences' attention in one call: span j's queries qs[j] over its own keys/values.
