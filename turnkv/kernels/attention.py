@@ -208,12 +208,12 @@ def write_attend(q, k, v, kbufs, vbufs, lens, slots, firsts, q_pos0s, k_pos0s, k
                  kscales: list | None = None, vscales: list | None = None):
     """One layer for a batch of spans in one native call: span j (rows ``lens`` in order) stores its
     K/V rows of ``k`` / ``v`` [Hk, R, D] into its cache buffers ``kbufs[j]`` / ``vbufs[j]``
-    [Hk, capacity, D] at slots ``slots[j] ..`` (float16 / bfloat16 rounded as ``copy_`` rounds),
-    (int8 buffers with float16 scale buffers ``kscales[j]`` / ``vscales[j]`` [Hk, capacity, 1],
-    quantized as ``cache.modes.quantize_int8`` does), then its queries of ``q`` [Hq, R, D] at
-    ``q_pos0s[j] ..`` attend over the buffer slots
-    ``firsts[j] ..`` (position ``k_pos0s[j]``) up to its last new one. Returns [R, Hq * D]; each row
-    bit-identical to ``attend_native`` over the same keys (``write_attend_ok`` must hold)."""
+    [Hk, capacity, D] at slots ``slots[j] ..`` (float16 / bfloat16 rounded as ``copy_`` rounds;
+    int8 buffers come with float16 scale buffers ``kscales[j]`` / ``vscales[j]`` [Hk, capacity, 1]
+    and are quantized as ``cache.modes.quantize_int8`` does), then its queries of ``q`` [Hq, R, D]
+    at ``q_pos0s[j] ..`` attend over the buffer slots ``firsts[j] ..`` (position ``k_pos0s[j]``) up
+    to its last new one. Returns [R, Hq * D]; each row bit-identical to ``attend_native`` over the
+    same keys (``write_attend_ok`` must hold)."""
     i = _default if isa is None else ISAS.index(isa)
     return _write(q, k, v, kbufs, vbufs, lens, slots, firsts, q_pos0s, k_pos0s, [KINDS[x] for x in kinds],
                   [int(w or 0) for w in spans], float(scale), float(softcap) if softcap else 0.0, i,

@@ -188,8 +188,8 @@ def attention_spans(batch: Batch, layer: int, q: torch.Tensor, k: torch.Tensor, 
     With the native kernel, all spans run in one native call (one parallel region per layer
     instead of one per sequence: decode of many sequences is many tiny attentions); each row is
     bit-identical to ``attention`` on its span alone. When every span's cache keeps its K/V as
-    plain float buffers, that call also writes the new rows into them (``write_attend``: no
-    per-sequence copies, slices and views in Python)."""
+    plain float buffers, or every one as int8 with row scales, that call also writes the new rows
+    into them (``write_attend``: no per-sequence copies, slices and views in Python)."""
     spans: list[Span] = batch.spans
     caches = [s.caches[layer] for s in spans]
     layouts = {type(c.store).native_layout if isinstance(c, KVCache) else None for c in caches}
@@ -207,12 +207,12 @@ def attention_spans(batch: Batch, layer: int, q: torch.Tensor, k: torch.Tensor, 
     qs = [q[:, s.rows] for s in spans]
     if len(spans) > 1 and native_many_available():
         kvs = [native_kv(qq, w, sinks) for qq, w in zip(qs, views)]
-        scaled = {kv[2] is not None for kv in kvs if kv is not None}
-        if all(kv is not None for kv in kvs) and len(scaled) == 1:     # every span int8 (with scales) or none
+        int8 = {kv[2] is not None for kv in kvs if kv is not None}     # which spans read int8 K/V
+        if all(kv is not None for kv in kvs) and len(int8) == 1:         # one call: all int8 or none
             return attend_many_native(qs, [kv[0] for kv in kvs], [kv[1] for kv in kvs],
                                       [w.query_pos0 for w in views], [w.key_pos0 for w in views],
                                       [w.kind for w in views], [w.span for w in views], scale, softcap, sinks=sinks,
-                                      scales=[kv[2] for kv in kvs] if True in scaled else None)
+                                      scales=[kv[2] for kv in kvs] if int8 == {True} else None)
     outs = [attention(qq, w, scale, softcap, sinks) for qq, w in zip(qs, views)]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
