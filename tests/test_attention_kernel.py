@@ -360,7 +360,7 @@ def test_write_attend_equals_cache_update_then_attend(mode, monkeypatch):
     from turnkv.models import base
 
     want_dtype = torch.int8 if mode == "int8" else torch.float32
-    if not A.write_attend_ok(torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), [want_dtype]):
+    if not A.write_buffers_ok([want_dtype]):
         pytest.skip("this build has no write_attend for this mode")
 
     def caches():
@@ -370,8 +370,8 @@ def test_write_attend_equals_cache_update_then_attend(mode, monkeypatch):
     fast, slow = caches(), caches()
     g = torch.Generator().manual_seed(3)
     called = []
-    real = base.write_attend
-    monkeypatch.setattr(base, "write_attend", lambda *a, **k: called.append(1) or real(*a, **k))
+    real = base.write_attend_plan
+    monkeypatch.setattr(base, "write_attend_plan", lambda *a, **k: called.append(1) or real(*a, **k))
     for lens in ([70, 1, 33], [1, 1, 1], [33, 64, 1], [1, 300, 1], [1, 1, 64], [5, 1, 1]):
         R = sum(lens)
         qkv = torch.randn(R, 6 + 2 + 2, 32, generator=g).transpose(0, 1)   # [H, R, D] strided like the families
@@ -394,7 +394,7 @@ def test_write_attend_equals_cache_update_then_attend(mode, monkeypatch):
 def test_write_attend_rounds_like_copy(dtype):
     """The kernel's float32 -> float16 / bfloat16 stores round as ``copy_`` does, on values that
     sit exactly half-way between two neighbours, subnormals, overflow and signed zeros."""
-    if not A.write_attend_ok(torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), [dtype]):
+    if not A.write_buffers_ok([dtype]):
         pytest.skip("write_attend does not take this dtype here")
     g = torch.Generator().manual_seed(4)
     x = torch.randn(4096, generator=g) * torch.logspace(-9, 6, 4096)
@@ -417,7 +417,7 @@ def test_write_attend_quantizes_int8_like_quantize_int8():
     all-zero rows (the scale's lower clamp), huge rows (its upper clamp) and tiny ones."""
     from turnkv.cache.modes import quantize_int8
 
-    if not A.write_attend_ok(torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), [torch.int8]):
+    if not A.write_buffers_ok([torch.int8]):
         pytest.skip("this build has no int8 write_attend")
     g = torch.Generator().manual_seed(5)
     rows = [torch.randn(64, generator=g) * 10 ** e for e in range(-9, 7)]
@@ -438,7 +438,7 @@ def test_write_attend_quantizes_int8_like_quantize_int8():
 def test_write_attend_rejects_slots_outside_the_buffer():
     q, k, v = torch.zeros(2, 4, 32), torch.zeros(1, 4, 32), torch.zeros(1, 4, 32)
     buf = torch.zeros(1, 6, 32)
-    if not A.write_attend_ok(q, k, v, [torch.float32]):
+    if not (A.write_attend_ok(q, k, v) and A.write_buffers_ok([torch.float32])):
         pytest.skip("this build has no write_attend")
     with pytest.raises(RuntimeError, match="out of range"):
         A.write_attend(q, k, v, [buf], [buf.clone()], [4], [3], [0], [3], [0], ["full"], [0], 0.1)

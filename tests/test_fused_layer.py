@@ -114,6 +114,41 @@ def test_batch_same_bits_as_alone_unfused(model):
         assert torch.equal(together[j], want[j]), j
 
 
+@pytest.mark.parametrize("kv", ["fp16", "int8", "int4"])
+def test_one_call_layer_same_bits_as_three_calls(model, kv, monkeypatch):
+    """``FusedBlock.layer`` as one native call (fused_qkv, write_attend, fused_out_mlp in C++)
+    against the same three calls from Python: a chunked prompt, decode steps, and a batch of a
+    prefill chunk beside two decode rows give the same bits. int4 caches are not written by the
+    kernel: there the layer must take the three calls (and nothing is reserved twice)."""
+    from turnkv import kernels
+    from turnkv.models.fused import FusedBlock
+
+    calls = []
+    real = kernels._ext.fused_layer
+    monkeypatch.setattr(kernels._ext, "fused_layer", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def both():
+        ids = prompt(150, 5)
+        single = run(model, ids, 64, 4, kv)
+        cs = [caches(model, kv) for _ in range(3)]
+        firsts = [model.step(p, c, logits="last") for p, c in zip((ids[:40], ids[:70]), cs[:2])]
+        parts = [(torch.tensor([int(f.argmax())]), c, "last") for f, c in zip(firsts, cs[:2])]
+        parts.append((ids[:90], cs[2], "last"))
+        return single, model.forward(Batch.build(parts))
+
+    with torch.inference_mode():
+        monkeypatch.setattr(FusedBlock, "one_call", True)
+        one, one_batch = both()
+        used = len(calls)
+        monkeypatch.setattr(FusedBlock, "one_call", False)
+        three, three_batch = both()
+    assert len(calls) == used
+    layers = model.args.num_hidden_layers
+    assert used == (0 if kv == "int4" else layers * (3 + 4 + 2 + 1)), used
+    assert torch.equal(one, three)
+    assert torch.equal(one_batch, three_batch)
+
+
 FIXTURES = Path(__file__).resolve().parent / "gguf_fixtures"
 FIXTURE_FAMILIES = ["llama", "llama3", "ministral"]    # Llama-shaped blocks (models/fused.fuse_llama_block)
 

@@ -194,13 +194,16 @@ def attend_many_native(qs, ks, vs, q_pos0s, k_pos0s, kinds, spans, scale: float,
                     [s[0] for s in scales] if scales else None, [s[1] for s in scales] if scales else None)
 
 
-def write_attend_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buffer_dtypes,
-                    sinks: torch.Tensor | None = None) -> bool:
-    """Whether ``write_attend`` takes these rows and caches whose K/V buffers have ``buffer_dtypes``."""
+def write_attend_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None) -> bool:
+    """Whether ``write_attend`` takes these rows (and ``write_buffers_ok`` the caches' buffers)."""
     return (_write is not None and q.dtype == torch.float32 and k.dtype == torch.float32
             and v.dtype == torch.float32 and q.device.type == "cpu" and q.shape[-1] <= 1024
-            and all(d in _write_dtypes for d in buffer_dtypes)
             and (sinks is None or (sinks.dtype == torch.float32 and sinks.device.type == "cpu")))
+
+
+def write_buffers_ok(buffer_dtypes) -> bool:
+    """Whether ``write_attend`` writes and reads cache K/V buffers of every dtype in ``buffer_dtypes``."""
+    return _write is not None and all(d in _write_dtypes for d in buffer_dtypes)
 
 
 def write_attend(q, k, v, kbufs, vbufs, lens, slots, firsts, q_pos0s, k_pos0s, kinds, spans, scale: float,
@@ -213,11 +216,24 @@ def write_attend(q, k, v, kbufs, vbufs, lens, slots, firsts, q_pos0s, k_pos0s, k
     and are quantized as ``cache.modes.quantize_int8`` does), then its queries of ``q`` [Hq, R, D]
     at ``q_pos0s[j] ..`` attend over the buffer slots ``firsts[j] ..`` (position ``k_pos0s[j]``) up
     to its last new one. Returns [R, Hq * D]; each row bit-identical to ``attend_native`` over the
-    same keys (``write_attend_ok`` must hold)."""
+    same keys (``write_attend_ok`` and ``write_buffers_ok`` must hold)."""
     i = _default if isa is None else ISAS.index(isa)
     return _write(q, k, v, kbufs, vbufs, lens, slots, firsts, q_pos0s, k_pos0s, [KINDS[x] for x in kinds],
                   [int(w or 0) for w in spans], float(scale), float(softcap) if softcap else 0.0, i,
                   None if sinks is None else sinks.contiguous(), kscales, vscales)
+
+
+def write_attend_plan(q, k, v, plan: tuple, scale: float, softcap: float | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """``write_attend`` with the cache side already in native form (``models.base.write_plan``:
+    kinds as ``KINDS`` codes, windows / chunks as ints), on the default path."""
+    return _write(q, k, v, *plan[:9], float(scale), float(softcap) if softcap else 0.0, _default,
+                  None if sinks is None else sinks.contiguous(), plan[9], plan[10])
+
+
+def attention_isa() -> int:
+    """The native attention path ``write_attend`` runs by default (an index into ``ISAS``)."""
+    return _default
 
 
 def attend(q, k, v, q_pos0: int, k_pos0: int, kind: str = "full", window_or_chunk: int = 0,

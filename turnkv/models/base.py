@@ -18,7 +18,8 @@ from torch import nn
 
 from ..cache.kv import KVCache, KVView
 from ..cache.specs import CacheSpec
-from ..kernels.attention import attend_many_native, attend_native, native_many_available, write_attend, write_attend_ok
+from ..kernels.attention import KINDS, attend_many_native, attend_native, native_many_available, write_attend_plan
+from ..kernels.attention import write_attend_ok, write_buffers_ok
 from ..kernels.attention import native_ok as native_attention_ok
 from ..kernels.norm import native_rms_norm
 from .batch import Batch, Span, select_rows
@@ -191,18 +192,11 @@ def attention_spans(batch: Batch, layer: int, q: torch.Tensor, k: torch.Tensor, 
     plain float buffers, or every one as int8 with row scales, that call also writes the new rows
     into them (``write_attend``: no per-sequence copies, slices and views in Python)."""
     spans: list[Span] = batch.spans
+    if write_attend_ok(q, k, v, sinks=sinks):
+        plan = write_plan(batch, layer)
+        if plan is not None:
+            return write_attend_plan(q, k, v, plan, scale, softcap, sinks)
     caches = [s.caches[layer] for s in spans]
-    layouts = {type(c.store).native_layout if isinstance(c, KVCache) else None for c in caches}
-    if (len(layouts) == 1 and None not in layouts
-            and write_attend_ok(q, k, v, {c.store.parts_dtype for c in caches}, sinks)):
-        plan = [c.reserve(s.length) for c, s in zip(caches, spans)]
-        parts = [c.store.parts for c in caches]     # after reserve: it may have grown them
-        int8 = "int8" in layouts
-        return write_attend(q, k, v, [b["k"] for b in parts], [b["v"] for b in parts], [s.length for s in spans],
-                            [p[0] for p in plan], [p[1] for p in plan], [p[3] for p in plan], [p[2] for p in plan],
-                            [c.kind for c in caches], [c.span for c in caches], scale, softcap, sinks,
-                            kscales=[b["k_scale"] for b in parts] if int8 else None,
-                            vscales=[b["v_scale"] for b in parts] if int8 else None)
     views = [c.update_and_fetch(k[:, s.rows], v[:, s.rows]) for c, s in zip(caches, spans)]
     qs = [q[:, s.rows] for s in spans]
     if len(spans) > 1 and native_many_available():
@@ -215,6 +209,25 @@ def attention_spans(batch: Batch, layer: int, q: torch.Tensor, k: torch.Tensor, 
                                       scales=[kv[2] for kv in kvs] if int8 == {True} else None)
     outs = [attention(qq, w, scale, softcap, sinks) for qq, w in zip(qs, views)]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def write_plan(batch: Batch, layer: int) -> tuple | None:
+    """The cache side of ``write_attend`` for every span's cache at ``layer``, after reserving
+    room for the span's rows in it: (K buffers, V buffers, lengths, first new slots, first visible
+    slots, query positions, key positions, kinds, windows / chunks, int8 K scales, V scales), or None
+    (nothing reserved) unless every one keeps its K/V as plain float buffers the kernel writes, or
+    every one as int8 with row scales."""
+    caches = [s.caches[layer] for s in batch.spans]
+    layouts = {type(c.store).native_layout if isinstance(c, KVCache) else None for c in caches}
+    if len(layouts) != 1 or None in layouts or not write_buffers_ok({c.store.parts_dtype for c in caches}):
+        return None
+    plan = [c.reserve(s.length) for c, s in zip(caches, batch.spans)]
+    parts = [c.store.parts for c in caches]     # after reserve: it may have grown them
+    int8 = "int8" in layouts
+    return ([b["k"] for b in parts], [b["v"] for b in parts], [s.length for s in batch.spans],
+            [p[0] for p in plan], [p[1] for p in plan], [p[3] for p in plan], [p[2] for p in plan],
+            [KINDS[c.kind] for c in caches], [int(c.span or 0) for c in caches],
+            [b["k_scale"] for b in parts] if int8 else None, [b["v_scale"] for b in parts] if int8 else None)
 
 
 def native_kv(q: torch.Tensor, view: KVView, sinks: torch.Tensor | None = None):

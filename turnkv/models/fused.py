@@ -10,10 +10,13 @@ runs the same operations in the same order with the same roundings in two calls:
   norm, the residual add, the MLP (pre-norm, gate/up, silu or gelu-tanh, down, optional post norm)
   and its residual add, in place on the residual ``x``.
 
-The attention between them stays in Python (every sequence's own cache, models/base.py). The
-results are bit-identical to the unfused path (tests/test_fused_layer.py), which the families keep
-for every other case (native weights, other dtypes, biases, no build). ``TURNKV_FUSED=0`` turns it
-off (A/B).
+The attention between them runs per sequence over its own cache (models/base.py). ``layer(x,
+rope, batch, i, scale)`` runs the whole layer as one native call (``fused_layer``: the two calls
+with ``write_attend`` between them, in C++) when the caches take ``write_attend``, else as the
+three calls from Python. The results are bit-identical to the unfused path
+(tests/test_fused_layer.py), which the families keep for every other case (native weights, other
+dtypes, biases, no build). ``TURNKV_FUSED=0`` turns it off (A/B); ``TURNKV_FUSED_LAYER=0`` keeps
+the three calls.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import os
 import torch
 
 from .. import kernels
+from ..kernels.attention import attention_isa
 from ..kernels.norm import native_rms_norm
+from .base import attention_spans, write_plan
 from .weights import GGUFPacked
 
 ACTS = {"silu": 0, "gelu_tanh": 1}
@@ -55,6 +60,8 @@ def _vec(t):
 
 
 class FusedBlock:
+    one_call = os.environ.get("TURNKV_FUSED_LAYER", "1").strip() != "0"   # ``layer`` as one call (A/B, tests)
+
     def __init__(self, *, hq: int, hk: int, head_dim: int, eps: float, attn_norm, wqkv, qk_norm, wo, post_attn,
                  mlp_norm, wgu, act: str, wdown, post_ff):
         self.hq, self.hk, self.d, self.eps = hq, hk, head_dim, float(eps)
@@ -63,6 +70,11 @@ class FusedBlock:
         self.wqkv, self.wo, self.wgu, self.wdown = (_qlinear(w) for w in (wqkv, wo, wgu, wdown))
         self.act = ACTS[act]
         self.isa = kernels._isa_index(None)
+        self.native = None      # the whole layer as one call (``layer``), where the build has it
+        if hasattr(kernels._ext, "fused_layer"):
+            self.native = kernels._ext.FusedLayer(self.attn_norm, self.eps, self.wqkv, hq, hk, head_dim, self.qk_norm,
+                                                  self.wo, self.post_attn, self.mlp_norm, self.wgu, self.act,
+                                                  self.wdown, self.post_ff, self.isa, attention_isa())
 
     @classmethod
     def build(cls, **kw) -> "FusedBlock | None":
@@ -88,6 +100,22 @@ class FusedBlock:
                                          self.qk_norm, self.eps, cos.contiguous(), sin.contiguous(), self.isa)
         v = qkv.view(x.shape[0], self.hq + 2 * self.hk, self.d).transpose(0, 1)[self.hq + self.hk:]
         return qk, v
+
+    def layer(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch, i: int, scale: float,
+              softcap: float | None = None) -> torch.Tensor:
+        """The whole layer on the rows ``x`` (in place) with every span's attention over its own
+        cache at layer ``i`` (``models.base.attention_spans``): one native call when the caches
+        take ``write_attend`` (``models.base.write_plan``), else ``qkv``, ``attention_spans`` and
+        ``out_mlp``. The same bits either way."""
+        if self.native is not None and self.one_call:
+            plan = write_plan(batch, i)
+            if plan is not None:
+                cos, sin = rope
+                kernels._ext.fused_layer(self.native, x, cos.contiguous(), sin.contiguous(), *plan[:9], float(scale),
+                                         float(softcap) if softcap else 0.0, plan[9], plan[10])
+                return x
+        qk, v = self.qkv(x, rope)
+        return self.out_mlp(x, attention_spans(batch, i, qk[:self.hq], qk[self.hq:], v, scale, softcap))
 
     def out_mlp(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """The rest of the layer on the attention output ``a`` [T, hq * D], in place on ``x``."""

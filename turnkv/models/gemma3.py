@@ -173,6 +173,8 @@ class Block(nn.Module):
     def forward(self, x, batch, i, rope, blocks=None):
         f = self.fused
         if f is not None and f.takes(x):
+            if blocks is None:      # text only: every sequence's rows over its own KV
+                return f.layer(x, rope, batch, i, self.attn.scale, self.attn.softcap)
             qk, v = f.qkv(x, rope)
             return f.out_mlp(x, self.attn.attend(qk, v, batch, i, blocks))
         # x is the model's own residual buffer (fresh from the embedding): accumulate in place

@@ -91,9 +91,7 @@ class Block(nn.Module):
     def forward(self, x, batch, i, rope):
         f = self.fused
         if f is not None and f.takes(x):
-            qk, v = f.qkv(x, rope)
-            hq = self.attn.hq
-            return f.out_mlp(x, attention_spans(batch, i, qk[:hq], qk[hq:], v, self.attn.scale))
+            return f.layer(x, rope, batch, i, self.attn.scale)
         # x is the model's own residual buffer (fresh from the embedding): accumulate in place
         x += self.attn.forward(rms_norm(x, self.ln_attn, self.eps), batch, i, rope)
         x += self.mlp.forward(rms_norm(x, self.ln_mlp, self.eps))

@@ -14,6 +14,17 @@
 
 #include "common.h"
 
+// attention.cpp (the same binary): one layer's K/V writes and attention for a batch of spans
+namespace tkv_attn {
+torch::Tensor write_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<torch::Tensor> kbufs,
+                           std::vector<torch::Tensor> vbufs, std::vector<int64_t> lens, std::vector<int64_t> slot,
+                           std::vector<int64_t> first, std::vector<int64_t> q_pos0, std::vector<int64_t> k_pos0,
+                           std::vector<int64_t> kind, std::vector<int64_t> wc, double scale, double softcap,
+                           int64_t isa, std::optional<torch::Tensor> sinks,
+                           std::optional<std::vector<torch::Tensor>> kscales, std::optional<std::vector<torch::Tensor>> vscales);
+}
+
+
 namespace tkv {
 
 // Software prefetch distance (bytes ahead in the weight stream; 0 = off). Off by default:
@@ -385,16 +396,6 @@ static torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor w, int64_t qt, i
 #include "fused_layer.inc"
 
 }  // namespace tkv
-
-// attention.cpp (the same binary): one layer's K/V writes and attention for a batch of spans
-namespace tkv_attn {
-torch::Tensor write_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<torch::Tensor> kbufs,
-                           std::vector<torch::Tensor> vbufs, std::vector<int64_t> lens, std::vector<int64_t> slot,
-                           std::vector<int64_t> first, std::vector<int64_t> q_pos0, std::vector<int64_t> k_pos0,
-                           std::vector<int64_t> kind, std::vector<int64_t> wc, double scale, double softcap,
-                           int64_t isa, std::optional<torch::Tensor> sinks,
-                           std::optional<std::vector<torch::Tensor>> kscales, std::optional<std::vector<torch::Tensor>> vscales);
-}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "turnkv GGUF int8-activation matmul kernels";
