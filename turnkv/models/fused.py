@@ -71,7 +71,8 @@ class FusedBlock:
         self.act = ACTS[act]
         self.isa = kernels._isa_index(None)
         self.native = None      # the whole layer as one call (``layer``), where the build has it
-        if hasattr(kernels._ext, "fused_layer"):
+        if (hasattr(kernels._ext, "fused_layer") and head_dim <= 1024       # write_attend's head_dim limit
+                and None not in (self.wqkv, self.wo, self.wgu, self.wdown)):     # else ``build`` gives None
             self.native = kernels._ext.FusedLayer(self.attn_norm, self.eps, self.wqkv, hq, hk, head_dim, self.qk_norm,
                                                   self.wo, self.post_attn, self.mlp_norm, self.wgu, self.act,
                                                   self.wdown, self.post_ff, self.isa, attention_isa())

@@ -24,7 +24,6 @@ torch::Tensor write_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, st
                            std::optional<std::vector<torch::Tensor>> kscales, std::optional<std::vector<torch::Tensor>> vscales);
 }
 
-
 namespace tkv {
 
 // Software prefetch distance (bytes ahead in the weight stream; 0 = off). Off by default:
