@@ -13,7 +13,7 @@ import torch
 
 from tiny import VOCAB, engine, tiny_gemma3, tiny_llama
 from turnkv.engine.engine import GenerationRequest, Result, TokenEvent
-from turnkv.engine.sampling import GREEDY_TEMPERATURE, ParamError, Sampler, SamplingParams
+from turnkv.engine.sampling import GREEDY_TEMPERATURE, ParamError, Sampler, SamplingParams, greedy_token
 
 PROMPT = [5, 17, 42, 17, 99, 3, 250, 42, 8, 8, 61, 200, 13, 77, 5, 140]
 
@@ -39,6 +39,26 @@ def cold_logits(hf, tokens: list[int]) -> torch.Tensor:
 
 
 LOGITS = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.5, 0.0, 1.5, -0.5])
+
+
+def test_greedy_token_is_torch_argmax():
+    """The greedy pick (NumPy's argmax on CPU rows) equals torch.argmax: random rows of both
+    vocabulary sizes, ties (the first wins), NaN (counts as maximal, the first one), all -inf,
+    +inf, float64, a strided view, and bfloat16 (torch's own path)."""
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randn(n, generator=g) for n in (49152, 262144, 7)]
+    tie = torch.randn(1000, generator=g)
+    tie[[17, 400, 999]] = tie.max() + 1
+    nan = torch.randn(1000, generator=g)
+    nan[[5, 600]] = float("nan")
+    inf = torch.randn(100, generator=g)
+    inf[[3, 9]] = float("inf")
+    rows += [tie, nan, inf, torch.full((50,), float("-inf")), torch.full((9,), float("nan")),
+             torch.randn(300, generator=g, dtype=torch.float64), torch.randn(2, 500, generator=g)[:, 3],
+             torch.randn(500, generator=g).to(torch.bfloat16)]
+    for r in rows:
+        assert greedy_token(r) == int(torch.argmax(r)), r.shape
+    assert greedy_token(tie) == 17 and greedy_token(nan) == 5
 
 
 def test_frequency_and_presence_penalties_match_openai_formula():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 # below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing by a denormal
@@ -189,7 +190,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> int:
         scores = self.adjust(logits)
         if self.params.greedy:
-            token = int(torch.argmax(scores))
+            token = greedy_token(scores)
         else:
             probs = torch.softmax(self.warp(scores), dim=-1)
             if self.generator.device != probs.device:     # first step on an accelerator
@@ -216,3 +217,13 @@ def token_logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
         values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]))
         top = list(zip(ids.tolist(), values.tolist()))
     return TokenLogprob(int(token), float(logprobs[token]), top)
+
+
+def greedy_token(scores: torch.Tensor) -> int:
+    """``int(torch.argmax(scores))`` for a 1-D row: the first maximal value, a NaN counting as
+    maximal. On the CPU (float32 / float64) NumPy's argmax, which answers the same: PyTorch's
+    reduction took ~0.12 ms on SmolLM2's 49k logits and ~0.27 ms on Gemma 3's 262k on a 2-core
+    machine, NumPy's 9 and 21 us (tests/test_sampling.py compares them)."""
+    if scores.dim() == 1 and scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.float64):
+        return int(np.argmax(scores.numpy()))
+    return int(torch.argmax(scores))
