@@ -217,17 +217,17 @@ def write_attend(q, k, v, kbufs, vbufs, lens, slots, firsts, q_pos0s, k_pos0s, k
     at ``q_pos0s[j] ..`` attend over the buffer slots ``firsts[j] ..`` (position ``k_pos0s[j]``) up
     to its last new one. Returns [R, Hq * D]; each row bit-identical to ``attend_native`` over the
     same keys (``write_attend_ok`` and ``write_buffers_ok`` must hold)."""
-    i = _default if isa is None else ISAS.index(isa)
-    return _write(q, k, v, kbufs, vbufs, lens, slots, firsts, q_pos0s, k_pos0s, [KINDS[x] for x in kinds],
-                  [int(w or 0) for w in spans], float(scale), float(softcap) if softcap else 0.0, i,
-                  None if sinks is None else sinks.contiguous(), kscales, vscales)
+    plan = (kbufs, vbufs, lens, slots, firsts, q_pos0s, k_pos0s, [KINDS[x] for x in kinds],
+            [int(w or 0) for w in spans], kscales, vscales)
+    return write_attend_plan(q, k, v, plan, scale, softcap, sinks, isa)
 
 
 def write_attend_plan(q, k, v, plan: tuple, scale: float, softcap: float | None = None,
-                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      sinks: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
     """``write_attend`` with the cache side already in native form (``models.base.write_plan``:
-    kinds as ``KINDS`` codes, windows / chunks as ints), on the default path."""
-    return _write(q, k, v, *plan[:9], float(scale), float(softcap) if softcap else 0.0, _default,
+    kinds as ``KINDS`` codes, windows / chunks as ints, then the int8 scale buffers or None)."""
+    i = _default if isa is None else ISAS.index(isa)
+    return _write(q, k, v, *plan[:9], float(scale), float(softcap) if softcap else 0.0, i,
                   None if sinks is None else sinks.contiguous(), plan[9], plan[10])
 
 
