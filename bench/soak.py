@@ -186,7 +186,7 @@ def main() -> int:
         "cache_bytes_warm_mb": round(warm["bytes"] / 2**20, 1),
         "cache_bytes_end_mb": round(end["bytes"] / 2**20, 1), "cache_budget_mb": round(end["budget_bytes"] / 2**20, 1),
         "live_state_mb": round(end["memory"]["live_state_bytes"] / 2**20, 1),
-        "frozen_uncounted_mb": round(end["memory"]["frozen_uncounted_bytes"] / 2**20, 1),
+        "kv_pool_mb": round(end["memory"]["kv_pool_bytes"] / 2**20, 1),
         "engine_restarts": end.get("engine_restarts", 0),
     }
     report["rss_growth"] = round(report["rss_end_mb"] / report["rss_warm_mb"], 3)

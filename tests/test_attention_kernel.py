@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from turnkv.cache.blocks import BlockPool
 from turnkv.cache.kv import KVCache
 from turnkv.cache.chunked import ChunkedCache
 from turnkv.cache.rotating import SlidingWindowCache
@@ -355,8 +356,8 @@ def test_write_attend_equals_cache_update_then_attend(mode, monkeypatch):
     """attention_spans' one-call path (the kernel writes each span's K/V into its cache buffers,
     int8 ones quantized as quantize_int8 does, then attends) against the cache's own
     update_and_fetch + attend, step by step on two copies of the same caches (full, sliding with
-    compaction, chunked; prefill chunks beside decode rows, buffers that grow): the outputs and
-    every stored K/V slot (and int8 scale) are bit-identical."""
+    blocks released as the window moves, chunked; prefill chunks beside decode rows, pools that grow): the outputs and
+    every stored K/V row (and int8 scale) are bit-identical."""
     from turnkv.models import base
 
     want_dtype = torch.int8 if mode == "int8" else torch.float32
@@ -364,15 +365,18 @@ def test_write_attend_equals_cache_update_then_attend(mode, monkeypatch):
         pytest.skip("this build has no write_attend for this mode")
 
     def caches():
-        return [KVCache(2, 32, mode=mode, block_size=8),
-                SlidingWindowCache(2, 32, window=40, slack=8, block_size=8, mode=mode),
-                ChunkedCache(2, 32, chunk=48, block_size=8, mode=mode)]
+        # one block pool for the three (as the layer of a batch has): their blocks interleave, so
+        # the kernel reads and writes through block tables that are not runs
+        pool = BlockPool(mode, 2, 32, torch.float32, "cpu")
+        return [KVCache(2, 32, mode=mode, pool=pool),
+                SlidingWindowCache(2, 32, window=40, slack=8, mode=mode, pool=pool),
+                ChunkedCache(2, 32, chunk=48, mode=mode, pool=pool)]
     fast, slow = caches(), caches()
     g = torch.Generator().manual_seed(3)
     called = []
     real = base.write_attend_plan
     monkeypatch.setattr(base, "write_attend_plan", lambda *a, **k: called.append(1) or real(*a, **k))
-    for lens in ([70, 1, 33], [1, 1, 1], [33, 64, 1], [1, 300, 1], [1, 1, 64], [5, 1, 1]):
+    for lens in ([70, 1, 33], [1, 1, 1], [33, 64, 1], [1, 300, 1], [1, 1, 64], [5, 1, 1], [130, 1, 70]):
         R = sum(lens)
         qkv = torch.randn(R, 6 + 2 + 2, 32, generator=g).transpose(0, 1)   # [H, R, D] strided like the families
         q, k, v = qkv[:6], qkv[6:8], qkv[8:]
@@ -382,11 +386,14 @@ def test_write_attend_equals_cache_update_then_attend(mode, monkeypatch):
             want = base.attention_spans(_span_batch([[c] for c in slow], lens), 0, q, k, v, 0.17)
         assert torch.equal(got, want), lens
         for a, b in zip(fast, slow):
-            assert (a.offset, a.start, a.floor) == (b.offset, b.start, b.floor)
-            assert set(a.store.parts) == set(b.store.parts)
-            for name in a.store.parts:
-                assert torch.equal(a.store.parts[name][:, :a.used], b.store.parts[name][:, :b.used]), name
-    assert len(called) == 6
+            assert (a.offset, a.floor, len(a.block_ids())) == (b.offset, b.floor, len(b.block_ids()))
+            ea, eb = a.export(a.floor, a.offset), b.export(b.floor, b.offset)
+            assert set(ea) == set(eb) == set(a.store.parts)
+            for name in ea:
+                assert torch.equal(ea[name], eb[name]), name
+    assert len(called) == 7
+    ids = [b for c in fast for b in c.block_ids()]
+    assert len(set(ids)) == len(ids) and any(b - a != 1 for a, b in zip(ids, ids[1:]))
 
 
 @needs_attn
@@ -405,10 +412,15 @@ def test_write_attend_rounds_like_copy(dtype):
     vals = torch.cat([x, (h + nxt) / 2, special])
     n = vals.numel() // 64 * 64
     k = vals[:n].view(1, -1, 64)
-    buf_k, buf_v = torch.zeros(1, k.shape[1] + 3, 64, dtype=dtype), torch.zeros(1, k.shape[1] + 3, 64, dtype=dtype)
-    q = torch.zeros(1, k.shape[1], 64)
-    A.write_attend(q, k, k, [buf_k], [buf_v], [k.shape[1]], [3], [0], [3], [0], ["full"], [0], 0.1)
-    assert torch.equal(buf_k[:, 3:], k.to(dtype)) and torch.equal(buf_v[:, 3:], k.to(dtype))
+    R, B = k.shape[1], A.KERNEL_BLOCK
+    nb = -(-(R + 3) // B)
+    buf_k, buf_v = torch.zeros(1, (nb + 1) * B, 64, dtype=dtype), torch.zeros(1, (nb + 1) * B, 64, dtype=dtype)
+    table = torch.tensor([nb] + list(range(nb - 1)), dtype=torch.int32)    # block 0 in the pool's last
+    q = torch.zeros(1, R, 64)
+    A.write_attend(q, k, k, [buf_k], [buf_v], [R], [table], [3], [0], ["full"], [0], 0.1)
+    pos = torch.arange(3, R + 3)
+    rows = table.long()[pos // B] * B + pos % B
+    assert torch.equal(buf_k[:, rows], k.to(dtype)) and torch.equal(buf_v[:, rows], k.to(dtype))
 
 
 @needs_attn
@@ -424,26 +436,37 @@ def test_write_attend_quantizes_int8_like_quantize_int8():
     rows += [torch.zeros(64), torch.full((64,), 1e9), torch.arange(64.0) - 31.5,
              torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5] + [0.0] * 58)]
     k = torch.stack(rows)[None]                       # [1, R, 64]
-    R = k.shape[1]
-    buf_k, buf_v = torch.zeros(1, R, 64, dtype=torch.int8), torch.zeros(1, R, 64, dtype=torch.int8)
-    sk, sv = torch.zeros(1, R, 1, dtype=torch.float16), torch.zeros(1, R, 1, dtype=torch.float16)
-    A.write_attend(torch.zeros(1, R, 64), k, -k, [buf_k], [buf_v], [R], [0], [0], [0], [0], ["full"], [0], 0.1,
-                   kscales=[sk], vscales=[sv])
+    R, B = k.shape[1], A.KERNEL_BLOCK
+    buf_k, buf_v = torch.zeros(1, 2 * B, 64, dtype=torch.int8), torch.zeros(1, 2 * B, 64, dtype=torch.int8)
+    sk, sv = torch.zeros(1, 2 * B, 1, dtype=torch.float16), torch.zeros(1, 2 * B, 1, dtype=torch.float16)
+    A.write_attend(torch.zeros(1, R, 64), k, -k, [buf_k], [buf_v], [R], [torch.tensor([1], dtype=torch.int32)],
+                   [0], [0], ["full"], [0], 0.1, kscales=[sk], vscales=[sv])
     qk, s_k = quantize_int8(k)
     qv, s_v = quantize_int8(-k)
-    assert torch.equal(buf_k, qk) and torch.equal(sk, s_k) and torch.equal(buf_v, qv) and torch.equal(sv, s_v)
+    at = slice(B, B + R)                              # block 0 of the sequence is the pool's block 1
+    assert torch.equal(buf_k[:, at], qk) and torch.equal(sk[:, at], s_k)
+    assert torch.equal(buf_v[:, at], qv) and torch.equal(sv[:, at], s_v)
 
 
 @needs_attn
-def test_write_attend_rejects_slots_outside_the_buffer():
+def test_write_attend_rejects_blocks_outside_the_pool():
     q, k, v = torch.zeros(2, 4, 32), torch.zeros(1, 4, 32), torch.zeros(1, 4, 32)
-    buf = torch.zeros(1, 6, 32)
+    buf = torch.zeros(1, A.KERNEL_BLOCK, 32)           # a pool of one block
     if not (A.write_attend_ok(q, k, v) and A.write_buffers_ok([torch.float32])):
         pytest.skip("this build has no write_attend")
+    one = torch.tensor([0], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        A.write_attend(q, k, v, [buf], [buf.clone()], [4], [torch.tensor([1], dtype=torch.int32)], [0], [0],
+                       ["full"], [0], 0.1)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        A.write_attend(q, k, v, [buf], [buf.clone()], [4], [torch.tensor([-1], dtype=torch.int32)], [0], [0],
+                       ["full"], [0], 0.1)
+    with pytest.raises(RuntimeError, match="ends before"):
+        A.write_attend(q, k, v, [buf], [buf.clone()], [4], [one], [A.KERNEL_BLOCK - 2], [0], ["full"], [0], 0.1)
     with pytest.raises(RuntimeError, match="out of range"):
-        A.write_attend(q, k, v, [buf], [buf.clone()], [4], [3], [0], [3], [0], ["full"], [0], 0.1)
+        A.write_attend(q, k, v, [buf], [buf.clone()], [4], [one], [0], [3], ["full"], [0], 0.1)
     with pytest.raises(RuntimeError, match="add up"):
-        A.write_attend(q, k, v, [buf], [buf.clone()], [3], [0], [0], [0], [0], ["full"], [0], 0.1)
+        A.write_attend(q, k, v, [buf], [buf.clone()], [3], [one], [0], [0], ["full"], [0], 0.1)
 
 
 # ------------------------------------------------------------------ bundled models, gguf weights

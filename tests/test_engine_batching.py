@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tiny import VOCAB, engine, request, tiny_gemma3, tiny_llama
+from turnkv.cache.kv import KVCache
 from turnkv.engine.engine import QueueFull, Result, TokenEvent
 
 ATOL = 1e-4      # float32 GEMMs may round differently with another number of rows
@@ -188,6 +189,13 @@ def test_requests_arriving_together_share_their_common_prefix(models, family):
         assert_same(sink.result, alone(model, req))
     stats = eng.prompt_cache.stats()
     assert stats["tokens_prefilled"] < 150 + 3 * 20, stats
+    # and they held the prefix's KV as the same pool blocks (references, no copy): every
+    # full-attention layer of the three slots starts with the same two 64-position blocks
+    full = [i for i, c in enumerate(eng.pool.slots[0].caches) if isinstance(c, KVCache) and c.kind == "full"]
+    assert full and len(eng.pool.slots) == 3
+    for i in full:
+        heads = {tuple(slot.caches[i].block_ids()[:2]) for slot in eng.pool.slots}
+        assert len(heads) == 1 and len(next(iter(heads))) == 2, (i, heads)
 
 
 # --- the bundled SmolLM2 under the default gguf weights: bit-identical through the engine -----------

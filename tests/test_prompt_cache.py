@@ -522,12 +522,3 @@ def test_a_tenant_flush_leaves_the_others_and_counts_what_it_freed():
     assert removed == 1 and freed > 0 and pc.stats()["bytes"] == 0
 
 
-def test_uncounted_bytes_are_the_live_blocks_no_entry_holds():
-    live = Live("full", heads=2, block=4).extend(list(range(1, 11)))     # 2 full blocks + a tail
-    pc = PromptCache(BIG)
-    snap = live.snap()
-    pc.insert(owned("a"), live.tokens, snap)
-    held = [p for c in live.caches for p in c.held_parts()]
-    assert held and pc.uncounted_bytes(held) == 0         # every frozen block is a stored entry's
-    pc.clear()
-    assert pc.uncounted_bytes(held) == sum({p.uid: p.nbytes for p in held}.values()) == snap.nbytes

@@ -108,10 +108,6 @@ class LayerCache(ABC):
     @abstractmethod
     def nbytes(self) -> int: ...
 
-    def held_parts(self) -> list["StoredPart"]:
-        """Stored parts this live cache keeps references to (blocks it froze for snapshots)."""
-        return []
-
     def check_restore(self, snap: LayerSnapshot, length: int | None = None) -> int:
         """Validate a restore without touching state; returns the target length."""
         if snap.kind != self.kind:

@@ -1,7 +1,7 @@
 """Chunked attention KV (Llama 4 local layers): a query at ``p`` sees positions from the start of
 its chunk, ``(p // chunk) * chunk``, up to ``p``.
 
-The live buffer drops whole blocks before the current chunk; a snapshot holds from the block
+The live cache releases whole blocks before the current chunk; a snapshot holds from the block
 boundary at or before the start of its last chunk, so it can be restored to ``t`` only while
 ``t``'s chunk start is still held (``start <= (t // chunk) * chunk``).
 """
@@ -21,11 +21,11 @@ class ChunkedCache(KVCache):
     snapshot_type = ChunkedSnapshot
 
     def __init__(self, heads: int, head_dim: int, chunk: int, dtype: torch.dtype = torch.float32,
-                 device="cpu", mode: str = NATIVE, block_size: int = DEFAULT_BLOCK):
+                 device="cpu", mode: str = NATIVE, block_size: int = DEFAULT_BLOCK, pool=None):
         if chunk < 1:
             raise ValueError(f"attention chunk size {chunk} out of range")
         self.chunk = chunk
-        super().__init__(heads, head_dim, dtype, device, mode, block_size)
+        super().__init__(heads, head_dim, dtype, device, mode, block_size, pool)
 
     def needed_from(self, t: int) -> int:
         return (t // self.chunk) * self.chunk

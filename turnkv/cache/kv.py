@@ -1,10 +1,11 @@
-"""Attention KV caches over a linear slot buffer, with snapshots made of shared immutable blocks.
+"""Attention KV caches over a per-layer block pool, with snapshots that reference its blocks.
 
 The K/V of a token at position ``p`` never changes once computed, whatever the attention kind.
-So every attention snapshot is a run of immutable blocks of ``block_size`` positions plus a
-partial tail, and the live cache remembers which blocks it has already frozen: a conversation's
-second snapshot references the first one's blocks instead of copying them again, and a restore
-skips the copy of any block the live buffer already holds.
+So a live cache is a table of blocks of ``block_size`` positions in its layer's ``BlockPool``
+(cache/blocks.py), and a snapshot is the run of those blocks it covers plus the partial last one
+(``BlockPart``: a block and how many rows it holds): taking a snapshot copies nothing, a
+conversation's second snapshot shares the first one's blocks, and restoring takes references
+(copy-on-write for a partial block written after the restore).
 
 The three attention kinds differ only in which earlier positions the next query needs
 (``needed_from``) and the mask: full attention needs all of them, a sliding window the last
@@ -22,9 +23,10 @@ from typing import Callable, ClassVar
 import torch
 
 from .base import LayerCache, LayerSnapshot, StoredPart
-from .modes import NATIVE, dequantize_int8, grown_capacity, make_store, payload_len, slice_payload
+from .blocks import BLOCK, BlockPart, BlockPool, new_cache_id
+from .modes import NATIVE, dequantize_int8, grown_capacity, payload_len, slice_payload
 
-DEFAULT_BLOCK = 64
+DEFAULT_BLOCK = BLOCK
 
 
 @dataclass(frozen=True, eq=False)
@@ -147,17 +149,33 @@ class KVView:
 
 
 class KVCache(LayerCache):
-    """Full attention: every position is kept."""
+    """Full attention: every position is kept.
+
+    The live K/V sits in blocks of a ``BlockPool`` (cache/blocks.py), shared with the other live
+    sequences of the same layer and with stored snapshots: ``table`` maps a block index (position
+    // block_size) to its block id, -1 where none is held. A cache made without a pool gets one
+    of its own."""
 
     kind: ClassVar[str] = "full"
     snapshot_type: ClassVar[type[KVSnapshot]] = KVSnapshot
 
     def __init__(self, heads: int, head_dim: int, dtype: torch.dtype = torch.float32, device="cpu",
-                 mode: str = NATIVE, block_size: int = DEFAULT_BLOCK):
+                 mode: str = NATIVE, block_size: int = DEFAULT_BLOCK, pool: BlockPool | None = None):
         self.heads, self.head_dim, self.dtype = heads, head_dim, dtype
         self.device, self.mode, self.block_size = torch.device(device), mode, block_size
-        self.store = make_store(mode, heads, head_dim, dtype, device)
-        self.reset()
+        if pool is None:
+            pool = BlockPool(mode, heads, head_dim, dtype, device, block=block_size)
+        elif not pool.matches(mode, heads, head_dim, dtype, block_size):
+            raise ValueError("the block pool was made for another layer shape, dtype, mode or block size")
+        self.pool, self.store = pool, pool.store
+        self.holder = new_cache_id()
+        self._ids: list[int] = []                                   # block index -> id (-1: none)
+        self._parts: dict[int, BlockPart] = {}                      # block index -> its last snapshot part
+        # (block index, id) of the last block checked writable: it stays so while offset only grows
+        # (a part of it seals rows below offset at most, and only its owner writes it)
+        self._own: tuple[int, int] = (-1, -1)
+        self.table = torch.full((16,), -1, dtype=torch.int32)       # the same, for the kernel
+        self.offset = self.floor = 0
 
     # --- kind-specific rules -------------------------------------------------
     def needed_from(self, t: int) -> int:
@@ -183,135 +201,193 @@ class KVCache(LayerCache):
     def signature(self) -> tuple:
         return (self.kind, self.heads, self.head_dim, str(self.dtype))
 
-    # --- live state ------------------------------------------------------------
+    # --- blocks ----------------------------------------------------------------
+    def _set(self, i: int, b: int) -> None:
+        """Block index ``i`` now holds block ``b`` (-1: none); the previous one is released."""
+        if i >= len(self._ids):
+            self._ids += [-1] * (i + 1 - len(self._ids))
+            if i >= self.table.numel():
+                table = torch.full((grown_capacity(i + 1, self.table.numel(), 16),), -1, dtype=torch.int32)
+                table[:self.table.numel()] = self.table
+                self.table = table
+        old = self._ids[i]
+        if old == b:
+            return
+        self._parts.pop(i, None)
+        if self._own[0] == i:
+            self._own = (-1, -1)
+        if old >= 0:
+            self.pool.release(old, self.holder)
+        self._ids[i] = b
+        self.table[i] = b
+
+    def _release_from(self, i: int, j: int | None = None) -> None:
+        for n in range(i, len(self._ids) if j is None else min(j, len(self._ids))):
+            if self._ids[n] >= 0:
+                self._set(n, -1)
+
     def reset(self) -> None:
+        self._release_from(0)
         self.offset = 0
-        self.start = 0                       # position held in slot 0
-        # First position whose slot holds this sequence's K/V. A restore that keeps the live slot
-        # layout (to skip copying blocks the buffer already holds) leaves [start, floor) stale.
+        # First position whose K/V this cache holds (a restored sliding snapshot starts later).
         self.floor = 0
-        self._frozen: dict[int, StoredPart] = {}   # block index -> part equal to live content
-        self._tail: tuple[int, StoredPart] | None = None  # (first position, part) equal to live content
+
+    def __del__(self):
+        try:
+            self.reset()
+        except Exception:          # interpreter shutdown
+            pass
 
     @property
     def nbytes(self) -> int:
-        return self.store.nbytes
+        return sum(1 for b in self._ids if b >= 0) * self.pool.block_bytes
 
-    def held_parts(self) -> list[StoredPart]:
-        tail = self._tail
-        return list(self._frozen.values()) + ([tail[1]] if tail is not None else [])
-
-    @property
-    def used(self) -> int:
-        return self.offset - self.start
+    def block_ids(self) -> list[int]:
+        """The ids of the blocks this cache holds, in position order."""
+        return [b for b in self._ids if b >= 0]
 
     def _floor_block(self, pos: int) -> int:
         return (pos // self.block_size) * self.block_size
 
-    def _make_room(self, T: int) -> None:
-        n = self.used
-        if n + T <= self.store.capacity:
-            return
-        new_start = max(self.start, self._floor_block(self.retain_from(self.offset)))
-        drop = new_start - self.start
-        if drop > 0:
-            self.store.move(drop, n - drop, 0)
-            self.start, n = new_start, n - drop
-            self.floor = max(self.floor, new_start)
-            self._frozen = {b: p for b, p in self._frozen.items() if b * self.block_size >= new_start}
-            if self._tail is not None and self._tail[0] < new_start:
-                self._tail = None
-        if n + T > self.store.capacity:
-            self.store.grow(grown_capacity(max(n + T, 2 * n), self.store.capacity), keep=n)
+    def reserve(self, T: int) -> tuple[int, int]:
+        """Take the rows of ``T`` new tokens (the caller writes their K/V there, through ``table``)
+        and return ``(first_pos, q_pos0)``: the position of the first key those queries attend to,
+        and the first new token's position. Blocks that leave what the layer keeps are released,
+        the partial last block is made this cache's own (copy-on-write when shared) and new blocks
+        are taken from the pool."""
+        B, q0 = self.block_size, self.offset
+        keep = self._floor_block(self.retain_from(q0))
+        if keep > self.floor:
+            self._release_from(0, keep // B)
+            self.floor = keep
+        self._own_rows(T)
+        return max(self.floor, self.needed_from(q0)), q0
 
-    def reserve(self, T: int) -> tuple[int, int, int, int]:
-        """Take the slots of ``T`` new tokens (the caller writes their K/V there) and return
-        ``(slot, first_slot, first_pos, q_pos0)``: the new tokens' first slot, and the slot and
-        position of the first key those queries attend to, and the first new token's position."""
-        self._make_room(T)
-        slot, q0 = self.offset - self.start, self.offset
-        self.offset += T
-        first = max(self.floor, self.needed_from(q0))
-        return slot, first - self.start, first, q0
+    def _own_rows(self, T: int) -> None:
+        """Blocks for positions ``[offset, offset + T)`` that this cache may write, then move
+        ``offset`` past them."""
+        B, q0 = self.block_size, self.offset
+        r = q0 % B
+        for i in range(q0 // B, (q0 + T - 1) // B + 1) if T > 0 else ():
+            b = self._ids[i] if i < len(self._ids) else -1
+            if i == q0 // B and r and b >= 0:
+                if self._own != (i, b) and not self.pool.writable(b, r, self.holder):
+                    own = self.pool.alloc(self.holder)
+                    self.pool.copy_rows(b, own, r)
+                    self._set(i, own)
+            else:
+                self._set(i, self.pool.alloc(self.holder))
+            self._own = (i, self._ids[i])
+        self.offset = q0 + T
+
+    def slots(self, a: int, b: int) -> torch.Tensor:
+        """The pool slots of positions ``[a, b)`` (int64)."""
+        B = self.block_size
+        pos = torch.arange(a, b)
+        return self.table[: (b - 1) // B + 1].long()[pos // B] * B + pos % B
+
+    def _runs(self, a: int, b: int):
+        """(position, slot, n) runs of consecutive slots covering positions ``[a, b)``."""
+        B, pos = self.block_size, a
+        while pos < b:
+            i = pos // B
+            j = i
+            while (j + 1) * B < b and self._ids[j + 1] == self._ids[j] + 1:
+                j += 1
+            end = min(b, (j + 1) * B)
+            yield pos, self._ids[i] * B + pos - i * B, end - pos
+            pos = end
+
+    def export(self, a: int, b: int) -> dict[str, torch.Tensor]:
+        """Positions ``[a, b)`` as stored (a copy)."""
+        if a >= b:
+            return {name: t[:, :0].clone() for name, t in self.store.parts.items()}
+        runs = [self.store.export(s, s + n) for _, s, n in self._runs(a, b)]
+        return {name: torch.cat([r[name] for r in runs], 1) for name in runs[0]} if len(runs) != 1 else runs[0]
+
+    def _gather(self, a: int, b: int) -> dict[str, torch.Tensor]:
+        """Positions ``[a, b)`` as stored: views of the pool when their slots are consecutive."""
+        runs = list(self._runs(a, b))
+        if len(runs) == 1:
+            s = runs[0][1]
+            return {name: t[:, s:s + b - a] for name, t in self.store.parts.items()}
+        idx = self.slots(a, b).to(self.device)
+        return {name: t.index_select(1, idx) for name, t in self.store.parts.items()}
+
+    def write(self, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the K/V of positions ``pos ..`` (reserved already) through the store's encoder."""
+        for p, s, n in self._runs(pos, pos + k.shape[1]):
+            self.store.write(s, k[:, p - pos:p - pos + n], v[:, p - pos:p - pos + n])
 
     def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor) -> KVView:
         """Append K/V of ``T`` new tokens ([heads, T, head_dim]); return the keys/values those
-        queries attend over, with their positions and this layer's visibility rule (``KVView``)."""
-        slot, a, first, q0 = self.reserve(k.shape[1])
-        self.store.write(slot, k, v)
-        stored = self.store.read_stored(a, self.used)
+        queries attend over, with their positions and this layer's visibility rule (``KVView``).
+        The view may alias the pool's blocks: it is valid until the cache's next write."""
+        first, q0 = self.reserve(k.shape[1])
+        self.write(q0, k, v)
+        parts = self._gather(first, self.offset)
+        stored = self.store.stored_of(parts)
         if stored is not None:
             return KVView(None, None, first, q0, k.shape[1], self.kind, self.span, self.needed_from_many,
-                          stored=stored, dtype=self.dtype, scales=self.store.read_scales(a, self.used))
-        keys, values = self.store.read(a, self.used)
+                          stored=stored, dtype=self.dtype, scales=self.store.scales_of(parts))
+        keys, values = self.store.decode(parts)
         return KVView(keys, values, first, q0, k.shape[1], self.kind, self.span, self.needed_from_many)
 
     # --- snapshots -------------------------------------------------------------
     def snapshot(self) -> KVSnapshot:
+        """References to the blocks (no copy): whole blocks, and the partial last one's rows."""
         L, B = self.offset, self.block_size
-        s = max(self.floor, self._floor_block(self.retain_from(L)))
-        blocks = []
-        for b in range(s // B, L // B):
-            part = self._frozen.get(b)
-            if part is None:
-                a = b * B - self.start
-                part = StoredPart(self.store.export(a, a + B))
-                self._frozen[b] = part
-            blocks.append(part)
-        tail = None
-        t0 = (L // B) * B
-        if L > t0:
-            if self._tail is not None and self._tail[0] == t0 and payload_len(self._tail[1].tensors) == L - t0:
-                tail = self._tail[1]
-            else:
-                tail = StoredPart(self.store.export(t0 - self.start, L - self.start))
-                self._tail = (t0, tail)
+        s = max(-(-self.floor // B) * B, self._floor_block(self.retain_from(L)))
+        blocks = tuple(self._part(i, B) for i in range(s // B, L // B))
+        tail = self._part(L // B, L % B) if L % B and L > s else None
         return self.snapshot_type(length=L, mode=self.mode, signature=self.signature(), start=s,
-                                  block_size=B, blocks=tuple(blocks), tail=tail, **self._snapshot_extra())
+                                  block_size=B, blocks=blocks, tail=tail, **self._snapshot_extra())
 
-    def _keeps_layout(self, snap: KVSnapshot, length: int) -> bool:
-        """Whether a restore can leave the live slots where they are (and skip the blocks they
-        already hold): same blocks, and the live buffer starts at or before the snapshot without
-        having to grow to reach ``length``."""
-        if snap.block_size != self.block_size or self.store.capacity == 0:
-            return False
-        return snap.start == self.start or (self.start < snap.start and length - self.start <= self.store.capacity)
+    def _part(self, i: int, rows: int) -> BlockPart:
+        """The snapshot part of rows ``[0, rows)`` of block index ``i`` (the same object while
+        they stay unchanged: a second snapshot of a cache that did not move shares its parts)."""
+        part = self._parts.get(i)
+        if part is None or part.rows != rows:
+            part = self._parts[i] = self.pool.part(self._ids[i], rows)
+        return part
 
     def _load(self, snap: KVSnapshot, length: int) -> None:
-        B, s = snap.block_size, snap.start
-        same_layout = self._keeps_layout(snap, length)
-        base = self.start if same_layout else s      # position that slot 0 will hold
-        if self.store.capacity < length - base:
-            keep = self.used if same_layout else 0
-            self.store.grow(grown_capacity(length - base, self.store.capacity), keep=keep)
-        frozen: dict[int, StoredPart] = {}
-        pos = s
-        for part in snap.blocks:
+        """Take references to the snapshot's blocks of this pool and block size; copy any other
+        part (a tier's, another pool's, another block size's) into blocks of this cache's own."""
+        B, s = self.block_size, snap.start
+        shared = snap.block_size == B and s % B == 0
+        self._release_from(0, s // B)
+        pos, i = s, s // B
+        parts = list(snap.blocks) + ([snap.tail] if snap.tail is not None else [])
+        self.offset = s       # writes below go through reserve's rules from here
+        self.floor = s
+        for part in parts:
             if pos >= length:
                 break
-            b = pos // B
-            n = min(B, length - pos)
-            live_has = (same_layout and self._frozen.get(b) is part and pos + B <= self.offset)
-            if not live_has:
-                self.store.load(pos - base, slice_payload(part.tensors, 0, n) if n < B else part.tensors)
-            if n == B:
-                frozen[b] = part
-            pos += B
-        tail_state = None
-        if snap.tail is not None and pos < length:
-            n = length - pos
-            tail_len = payload_len(snap.tail.tensors)
-            live_has = (same_layout and self._tail is not None and self._tail[0] == pos
-                        and self._tail[1] is snap.tail and pos + tail_len <= self.offset)
-            if not live_has:
-                self.store.load(pos - base, slice_payload(snap.tail.tensors, 0, n))
-            if n == tail_len:
-                tail_state = (pos, snap.tail)
-        # A snapshot made with another block size brings its block layout with it (``s`` and the
-        # frozen block indices are in its units).
-        self.block_size = B
-        self.start, self.floor, self.offset = base, s, length
-        self._frozen, self._tail = frozen, tail_state
+            n = min(payload_len_of(part, snap.block_size), length - pos)
+            if shared and isinstance(part, BlockPart) and part.pool is self.pool:
+                if i >= len(self._ids) or self._ids[i] != part.block:
+                    self.pool.incref(part.block)
+                    self._set(i, part.block)
+                self.offset = pos + n
+            else:
+                payload = slice_payload(part.tensors, 0, n)
+                self._load_rows(pos, payload)
+            pos += n
+            i = pos // B
+        self._release_from(-(-length // B))
+        self.offset, self.floor = length, s
+        self._own = (-1, -1)
+
+    def _load_rows(self, pos: int, payload: dict[str, torch.Tensor]) -> None:
+        """Copy stored rows for positions ``pos ..`` into blocks of this cache's own."""
+        n = payload_len(payload)
+        self.offset = pos
+        self._own_rows(n)
+        done = 0
+        for p, s, m in self._runs(pos, pos + n):
+            self.store.load(s, slice_payload(payload, done, done + m))
+            done += m
 
     # --- live truncation ---------------------------------------------------------
     def can_truncate_to(self, length: int) -> bool:
@@ -320,8 +396,14 @@ class KVCache(LayerCache):
     def truncate(self, length: int) -> None:
         if not self.can_truncate_to(length):
             super().truncate(length)
+        self._release_from(-(-length // self.block_size))
         self.offset = length
-        B = self.block_size
-        self._frozen = {b: p for b, p in self._frozen.items() if (b + 1) * B <= length}
-        if self._tail is not None and self._tail[0] + payload_len(self._tail[1].tensors) > length:
-            self._tail = None
+        self._own = (-1, -1)
+        i = length // self.block_size
+        part = self._parts.get(i)
+        if part is not None and part.rows > length % self.block_size:
+            del self._parts[i]
+
+
+def payload_len_of(part, block_size: int) -> int:
+    return part.rows if isinstance(part, BlockPart) else payload_len(part.tensors)

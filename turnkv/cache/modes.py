@@ -1,7 +1,8 @@
 """KV storage: where attention caches keep K and V, in the layer's storage mode.
 
-A store is a slot array ``[heads, capacity, ...]`` for K and V. Caches decide which token sits
-in which slot; the store only writes, reads (in the compute dtype), moves and exports slots.
+A store is a slot array ``[heads, capacity, ...]`` for K and V: a layer's block pool
+(cache/blocks.py) decides which token sits in which slot; the store only writes, decodes (to the
+compute dtype), loads and exports slots.
 Payloads (what snapshots keep) are dicts of tensors whose dim 1 is the token axis, in the stored
 representation: a quantized snapshot keeps the quantized bytes as they are, and loading it back
 is a copy, never a re-quantization.
@@ -258,28 +259,25 @@ class KVStore:
             for suffix, t in zip(self.SUFFIXES, self._encode(which, x)):
                 self.parts[which + suffix][:, slot:slot + n].copy_(t)
 
-    def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(self._decode(which, tuple(self.parts[which + s][:, a:b] for s in self.SUFFIXES))
-                     for which in ("k", "v"))
+    def decode(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) in the compute dtype from stored rows (a payload: this store's parts)."""
+        return tuple(self._decode(which, tuple(parts[which + s] for s in self.SUFFIXES)) for which in ("k", "v"))
 
-    def read_stored(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The stored K/V slices themselves when they are a plain float16 / bfloat16 copy of the
+    def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) of slots ``[a, b)`` in the compute dtype."""
+        return self.decode({name: t[:, a:b] for name, t in self.parts.items()})
+
+    def stored_of(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The stored K/V rows themselves when they are a plain float16 / bfloat16 copy of the
         values (``fp16``, ``bf16``: no scales), for a reader that widens them itself (the native
-        attention kernel); None otherwise (``read`` then)."""
+        attention kernel); None otherwise (``decode`` then)."""
         if self.mode not in _FLOAT_STORAGE or self.SUFFIXES != ("",) or self.storage_dtype == self.dtype:
             return None
-        return self.parts["k"][:, a:b], self.parts["v"][:, a:b]
+        return parts["k"], parts["v"]
 
-    def read_scales(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """With ``read_stored``: the per-row scales its int8 slices come with (``Int8Store``), else None."""
+    def scales_of(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """With ``stored_of``: the per-row scales its int8 rows come with (``Int8Store``), else None."""
         return None
-
-    def move(self, src: int, n: int, dst: int) -> None:
-        if n <= 0 or src == dst:
-            return
-        for t in self.parts.values():
-            # Overlapping ranges: copy through a temporary (clone) to stay correct.
-            t[:, dst:dst + n].copy_(t[:, src:src + n].clone())
 
     def export(self, a: int, b: int) -> dict[str, torch.Tensor]:
         return {name: t[:, a:b].clone() for name, t in self.parts.items()}
@@ -317,15 +315,15 @@ class Int8Store(KVStore):
     def _decode(self, which, stored):
         return dequantize_int8(stored[0], stored[1], self.dtype)
 
-    def read_stored(self, a, b):
-        """The int8 slices as stored, for the native attention kernel, which reads ``q * scale``
-        (``read_scales``) exactly as ``_decode`` computes it; float32 compute only."""
+    def stored_of(self, parts):
+        """The int8 rows as stored, for the native attention kernel, which reads ``q * scale``
+        (``scales_of``) exactly as ``_decode`` computes it; float32 compute only."""
         if self.dtype != torch.float32:
             return None
-        return self.parts["k"][:, a:b], self.parts["v"][:, a:b]
+        return parts["k"], parts["v"]
 
-    def read_scales(self, a, b):
-        return self.parts["k_scale"][:, a:b], self.parts["v_scale"][:, a:b]
+    def scales_of(self, parts):
+        return parts["k_scale"], parts["v_scale"]
 
 
 class Int4Store(KVStore):

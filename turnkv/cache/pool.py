@@ -1,13 +1,14 @@
-"""The engine's live state: a pool of per-sequence state slots, each one sequence's caches for every
-layer plus the tokens they hold and the identity a snapshot of them carries.
+"""The engine's live state: one KV block pool per attention layer (cache/blocks.py) and up to
+``size`` per-sequence state slots, each one sequence's caches for every layer plus the tokens they
+hold and the identity a snapshot of them carries.
 
-A slot is taken when a sequence is admitted and given back when it ends; its buffers stay
-allocated (fresh pages are slow on these machines) and keep what they held, which is what makes a
-returning conversation cheap: ``acquire`` hands out the free slot whose tokens share the longest
-prefix with the new prompt, and restoring a snapshot whose KV blocks that slot still holds copies
-nothing (cache/kv.py). Snapshot blocks are immutable and shared between snapshots and slots; what
-is copied on a restore into another slot is the KV of the restored prefix (recurrent state is
-small and always copied).
+Every slot's attention caches take their blocks from the same per-layer pools, so a snapshot, the
+prompt cache's entries and any number of live sequences reference the same blocks: restoring a
+full-attention prefix takes references (at most the partial last block is copied, on its first
+write), whichever slot it lands in. Recurrent and conv state sit in the slots and are copied on
+snapshot and restore (they are small). A slot keeps what it held when given back; ``acquire``
+still prefers the free slot that shares the longest prefix with the new prompt, whose recurrent
+state a restore may then not have to touch.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from .base import LayerCache
+from .kv import KVCache
 from .snapshot import ModelSnapshot, restore_snapshot, take_snapshot
-from .specs import CacheSpec, make_caches
+from .specs import CacheSpec, make_caches, make_pools
 
 
 @dataclass(frozen=True)
@@ -82,11 +84,13 @@ class StatePool:
             raise ValueError(f"the state pool needs at least one slot, got {size}")
         self.specs, self.identity, self.dtype, self.device, self.slack = specs, identity, dtype, device, slack
         self.size = size
+        self.block_pools = make_pools(specs, dtype, device, list(identity.modes))
         self.slots: list[SeqState] = []
         self.free: list[SeqState] = []
 
     def _new(self) -> SeqState:
-        caches = make_caches(self.specs, self.dtype, self.device, list(self.identity.modes), self.slack)
+        caches = make_caches(self.specs, self.dtype, self.device, list(self.identity.modes), self.slack,
+                             pools=self.block_pools)
         slot = SeqState(self.identity, caches, len(self.slots))
         self.slots.append(slot)
         return slot
@@ -111,8 +115,19 @@ class StatePool:
 
     @property
     def live_bytes(self) -> int:
-        return sum(s.nbytes for s in self.slots)
+        """Bytes the slots hold: every KV block some slot references (once, however many share
+        it) and the slots' recurrent state."""
+        held: dict[int, tuple] = {}
+        other = 0
+        for slot in list(self.slots):
+            for c in slot.caches:
+                if isinstance(c, KVCache):
+                    held.setdefault(id(c.pool), (c.pool, set()))[1].update(c.block_ids())
+                else:
+                    other += c.nbytes
+        return other + sum(pool.block_bytes * len(ids) for pool, ids in held.values())
 
-    def held_parts(self) -> list:
-        """Stored parts the slots' caches keep references to (see LayerCache.held_parts)."""
-        return [p for slot in list(self.slots) for c in slot.caches for p in c.held_parts()]
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes the KV block pools have allocated (live, stored and free blocks)."""
+        return sum(p.nbytes for p in self.block_pools if p is not None)

@@ -1,6 +1,6 @@
 """Sliding-window KV (Gemma 3 local layers): a query at ``p`` sees positions ``p - window + 1 .. p``.
 
-The live buffer keeps ``window - 1 + slack`` past tokens (more between compactions), so a
+The live cache keeps ``window - 1 + slack`` past tokens (whole blocks: up to a block more), so a
 snapshot can be restored to any ``t`` with ``length - t <= slack`` even after the window has
 wrapped: the exact rule is ``start <= t - window + 1`` (see kv.py), and snapshots start at a block
 boundary at or before ``length - (window - 1 + slack)``, so the guaranteed slack is at least ``slack``.
@@ -24,11 +24,11 @@ class SlidingWindowCache(KVCache):
 
     def __init__(self, heads: int, head_dim: int, window: int, slack: int = DEFAULT_SLACK,
                  dtype: torch.dtype = torch.float32, device="cpu", mode: str = NATIVE,
-                 block_size: int = DEFAULT_BLOCK):
+                 block_size: int = DEFAULT_BLOCK, pool=None):
         if window < 1 or slack < 0:
             raise ValueError(f"sliding window {window} / slack {slack} out of range")
         self.window, self.slack = window, slack
-        super().__init__(heads, head_dim, dtype, device, mode, block_size)
+        super().__init__(heads, head_dim, dtype, device, mode, block_size, pool)
 
     @property
     def keep(self) -> int:

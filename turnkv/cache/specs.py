@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import LayerCache
+from .blocks import BlockPool
 from .chunked import ChunkedCache
 from .kv import KVCache
 from .modes import MODES, NATIVE, layer_modes
@@ -68,17 +69,30 @@ def default_modes(specs: list[CacheSpec], mode: str = NATIVE, boundary_layers: i
     return layer_modes([s.is_attention for s in specs], mode, boundary_layers)
 
 
-def make_caches(specs: list[CacheSpec], dtype: torch.dtype = torch.float32, device="cpu",
-                modes: list[str] | None = None, slack: int = DEFAULT_SLACK) -> list[LayerCache]:
+def make_pools(specs: list[CacheSpec], dtype: torch.dtype = torch.float32, device="cpu",
+               modes: list[str] | None = None) -> list[BlockPool | None]:
+    """One KV block pool per attention layer (None for the others), for ``make_caches``."""
     modes = modes or [NATIVE] * len(specs)
+    return [BlockPool(mode, spec.heads, spec.head_dim, dtype, device) if spec.is_attention else None
+            for spec, mode in zip(specs, modes, strict=True)]
+
+
+def make_caches(specs: list[CacheSpec], dtype: torch.dtype = torch.float32, device="cpu",
+                modes: list[str] | None = None, slack: int = DEFAULT_SLACK,
+                pools: list[BlockPool | None] | None = None) -> list[LayerCache]:
+    """One live cache per layer; attention layers take their blocks from ``pools`` (shared with
+    every other sequence made with the same pools), or from a pool of their own."""
+    modes = modes or [NATIVE] * len(specs)
+    pools = pools or [None] * len(specs)
     caches: list[LayerCache] = []
-    for spec, mode in zip(specs, modes, strict=True):
+    for spec, mode, pool in zip(specs, modes, pools, strict=True):
         if spec.kind == FULL:
-            caches.append(KVCache(spec.heads, spec.head_dim, dtype, device, mode))
+            caches.append(KVCache(spec.heads, spec.head_dim, dtype, device, mode, pool=pool))
         elif spec.kind == SLIDING:
-            caches.append(SlidingWindowCache(spec.heads, spec.head_dim, spec.window, slack, dtype, device, mode))
+            caches.append(SlidingWindowCache(spec.heads, spec.head_dim, spec.window, slack, dtype, device, mode,
+                                             pool=pool))
         elif spec.kind == CHUNKED:
-            caches.append(ChunkedCache(spec.heads, spec.head_dim, spec.chunk, dtype, device, mode))
+            caches.append(ChunkedCache(spec.heads, spec.head_dim, spec.chunk, dtype, device, mode, pool=pool))
         elif spec.kind == RECURRENT:
             state_dtype = getattr(torch, spec.state_dtype) if spec.state_dtype else dtype
             caches.append(StateCache(dict(spec.fields), state_dtype, device))

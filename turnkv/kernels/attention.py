@@ -28,6 +28,7 @@ from . import native_available
 __all__ = ["attend", "reference", "native_attention_available", "native_sinks_available", "attention_isas", "KINDS"]
 
 KINDS = {"full": 0, "sliding": 1, "chunked": 2}
+KERNEL_BLOCK = 64     # the kernel's key block (attention.cpp BLK): write_attend's block tables are in these units
 ISAS = ("scalar", "avx2", "avx512")
 
 _op = None
@@ -206,18 +207,19 @@ def write_buffers_ok(buffer_dtypes) -> bool:
     return _write is not None and all(d in _write_dtypes for d in buffer_dtypes)
 
 
-def write_attend(q, k, v, kbufs, vbufs, lens, slots, firsts, q_pos0s, k_pos0s, kinds, spans, scale: float,
+def write_attend(q, k, v, kbufs, vbufs, lens, tables, q_pos0s, k_pos0s, kinds, spans, scale: float,
                  softcap: float | None = None, sinks: torch.Tensor | None = None, isa: str | None = None,
                  kscales: list | None = None, vscales: list | None = None):
     """One layer for a batch of spans in one native call: span j (rows ``lens`` in order) stores its
-    K/V rows of ``k`` / ``v`` [Hk, R, D] into its cache buffers ``kbufs[j]`` / ``vbufs[j]``
-    [Hk, capacity, D] at slots ``slots[j] ..`` (float16 / bfloat16 rounded as ``copy_`` rounds;
-    int8 buffers come with float16 scale buffers ``kscales[j]`` / ``vscales[j]`` [Hk, capacity, 1]
-    and are quantized as ``cache.modes.quantize_int8`` does), then its queries of ``q`` [Hq, R, D]
-    at ``q_pos0s[j] ..`` attend over the buffer slots ``firsts[j] ..`` (position ``k_pos0s[j]``) up
-    to its last new one. Returns [R, Hq * D]; each row bit-identical to ``attend_native`` over the
-    same keys (``write_attend_ok`` and ``write_buffers_ok`` must hold)."""
-    plan = (kbufs, vbufs, lens, slots, firsts, q_pos0s, k_pos0s, [KINDS[x] for x in kinds],
+    K/V rows of ``k`` / ``v`` [Hk, R, D] into its cache's blocks, then its queries of ``q``
+    [Hq, R, D] at ``q_pos0s[j] ..`` attend over the positions ``k_pos0s[j] ..`` up to its last new
+    one. K/V live in block pools ``kbufs[j]`` / ``vbufs[j]`` [Hk, slots, D] (float16 / bfloat16
+    rounded as ``copy_`` rounds; int8 ones come with float16 scale buffers ``kscales[j]`` /
+    ``vscales[j]`` [Hk, slots, 1] and are quantized as ``cache.modes.quantize_int8`` does): position
+    ``p`` sits at slot ``tables[j][p // KERNEL_BLOCK] * KERNEL_BLOCK + p % KERNEL_BLOCK`` (int32
+    block tables indexed by absolute block). Returns [R, Hq * D]; each row bit-identical to
+    ``attend_native`` over the same keys (``write_attend_ok`` and ``write_buffers_ok`` must hold)."""
+    plan = (kbufs, vbufs, lens, tables, q_pos0s, k_pos0s, [KINDS[x] for x in kinds],
             [int(w or 0) for w in spans], kscales, vscales)
     return write_attend_plan(q, k, v, plan, scale, softcap, sinks, isa)
 
@@ -227,8 +229,8 @@ def write_attend_plan(q, k, v, plan: tuple, scale: float, softcap: float | None 
     """``write_attend`` with the cache side already in native form (``models.base.write_plan``:
     kinds as ``KINDS`` codes, windows / chunks as ints, then the int8 scale buffers or None)."""
     i = _default if isa is None else ISAS.index(isa)
-    return _write(q, k, v, *plan[:9], float(scale), float(softcap) if softcap else 0.0, i,
-                  None if sinks is None else sinks.contiguous(), plan[9], plan[10])
+    return _write(q, k, v, *plan[:8], float(scale), float(softcap) if softcap else 0.0, i,
+                  None if sinks is None else sinks.contiguous(), plan[8], plan[9])
 
 
 def attention_isa() -> int:

@@ -19,7 +19,7 @@ from torch import nn
 from ..cache.kv import KVCache, KVView
 from ..cache.specs import CacheSpec
 from ..kernels.attention import KINDS, attend_many_native, attend_native, native_many_available, write_attend_plan
-from ..kernels.attention import write_attend_ok, write_buffers_ok
+from ..kernels.attention import KERNEL_BLOCK, write_attend_ok, write_buffers_ok
 from ..kernels.attention import native_ok as native_attention_ok
 from ..kernels.norm import native_rms_norm
 from .batch import Batch, Span, select_rows
@@ -213,19 +213,20 @@ def attention_spans(batch: Batch, layer: int, q: torch.Tensor, k: torch.Tensor, 
 
 def write_plan(batch: Batch, layer: int) -> tuple | None:
     """The cache side of ``write_attend`` for every span's cache at ``layer``, after reserving
-    room for the span's rows in it: (K buffers, V buffers, lengths, first new slots, first visible
-    slots, query positions, key positions, kinds, windows / chunks, int8 K scales, V scales), or None
-    (nothing reserved) unless every one keeps its K/V as plain float buffers the kernel writes, or
-    every one as int8 with row scales."""
+    room for the span's rows in it: (K buffers, V buffers, lengths, block tables, query positions,
+    key positions, kinds, windows / chunks, int8 K scales, V scales), or None (nothing reserved)
+    unless every one keeps its K/V in blocks of the kernel's size (``KERNEL_BLOCK``) as plain
+    float buffers the kernel writes, or every one as int8 with row scales."""
     caches = [s.caches[layer] for s in batch.spans]
-    layouts = {type(c.store).native_layout if isinstance(c, KVCache) else None for c in caches}
+    layouts = {type(c.store).native_layout if isinstance(c, KVCache) and c.block_size == KERNEL_BLOCK else None
+               for c in caches}
     if len(layouts) != 1 or None in layouts or not write_buffers_ok({c.store.parts_dtype for c in caches}):
         return None
     plan = [c.reserve(s.length) for c, s in zip(caches, batch.spans)]
-    parts = [c.store.parts for c in caches]     # after reserve: it may have grown them
+    parts = [c.store.parts for c in caches]     # after reserve: the pool may have grown
     int8 = "int8" in layouts
     return ([b["k"] for b in parts], [b["v"] for b in parts], [s.length for s in batch.spans],
-            [p[0] for p in plan], [p[1] for p in plan], [p[3] for p in plan], [p[2] for p in plan],
+            [c.table for c in caches], [p[1] for p in plan], [p[0] for p in plan],
             [KINDS[c.kind] for c in caches], [int(c.span or 0) for c in caches],
             [b["k_scale"] for b in parts] if int8 else None, [b["v_scale"] for b in parts] if int8 else None)
 

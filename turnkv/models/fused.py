@@ -112,8 +112,8 @@ class FusedBlock:
             plan = write_plan(batch, i)
             if plan is not None:
                 cos, sin = rope
-                kernels._ext.fused_layer(self.native, x, cos.contiguous(), sin.contiguous(), *plan[:9], float(scale),
-                                         float(softcap) if softcap else 0.0, plan[9], plan[10])
+                kernels._ext.fused_layer(self.native, x, cos.contiguous(), sin.contiguous(), *plan[:8], float(scale),
+                                         float(softcap) if softcap else 0.0, plan[8], plan[9])
                 return x
         qk, v = self.qkv(x, rope)
         return self.out_mlp(x, attention_spans(batch, i, qk[:self.hq], qk[self.hq:], v, scale, softcap))

@@ -281,12 +281,6 @@ class PromptCache:
                 self._remove(entry)
             return before_entries - len(self._lru), before_bytes - self._bytes
 
-    def uncounted_bytes(self, parts) -> int:
-        """Bytes of ``parts`` (held by live state slots) that no stored entry counts: blocks a slot
-        froze for a snapshot that was since evicted or flushed."""
-        with self._lock:
-            return sum(p.nbytes for p in {p.uid: p for p in parts}.values() if p.uid not in self._part_refs)
-
     def stats(self, owner: str | None = None) -> dict:
         """Everything (``owner`` None) or one owner's view: its counters, entries and bytes."""
         with self._lock:

@@ -593,17 +593,16 @@ def store_stats(engine, owner: str | None = None) -> dict:
 
 
 def memory_stats(engine, cache_bytes: int) -> dict:
-    """Where the process's memory goes: live state slots, the prompt cache, blocks live slots froze
-    for snapshots that were since evicted (counted nowhere else), and the RSS beside them."""
+    """Where the process's memory goes: the KV blocks and recurrent state live sequences hold, the
+    prompt cache's blocks (the two overlap where they share blocks), everything the KV block
+    pools have allocated (live, stored and free blocks), and the RSS beside them."""
     import psutil
-    frozen = 0
-    if engine.prompt_cache is not None:
-        try:
-            frozen = engine.prompt_cache.uncounted_bytes(engine.pool.held_parts())
-        except RuntimeError:     # a slot changed under us (the engine thread): report 0 this time
-            frozen = 0
-    return {"live_state_bytes": engine.live_bytes, "prompt_cache_bytes": cache_bytes,
-            "frozen_uncounted_bytes": frozen, "rss_bytes": psutil.Process().memory_info().rss}
+    try:
+        live = engine.live_bytes
+    except RuntimeError:         # a slot changed under us (the engine thread): report 0 this time
+        live = 0
+    return {"live_state_bytes": live, "prompt_cache_bytes": cache_bytes, "kv_pool_bytes": engine.pool.pool_bytes,
+            "rss_bytes": psutil.Process().memory_info().rss}
 
 
 def cache_stats_json(engine, stats: dict, enabled: bool, global_view: bool = True, worker=None) -> dict:

@@ -50,8 +50,8 @@ class ServerMetrics:
         """Gauges read at scrape time from the worker's published state."""
         self.queue.set_function(pending)
         if memory is not None:
-            for key, help_text in (("live_state_bytes", "Bytes of the engine's live state slots"),
-                                   ("frozen_uncounted_bytes", "Bytes live slots hold for snapshots since evicted"),
+            for key, help_text in (("live_state_bytes", "Bytes of KV blocks and state live sequences hold"),
+                                   ("kv_pool_bytes", "Bytes the KV block pools have allocated"),
                                    ("rss_bytes", "Resident set size of the server process")):
                 Gauge(f"turnkv_{key}", help_text, registry=self.registry).set_function(
                     lambda key=key: float(memory().get(key, 0)))

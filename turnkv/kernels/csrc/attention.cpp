@@ -63,7 +63,16 @@ struct Params {
     int kind;
     float scale, softcap;  // softcap <= 0: none
     const float* sinks;    // [Hq] attention-sink logits (gpt-oss), nullptr: none
+    // paged K/V (a layer's block pool, write_attend): the row of position p is
+    // tab[p / BLK] * BLK + p % BLK of k / v (and of the scales); nullptr: row p - k_pos0
+    const int32_t* tab;
 };
+
+// the K/V row (of k, v and their scales) that holds absolute position ``pos``; the rows of one
+// BLK-aligned block are consecutive either way
+static inline int64_t row_of(const Params& P, int64_t pos) {
+    return P.tab ? (int64_t)P.tab[pos / BLK] * BLK + pos % BLK : pos - P.k_pos0;
+}
 
 // visible absolute positions [lo, hi] of the query at p, limited to the keys present
 static inline void visible(const Params& P, int64_t p, int64_t& lo, int64_t& hi) {
@@ -120,7 +129,7 @@ static void unit(const Params& P, int h, int t) {
         const int64_t b0 = j * BLK, a = std::max(lo, b0), b = std::min(hi, b0 + BLK - 1);
         float mb = -std::numeric_limits<float>::infinity();
         for (int64_t pos = a; pos <= b; pos++) {
-            float s = dot(qv, K + (pos - P.k_pos0) * P.kst, D) * P.scale;
+            float s = dot(qv, K + row_of(P, pos) * P.kst, D) * P.scale;
             if (P.softcap > 0) s = cap(s, P.softcap);
             buf[pos - b0] = s;
             mb = std::max(mb, s);
@@ -140,7 +149,7 @@ static void unit(const Params& P, int h, int t) {
         for (int d = 0; d < D; d++) acc[d] = acc[d] * alpha;
         for (int64_t pos = a; pos <= b; pos++) {
             const float e = buf[pos - b0];
-            const float* vr = V + (pos - P.k_pos0) * P.vst;
+            const float* vr = V + row_of(P, pos) * P.vst;
             for (int d = 0; d < D; d++) acc[d] = acc[d] + e * vr[d];
         }
         m = mn;
@@ -435,6 +444,7 @@ static void set_kv(Params& P, const torch::Tensor& k, const torch::Tensor& v, co
     P.vsh = v.stride(0);
     P.vst = v.stride(1);
     P.S = (int)rows;
+    P.tab = nullptr;
     P.ksc = P.vsc = nullptr;
     P.kscsh = P.kscst = P.vscsh = P.vscst = 0;
     if (P.kv == KV_I8) {
@@ -511,9 +521,9 @@ static void widen_i8(Params& p, std::vector<torch::Tensor>& keep) {
         float* dst = (which ? vf : kf).data_ptr<float>();
         at::parallel_for(0, (int64_t)p.Hk * S, std::max<int64_t>(1, 4096 / std::max<int64_t>(D, 1)), [&](int64_t b, int64_t e) {
             for (int64_t r = b; r < e; r++) {
-                const int64_t h = r / S, t = r % S;
-                const float s = c10::detail::fp16_ieee_to_fp32_value(sc[h * ssh + t * sst]);
-                const int8_t* row = src + h * sh + t * st;
+                const int64_t h = r / S, t = r % S, at = row_of(p, p.k_pos0 + t);
+                const float s = c10::detail::fp16_ieee_to_fp32_value(sc[h * ssh + at * sst]);
+                const int8_t* row = src + h * sh + at * st;
                 float* o = dst + r * D;
                 for (int64_t d = 0; d < D; d++) o[d] = (float)row[d] * s;
             }
@@ -525,6 +535,7 @@ static void widen_i8(Params& p, std::vector<torch::Tensor>& keep) {
     p.kst = p.vst = D;
     p.kv = KV_F32;
     p.ksc = p.vsc = nullptr;
+    p.tab = nullptr;
     keep.push_back(kf);
     keep.push_back(vf);
 }
@@ -640,25 +651,26 @@ static void store_row(const float* src, void* dst, int kv, int64_t n, int64_t is
 }
 
 // One layer's attention for every span of a batch, each span's cache write included (the
-// decode-step work of a KV cache whose buffers hold K/V as they are, float32 / float16 /
-// bfloat16: one call instead of a copy, a slice and a view per sequence). Span j owns rows
-// [r_j, r_j + lens[j]) of q [Hq, R, D] and k / v [Hk, R, D] (float32, any head / row strides, last
-// dim contiguous), r_j = the lengths before it. Its K/V rows are stored into kbufs[j] / vbufs[j]
-// [Hk, capacity, D] at slots [slot[j], slot[j] + lens[j]), then its queries (positions q_pos0[j]..)
-// attend over the buffer slots [first[j], slot[j] + lens[j]), whose first holds position k_pos0[j].
+// decode-step work of a KV cache whose blocks hold K/V as they are, float32 / float16 / bfloat16,
+// or int8 with float16 row scales: one call instead of a copy, a slice and a view per sequence).
+// Span j owns rows [r_j, r_j + lens[j]) of q [Hq, R, D] and k / v [Hk, R, D] (float32, any head /
+// row strides, last dim contiguous), r_j = the lengths before it. Its K/V live in a block pool
+// kbufs[j] / vbufs[j] [Hk, slots, D] (cache/blocks.py), position p at row tables[j][p / BLK] * BLK
+// + p % BLK (tables: int32, indexed by absolute block). Its new K/V rows (positions q_pos0[j] ..)
+// are stored there, then its queries attend over the positions [k_pos0[j], q_pos0[j] + lens[j]).
 // Returns [R, Hq * D], each row bit-identical to ``attend`` over the same keys.
 torch::Tensor write_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<torch::Tensor> kbufs,
-                           std::vector<torch::Tensor> vbufs, std::vector<int64_t> lens, std::vector<int64_t> slot,
-                           std::vector<int64_t> first, std::vector<int64_t> q_pos0, std::vector<int64_t> k_pos0,
-                           std::vector<int64_t> kind, std::vector<int64_t> wc, double scale, double softcap,
-                           int64_t isa, std::optional<torch::Tensor> sinks,
-                           std::optional<std::vector<torch::Tensor>> kscales, std::optional<std::vector<torch::Tensor>> vscales) {
+                           std::vector<torch::Tensor> vbufs, std::vector<int64_t> lens, std::vector<torch::Tensor> tables,
+                           std::vector<int64_t> q_pos0, std::vector<int64_t> k_pos0, std::vector<int64_t> kind,
+                           std::vector<int64_t> wc, double scale, double softcap, int64_t isa,
+                           std::optional<torch::Tensor> sinks, std::optional<std::vector<torch::Tensor>> kscales,
+                           std::optional<std::vector<torch::Tensor>> vscales) {
     const size_t n = kbufs.size();
     TORCH_CHECK(kscales.has_value() == vscales.has_value() && (!kscales.has_value() || (kscales->size() == n && vscales->size() == n)),
                 "write_attend: int8 buffers come with one k and one v scale buffer per span");
-    TORCH_CHECK(n > 0 && vbufs.size() == n && lens.size() == n && slot.size() == n && first.size() == n &&
-                    q_pos0.size() == n && k_pos0.size() == n && kind.size() == n && wc.size() == n,
-                "write_attend: one buffer pair, length, slot, positions and kind per span");
+    TORCH_CHECK(n > 0 && vbufs.size() == n && lens.size() == n && tables.size() == n && q_pos0.size() == n &&
+                    k_pos0.size() == n && kind.size() == n && wc.size() == n,
+                "write_attend: one buffer pair, length, block table, positions and kind per span");
     TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "write_attend: q [Hq, R, D], k/v [Hk, R, D]");
     TORCH_CHECK(k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32 && k.device().is_cpu() &&
                     v.device().is_cpu() && k.stride(2) == 1 && v.stride(2) == 1,
@@ -673,37 +685,49 @@ torch::Tensor write_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, st
     for (size_t j = 0; j < n; j++) {
         const torch::Tensor& kb = kbufs[j];
         const torch::Tensor& vb = vbufs[j];
+        const torch::Tensor& tb = tables[j];
         TORCH_CHECK(kb.dim() == 3 && vb.dim() == 3 && kb.size(0) == Hk && vb.size(0) == Hk && kb.size(2) == D &&
                         vb.size(2) == D && kb.size(1) == vb.size(1),
-                    "write_attend: K/V buffers must be [Hk, capacity, D]");
-        const int64_t T = lens[j], cap = kb.size(1), end = slot[j] + T;
-        TORCH_CHECK(T >= 0 && slot[j] >= 0 && end <= cap && first[j] >= 0 && first[j] <= slot[j] && r0 + T <= R,
-                    "write_attend: span ", j, " slots out of range");
+                    "write_attend: K/V buffers must be [Hk, slots, D]");
+        TORCH_CHECK(tb.dim() == 1 && tb.scalar_type() == torch::kInt && tb.is_contiguous() && tb.device().is_cpu(),
+                    "write_attend: block tables must be contiguous int32 CPU tensors");
+        const int64_t T = lens[j], blocks = kb.size(1) / BLK, end = q_pos0[j] + T;
+        TORCH_CHECK(T >= 0 && k_pos0[j] >= 0 && k_pos0[j] <= q_pos0[j] && r0 + T <= R,
+                    "write_attend: span ", j, " positions out of range");
+        const int32_t* tab = tb.data_ptr<int32_t>();
+        if (T > 0) {
+            TORCH_CHECK((end - 1) / BLK < tb.size(0), "write_attend: span ", j, "'s block table ends before its rows");
+            for (int64_t b = k_pos0[j] / BLK; b <= (end - 1) / BLK; b++)
+                TORCH_CHECK(tab[b] >= 0 && tab[b] < blocks, "write_attend: span ", j, " block ", b, " -> ", tab[b],
+                            " outside the pool's ", blocks, " blocks");
+        }
         Params& p = P[j];
         const torch::Tensor* ks = kscales.has_value() ? &(*kscales)[j] : nullptr;
         const torch::Tensor* vs = vscales.has_value() ? &(*vscales)[j] : nullptr;
         if (kb.scalar_type() != torch::kChar) ks = vs = nullptr;
         set_q(p, q, r0, T, Hk, isa, "write_attend");
-        set_kv(p, kb, vb, ks, vs, first[j], end - first[j], isa, "write_attend");
-        // the new rows' slots, from the first visible one: [slot - first, end - first)
-        const int64_t es = kb.element_size(), o = slot[j] - first[j];
+        set_kv(p, kb, vb, ks, vs, 0, end - k_pos0[j], isa, "write_attend");
+        p.tab = tab;
+        set_rule(p, q_pos0[j], k_pos0[j], kind[j], wc[j], scale, softcap, sinks);
+        const int64_t es = kb.element_size();
         char* kd = (char*)p.k;
         char* vd = (char*)p.v;
-        for (int64_t h = 0; h < Hk; h++)
-            for (int64_t t = 0; t < T; t++) {
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t at = row_of(p, q_pos0[j] + t);
+            for (int64_t h = 0; h < Hk; h++) {
                 const float* kr = kp + h * k.stride(0) + (r0 + t) * k.stride(1);
                 const float* vr = vp + h * v.stride(0) + (r0 + t) * v.stride(1);
-                char* kdst = kd + (h * p.ksh + (o + t) * p.kst) * es;
-                char* vdst = vd + (h * p.vsh + (o + t) * p.vst) * es;
+                char* kdst = kd + (h * p.ksh + at * p.kst) * es;
+                char* vdst = vd + (h * p.vsh + at * p.vst) * es;
                 if (p.kv == KV_I8) {
-                    store_row_i8(kr, (int8_t*)kdst, (uint16_t*)p.ksc + h * p.kscsh + (o + t) * p.kscst, D);
-                    store_row_i8(vr, (int8_t*)vdst, (uint16_t*)p.vsc + h * p.vscsh + (o + t) * p.vscst, D);
+                    store_row_i8(kr, (int8_t*)kdst, (uint16_t*)p.ksc + h * p.kscsh + at * p.kscst, D);
+                    store_row_i8(vr, (int8_t*)vdst, (uint16_t*)p.vsc + h * p.vscsh + at * p.vscst, D);
                 } else {
                     store_row(kr, kdst, p.kv, D, isa);
                     store_row(vr, vdst, p.kv, D, isa);
                 }
             }
-        set_rule(p, q_pos0[j], k_pos0[j], kind[j], wc[j], scale, softcap, sinks);
+        }
         r0 += T;
     }
     TORCH_CHECK(r0 == R, "write_attend: the span lengths must add up to the rows of q");

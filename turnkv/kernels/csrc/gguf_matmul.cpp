@@ -17,8 +17,8 @@
 // attention.cpp (the same binary): one layer's K/V writes and attention for a batch of spans
 namespace tkv_attn {
 torch::Tensor write_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<torch::Tensor> kbufs,
-                           std::vector<torch::Tensor> vbufs, std::vector<int64_t> lens, std::vector<int64_t> slot,
-                           std::vector<int64_t> first, std::vector<int64_t> q_pos0, std::vector<int64_t> k_pos0,
+                           std::vector<torch::Tensor> vbufs, std::vector<int64_t> lens, std::vector<torch::Tensor> tables,
+                           std::vector<int64_t> q_pos0, std::vector<int64_t> k_pos0,
                            std::vector<int64_t> kind, std::vector<int64_t> wc, double scale, double softcap,
                            int64_t isa, std::optional<torch::Tensor> sinks,
                            std::optional<std::vector<torch::Tensor>> kscales, std::optional<std::vector<torch::Tensor>> vscales);
@@ -405,8 +405,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     tkv::register_fused(m);
     m.def("write_attend", &tkv_attn::write_attend,
           "one layer's K/V cache writes and attention for a batch of spans (csrc/attention.cpp)", py::arg("q"),
-          py::arg("k"), py::arg("v"), py::arg("kbufs"), py::arg("vbufs"), py::arg("lens"), py::arg("slot"),
-          py::arg("first"), py::arg("q_pos0"), py::arg("k_pos0"), py::arg("kind"), py::arg("wc"), py::arg("scale"),
+          py::arg("k"), py::arg("v"), py::arg("kbufs"), py::arg("vbufs"), py::arg("lens"), py::arg("tables"),
+          py::arg("q_pos0"), py::arg("k_pos0"), py::arg("kind"), py::arg("wc"), py::arg("scale"),
           py::arg("softcap"), py::arg("isa"), py::arg("sinks") = py::none(), py::arg("kscales") = py::none(), py::arg("vscales") = py::none(),
           py::call_guard<py::gil_scoped_release>());
 }
