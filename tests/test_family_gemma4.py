@@ -115,8 +115,9 @@ def test_shared_kv_snapshotted_restored_and_counted_once(pair):
     snap = take_snapshot(caches, "gemma4", "fp", ["native"] * len(caches))
     assert len(snap.layers) == 4
     assert snap.nbytes == sum(layer.nbytes for layer in snap.layers)
-    # the full owning cache holds 50 positions x 2 heads x 32 dims x (k, v) float32, once
-    assert snap.layers[2].nbytes == 50 * 2 * 32 * 2 * 4
+    # the full owning cache holds 50 positions in one 64-position pool block (a block is the unit
+    # of memory and of the budget) x 2 heads x 32 dims x (k, v) float32, once
+    assert snap.layers[2].nbytes == 64 * 2 * 32 * 2 * 4
     cold = run_chunks(model, caches, tokens[50:], 9)
     warm_caches = fresh(model)
     restore_snapshot(warm_caches, snap, 50, "gemma4", "fp", ["native"] * 4)
