@@ -174,7 +174,7 @@ class KVCache(LayerCache):
         # (block index, id) of the last block checked writable: it stays so while offset only grows
         # (a part of it seals rows below offset at most, and only its owner writes it)
         self._own: tuple[int, int] = (-1, -1)
-        self.table = torch.full((16,), -1, dtype=torch.int32)       # the same, for the kernel
+        self._table: torch.Tensor | None = None                    # the same as int32, made when asked
         self.offset = self.floor = 0
 
     # --- kind-specific rules -------------------------------------------------
@@ -202,14 +202,18 @@ class KVCache(LayerCache):
         return (self.kind, self.heads, self.head_dim, str(self.dtype))
 
     # --- blocks ----------------------------------------------------------------
+    @property
+    def table(self) -> torch.Tensor:
+        """The block table for the attention kernel: int32, block index -> block id (-1: none),
+        rebuilt only after the blocks changed (once per ``block_size`` tokens of a sequence)."""
+        if self._table is None:
+            self._table = torch.tensor(self._ids or [-1], dtype=torch.int32)
+        return self._table
+
     def _set(self, i: int, b: int) -> None:
         """Block index ``i`` now holds block ``b`` (-1: none); the previous one is released."""
         if i >= len(self._ids):
             self._ids += [-1] * (i + 1 - len(self._ids))
-            if i >= self.table.numel():
-                table = torch.full((grown_capacity(i + 1, self.table.numel(), 16),), -1, dtype=torch.int32)
-                table[:self.table.numel()] = self.table
-                self.table = table
         old = self._ids[i]
         if old == b:
             return
@@ -219,10 +223,13 @@ class KVCache(LayerCache):
         if old >= 0:
             self.pool.release(old, self.holder)
         self._ids[i] = b
-        self.table[i] = b
+        self._table = None
 
     def _release_from(self, i: int, j: int | None = None) -> None:
-        for n in range(i, len(self._ids) if j is None else min(j, len(self._ids))):
+        # last block first: the pool hands freed blocks out last-in first-out, so a sequence that
+        # takes them again gets them in ascending order (runs of consecutive blocks copy and read
+        # as one)
+        for n in range((len(self._ids) if j is None else min(j, len(self._ids))) - 1, i - 1, -1):
             if self._ids[n] >= 0:
                 self._set(n, -1)
 
@@ -284,7 +291,7 @@ class KVCache(LayerCache):
         """The pool slots of positions ``[a, b)`` (int64)."""
         B = self.block_size
         pos = torch.arange(a, b)
-        return self.table[: (b - 1) // B + 1].long()[pos // B] * B + pos % B
+        return torch.tensor(self._ids[: (b - 1) // B + 1], dtype=torch.long)[pos // B] * B + pos % B
 
     def _runs(self, a: int, b: int):
         """(position, slot, n) runs of consecutive slots covering positions ``[a, b)``."""
@@ -361,23 +368,55 @@ class KVCache(LayerCache):
         parts = list(snap.blocks) + ([snap.tail] if snap.tail is not None else [])
         self.offset = s       # writes below go through reserve's rules from here
         self.floor = s
+        copies: list[tuple[int, object, int]] = []      # (own block, part, rows) to copy in
         for part in parts:
             if pos >= length:
                 break
-            n = min(payload_len_of(part, snap.block_size), length - pos)
+            n = min(part.rows if isinstance(part, BlockPart) else payload_len(part.tensors), length - pos)
             if shared and isinstance(part, BlockPart) and part.pool is self.pool:
                 if i >= len(self._ids) or self._ids[i] != part.block:
                     self.pool.incref(part.block)
                     self._set(i, part.block)
+                self.offset = pos + n
+            elif shared:
+                # another pool's or a tier's block: into a block of this cache's own, copied below
+                own = self.pool.alloc(self.holder)
+                self._set(i, own)
+                copies.append((own, part, n))
                 self.offset = pos + n
             else:
                 payload = slice_payload(part.tensors, 0, n)
                 self._load_rows(pos, payload)
             pos += n
             i = pos // B
+        self._copy_in(copies)
         self._release_from(-(-length // B))
         self.offset, self.floor = length, s
         self._own = (-1, -1)
+
+    def _copy_in(self, copies: list[tuple[int, object, int]]) -> None:
+        """Copy parts' rows into their blocks. A run of consecutive own blocks (fresh blocks usually
+        are) whose parts are consecutive whole blocks of one other pool is one copy; other runs
+        are one concatenation per tensor (many small copies cost more in dispatch than in bytes)."""
+        B, a = self.block_size, 0
+
+        def follows(j: int) -> bool:       # copies[j] continues copies[j - 1]'s run of own blocks
+            return copies[j][0] == copies[j - 1][0] + 1 and copies[j - 1][2] == B
+
+        while a < len(copies):
+            b = a + 1
+            while b < len(copies) and follows(b):
+                b += 1
+            run = copies[a:b]
+            first = run[0][1]
+            rows = sum(n for _, _, n in run)
+            if (isinstance(first, BlockPart) and first.pool.store.layout == self.store.layout
+                    and all(isinstance(p, BlockPart) and p.pool is first.pool and p.block == first.block + k
+                            for k, (_, p, _) in enumerate(run))):
+                self.store.load(run[0][0] * B, first.pool.view(first.block, 0, rows))
+            else:
+                self.store.load_many(run[0][0] * B, [slice_payload(p.tensors, 0, n) for _, p, n in run])
+            a = b
 
     def _load_rows(self, pos: int, payload: dict[str, torch.Tensor]) -> None:
         """Copy stored rows for positions ``pos ..`` into blocks of this cache's own."""
@@ -404,6 +443,3 @@ class KVCache(LayerCache):
         if part is not None and part.rows > length % self.block_size:
             del self._parts[i]
 
-
-def payload_len_of(part, block_size: int) -> int:
-    return part.rows if isinstance(part, BlockPart) else payload_len(part.tensors)

@@ -282,14 +282,26 @@ class KVStore:
     def export(self, a: int, b: int) -> dict[str, torch.Tensor]:
         return {name: t[:, a:b].clone() for name, t in self.parts.items()}
 
-    def load(self, slot: int, payload: dict[str, torch.Tensor]) -> None:
+    def check_payload(self, payload: dict[str, torch.Tensor]) -> int:
+        """The payload's length, after checking it holds this store's tensors (names, shapes, dtypes)."""
         n = payload_len(payload)
         want = {name: ((self.heads, n, width), dt) for name, (width, dt) in self.layout.items()}
         got = {name: (tuple(t.shape), t.dtype) for name, t in payload.items()}
         if got != want:
             raise ValueError(f"{self.mode} KV payload must be {want}, got {got}")
+        return n
+
+    def load(self, slot: int, payload: dict[str, torch.Tensor]) -> None:
+        n = self.check_payload(payload)
         for name, t in payload.items():
             self.parts[name][:, slot:slot + n].copy_(t)
+
+    def load_many(self, slot: int, payloads: list[dict[str, torch.Tensor]]) -> None:
+        """Consecutive payloads into consecutive slots from ``slot``: one concatenation per tensor
+        straight into the slots (many small copies cost more in dispatch than in bytes)."""
+        n = sum(self.check_payload(p) for p in payloads)
+        for name, t in self.parts.items():
+            torch.cat([p[name] for p in payloads], 1, out=t[:, slot:slot + n])
 
     @property
     def nbytes(self) -> int:
