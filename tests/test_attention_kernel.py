@@ -449,6 +449,44 @@ def test_write_attend_quantizes_int8_like_quantize_int8():
 
 
 @needs_attn
+@pytest.mark.parametrize("kind,wc", [("full", 0), ("sliding", 40), ("chunked", 48)])
+def test_write_attend_through_scrambled_tables_equals_attend_on_every_path(kind, wc):
+    """Every ISA path (scalar included) reads and writes K/V through a block table that is not a
+    run, int8 widening included, with the same bits as ``attend_native`` on the same keys laid out
+    contiguously."""
+    B, g = A.KERNEL_BLOCK, torch.Generator().manual_seed(9)
+    old, new = 150, 40                                # 150 positions stored, then a chunk of 40
+    blocks = -(-(old + new) // B)
+    perm = torch.randperm(blocks + 2, generator=g)[:blocks].to(torch.int32)
+    keys, vals = torch.randn(2, old + new, 32, generator=g), torch.randn(2, old + new, 32, generator=g)
+    q = torch.randn(6, new, 32, generator=g)
+    pos = torch.arange(old)
+    rows = perm.long()[pos // B] * B + pos % B
+    first = 0 if kind == "full" else max(0, old - wc + 1) if kind == "sliding" else (old // wc) * wc
+    for isa in A.attention_isas():
+        for int8 in ((False, True) if isa != "scalar" and A.write_buffers_ok([torch.int8]) else (False,)):
+            kb = torch.zeros(2, (blocks + 2) * B, 32, dtype=torch.int8 if int8 else torch.float32)
+            vb = torch.zeros_like(kb)
+            ks = vs = None
+            if int8:
+                from turnkv.cache.modes import quantize_int8
+                ks, vs = (torch.zeros(2, (blocks + 2) * B, 1, dtype=torch.float16) for _ in range(2))
+                (kq, sk), (vq, sv) = quantize_int8(keys[:, :old]), quantize_int8(vals[:, :old])
+                kb[:, rows], vb[:, rows], ks[:, rows], vs[:, rows] = kq, vq, sk, sv
+            else:
+                kb[:, rows], vb[:, rows] = keys[:, :old], vals[:, :old]
+            got = A.write_attend(q, keys[:, old:], vals[:, old:], [kb], [vb], [new], [perm], [old], [first], [kind],
+                                 [wc], 0.2, isa=isa, kscales=[ks] if int8 else None, vscales=[vs] if int8 else None)
+            at = perm.long()[torch.arange(first, old + new) // B] * B + torch.arange(first, old + new) % B
+            if int8:
+                want = A.attend_native(q, kb[:, at], vb[:, at], old, first, kind, wc, 0.2, isa=isa,
+                                       scales=(ks[:, at], vs[:, at]))
+            else:
+                want = A.attend_native(q, keys[:, first:], vals[:, first:], old, first, kind, wc, 0.2, isa=isa)
+            assert torch.equal(got, want), (isa, int8)
+
+
+@needs_attn
 def test_write_attend_rejects_blocks_outside_the_pool():
     q, k, v = torch.zeros(2, 4, 32), torch.zeros(1, 4, 32), torch.zeros(1, 4, 32)
     buf = torch.zeros(1, A.KERNEL_BLOCK, 32)           # a pool of one block
