@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from turnkv.cache.kv import KVCache  # noqa: E402
 from turnkv.cache.specs import make_caches, make_pools  # noqa: E402
 from turnkv.cache.snapshot import restore_snapshot, take_snapshot  # noqa: E402
 
@@ -73,7 +74,7 @@ def bench(name: str, n: int, reps: int) -> dict:
     memcpy = median_ms(lambda: dst.copy_(src), reps)
 
     snap_ms = median_ms(lambda: take_snapshot(caches, family, "bench", modes), reps)
-    pools = [c.pool if hasattr(c, "pool") else None for c in caches]
+    pools = [c.pool if isinstance(c, KVCache) else None for c in caches]
     shared = [make_caches(specs, torch.float32, pools=pools) for _ in range(reps)]
     it = iter(shared)
     restore_pool = median_ms(lambda: restore_snapshot(next(it), snap, n, family, "bench", modes), reps)
