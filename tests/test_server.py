@@ -623,3 +623,23 @@ def test_null_fields_tiny_temperature_and_bad_values(cached):
         assert r.status_code == 400, (raw, r.text)
     r = httpx.post(cached.url + "/v1/completions", json={"prompt": "hi", "logprobs": 21}, headers=headers, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+
+def test_warm_up_does_the_vocabulary_scan_before_any_request():
+    """``serve`` calls warm_up before accepting: the prompt-size bound the first request checks
+    is already known (the longest vocabulary entry), and it refuses exactly past context x it."""
+    from types import SimpleNamespace
+
+    from turnkv.loading import load_tokenizer
+    from turnkv.server.app import RequestError, check_text_size, warm_up
+
+    if not find_bundled("smollm2-135m")[0]:
+        pytest.skip("the bundled SmolLM2 is not installed")
+    tokenizer = load_tokenizer("smollm2-135m")
+    engine = SimpleNamespace(tokenizer=tokenizer, max_context=64)
+    warm_up(engine)
+    longest = max(len(t) for t in tokenizer.backend.get_vocab())
+    assert engine._max_token_chars == longest > 1
+    check_text_size(engine, 64 * longest, "messages")
+    with pytest.raises(RequestError):
+        check_text_size(engine, 64 * longest + 1, "messages")
