@@ -221,6 +221,57 @@ def test_query_heads_sharing_kv_loads_change_no_bit(isa, heads, D):
         assert torch.equal(many(), grouped)
 
 
+@contextlib.contextmanager
+def tile(n: int):
+    before = torch.ops.turnkv_attn.set_tile(n)
+    try:
+        yield
+    finally:
+        torch.ops.turnkv_attn.set_tile(before)
+
+
+@needs_attn
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("D", [64, 80, 256])
+def test_queries_walking_key_blocks_together_change_no_bit(isa, dtype, D):
+    """A unit takes up to 16 consecutive queries that walk the key blocks together (each block's
+    K/V rows read once from memory for the tile, not once per query); each query's arithmetic is
+    its own: one query per unit (set_tile(1)) and odd tiles give the same bits, for prefill chunks
+    whose queries see different key ranges (causal, a window or chunk boundary inside the tile),
+    softcap, sinks, every K/V type and attend_many."""
+    Hq, Hk = 6, 2
+    q, k, v = rand_qkv(Hq, Hk, 300, 300, D, seed=11, strided_q=True)
+    from turnkv.cache.modes import quantize_int8
+
+    if dtype == torch.int8 and isa == "scalar":
+        pytest.skip("the scalar path reads float32 K/V only (int8 caches hand it a dequantized copy)")
+    scales = None
+    if dtype == torch.int8:
+        (k, ks), (v, vs) = quantize_int8(k * 3), quantize_int8(v)
+        scales = (ks, vs)
+    else:
+        k, v = k.to(dtype), v.to(dtype)
+    sinks = torch.linspace(-1.0, 2.0, Hq)
+    for kind, span in RULES:
+        for T, softcap, sink in ((70, None, None), (33, 30.0, None), (16, None, sinks), (5, None, None)):
+            q0 = 300 - T
+            call = lambda: A.attend_native(q[:, q0:], k, v, q0, 0, kind, span, 0.2, softcap, isa=isa,  # noqa: E731
+                                           sinks=sink, scales=scales)
+            with tile(1):
+                alone = call()
+            for n in (16, 3):
+                with tile(n):
+                    assert torch.equal(call(), alone), (kind, T, n)
+    if scales is None:
+        qs, ks_, vs_ = [q[:, 299:], q[:, 200:], q[:, 250:280]], [k, k[:, 20:], k], [v, v[:, 20:], v]
+        many = lambda: A.attend_many_native(qs, ks_, vs_, [299, 200, 250], [0, 20, 0],  # noqa: E731
+                                            ["full", "sliding", "chunked"], [0, 80, 50], 0.2, isa=isa)
+        with tile(1):
+            alone = many()
+        assert torch.equal(many(), alone)
+
+
 @needs_attn
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

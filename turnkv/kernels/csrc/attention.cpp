@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstring>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <optional>
 #include <vector>
@@ -38,6 +39,7 @@ namespace tkv_attn {
 
 constexpr int BLK = 64;        // keys per block, aligned to absolute positions
 constexpr int MAXD = 1024;     // head_dim limit (stack accumulator)
+constexpr int TILE = 16;       // the most queries one unit takes (run_many picks how many)
 
 enum Kind : int { FULL = 0, SLIDING = 1, CHUNKED = 2 };
 enum Isa : int { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
@@ -345,14 +347,16 @@ static int64_t best_isa() {
     return isa;
 }
 
-// A unit is (kv head, group of up to G of its query heads, query): the heads of a group share
-// every K/V load (attention_body.inc's unit_group); each head's bits do not depend on the group.
-using UnitFn = void (*)(const Params&, int, int);
+// A unit is (kv head, group of up to G of its query heads, tile of up to TILE consecutive
+// queries): the heads of a group share every K/V load, and the queries of a tile walk the key
+// blocks together (attention_body.inc's unit_group); each (head, query)'s bits depend on neither.
+using UnitFn = void (*)(const Params&, int, int, int);
 constexpr int GMAX = 4;
 namespace scalar {
 template <int G>
-static void unit_n(const Params& P, int h0, int t) {
-    for (int g = 0; g < G; g++) unit(P, h0 + g, t);
+static void unit_n(const Params& P, int h0, int t0, int nq) {
+    for (int t = t0; t < t0 + nq; t++)
+        for (int g = 0; g < G; g++) unit(P, h0 + g, t);
 }
 }  // namespace scalar
 // kUnit[isa][kv type][n - 1]: n heads from h0 (the scalar path runs on float32 K/V only)
@@ -387,13 +391,26 @@ static int group_size(int rep, int64_t kv_units, int isa) {
     return G;
 }
 
-// unit u of a sequence (units (kv head, head group) major, query minor) -> its call
-static inline void run_unit(const UnitFn* fns, const Params& P, int G, int64_t u) {
+// Queries per unit: TILE (or TURNKV_ATTN_TILE, A/B), fewer while that would leave threads idle.
+static int g_tile = [] {
+    const char* e = std::getenv("TURNKV_ATTN_TILE");
+    const int v = e ? std::atoi(e) : TILE;
+    return std::max(1, std::min(TILE, v));
+}();
+static int64_t set_tile(int64_t n) {
+    const int64_t before = g_tile;
+    g_tile = (int)std::max<int64_t>(1, std::min<int64_t>(TILE, n));
+    return before;
+}
+static inline int64_t tiles_of(int64_t T, int Q) { return (T + Q - 1) / Q; }
+
+// unit u of a sequence (units (kv head, head group) major, query tile minor) -> its call
+static inline void run_unit(const UnitFn* fns, const Params& P, int G, int Q, int64_t u) {
     const int rep = P.Hq / P.Hk, groups = (rep + G - 1) / G;
-    const int64_t hg = u / P.T;
-    const int t = (int)(u % P.T), kh = (int)(hg / groups), gi = (int)(hg % groups);
+    const int64_t tiles = tiles_of(P.T, Q), hg = u / tiles;
+    const int t0 = (int)(u % tiles) * Q, kh = (int)(hg / groups), gi = (int)(hg % groups);
     const int h0 = kh * rep + gi * G, n = std::min(G, rep - gi * G);
-    fns[n - 1](P, h0, t);
+    fns[n - 1](P, h0, t0, std::min<int>(Q, (int)P.T - t0));
 }
 
 // The rest of a sequence's Params (its shapes and pointers already set): positions, rule, scale,
@@ -557,9 +574,17 @@ static torch::Tensor run_many(std::vector<Params>& P, int64_t isa) {
         rows += p.T;
     }
     const int rep = (int)(Hq / Hk), G = group_size(rep, Hk * rows, (int)isa), groups = (rep + G - 1) / G;
+    int Q = g_tile;
+    const int64_t threads = at::get_num_threads();
+    auto count = [&](int q) {
+        int64_t u = 0;
+        for (const Params& p : P) u += Hk * groups * tiles_of(p.T, q);
+        return u;
+    };
+    while (Q > 1 && count(Q) < 2 * threads) Q = (Q + 1) / 2;
     for (size_t j = 0; j < n; j++) {
         const Params& p = P[j];
-        first_unit[j + 1] = first_unit[j] + Hk * groups * p.T;
+        first_unit[j + 1] = first_unit[j] + Hk * groups * tiles_of(p.T, Q);
         first_row[j + 1] = first_row[j] + p.T;
         const int64_t keys = p.kind == FULL ? p.S : std::min<int64_t>(p.S, p.wc);
         cost += keys * (int64_t)Hk * groups * p.T;
@@ -573,7 +598,7 @@ static torch::Tensor run_many(std::vector<Params>& P, int64_t isa) {
         size_t j = std::upper_bound(first_unit.begin(), first_unit.end(), b) - first_unit.begin() - 1;
         for (int64_t u = b; u < e; u++) {
             while (u >= first_unit[j + 1]) j++;
-            run_unit(kUnit[isa][P[j].kv], P[j], G, u - first_unit[j]);
+            run_unit(kUnit[isa][P[j].kv], P[j], G, Q, u - first_unit[j]);
         }
     });
     return out;
@@ -751,6 +776,7 @@ const bool g_registered = [] {
             &tkv_attn::attend_many);
     lib.def("best_isa() -> int", &tkv_attn::best_isa);
     lib.def("set_max_group(int g) -> int", &tkv_attn::set_max_group);
+    lib.def("set_tile(int n) -> int", &tkv_attn::set_tile);
     lib.def("kv_dtypes() -> int", &tkv_attn::kv_dtypes);
     return true;
 }();
