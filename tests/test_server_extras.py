@@ -233,8 +233,13 @@ def test_web_page_is_served_and_calls_endpoints_that_exist(servers):
                   if line.startswith("data: ") and line != "data: [DONE]"]
     last = events[-1]
     assert last["usage"]["prompt_tokens"] > 0 and "cached_tokens" in last["usage"]["prompt_tokens_details"]
-    for key in ("prefill_ms", "ttft_ms", "decode_tokens_per_s", "prefilled_tokens"):
-        assert isinstance(last["timings"][key], (int, float))
+    timings = last["timings"]
+    for key in ("render_ms", "tokenize_ms", "queue_ms", "lookup_ms", "restore_ms", "prefill_ms", "sample_ms",
+                "ttft_ms", "decode_tokens_per_s", "prefilled_tokens"):
+        assert isinstance(timings[key], (int, float)), key
+    # the TTFT breakdown: the template and the tokenizer before the engine, the first sample inside TTFT
+    assert timings["render_ms"] > 0 and timings["tokenize_ms"] > 0
+    assert 0 < timings["sample_ms"] <= timings["ttft_ms"] and timings["prefill_ms"] <= timings["ttft_ms"]
     stats = cached.get("/v1/cache/stats").json()
     for key in ("lookups", "hits", "entries", "bytes", "budget_bytes", "refusals", "layers",
                 "kv_cache_mode_effective", "running", "waiting"):

@@ -157,7 +157,8 @@ class Engine:
                                               boundary_messages=0 if self.reuse.trimmable else BOUNDARY_MESSAGES,
                                               tools=tools, template_kwargs=template_kwargs)
         return GenerationRequest(list(rendered.ids), params or SamplingParams(), list(rendered.boundaries), tenant,
-                                 render_ms=(time.perf_counter() - t0) * 1000)
+                                 render_ms=(time.perf_counter() - t0) * 1000 - rendered.tokenize_ms,
+                                 tokenize_ms=rendered.tokenize_ms)
 
     def _vision_chat_request(self, messages, params, tenant, tools, template_kwargs) -> GenerationRequest:
         """A chat for a vision family (docs/images.md): the template renders each image as the
@@ -195,14 +196,15 @@ class Engine:
         ids = [next(it) if t == placeholder else t for t in ids]
         return GenerationRequest(ids, params or SamplingParams(), list(rendered.boundaries), tenant,
                                  images={im.image_id: im for im in images},
-                                 render_ms=(time.perf_counter() - t0) * 1000)
+                                 render_ms=(time.perf_counter() - t0) * 1000 - rendered.tokenize_ms,
+                                 tokenize_ms=rendered.tokenize_ms)
 
     def text_request(self, text: str, params=None, tenant: str = "") -> GenerationRequest:
         from .sampling import SamplingParams
         self._need_tokenizer()
         t0 = time.perf_counter()
         ids = self.tokenizer.encode(text)
-        return GenerationRequest(ids, params or SamplingParams(), [], tenant, render_ms=(time.perf_counter() - t0) * 1000)
+        return GenerationRequest(ids, params or SamplingParams(), [], tenant, tokenize_ms=(time.perf_counter() - t0) * 1000)
 
     def check_request(self, req: GenerationRequest) -> None:
         req.params.validate(self.model.vocab_size)

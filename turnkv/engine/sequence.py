@@ -32,7 +32,8 @@ class GenerationRequest:
     boundaries: list[int] = field(default_factory=list)   # message ends (checkpoint candidates)
     tenant: str = ""
     stop_token_ids: list[int] = field(default_factory=list)   # extra end-of-sequence ids
-    render_ms: float = 0.0       # chat rendering + tokenizing, before the request reached the engine
+    render_ms: float = 0.0       # chat template (images prepared included), before the request reached the engine
+    tokenize_ms: float = 0.0     # the tokenizer on the rendered text, before the request reached the engine
     grammar: object | None = None   # engine/grammar.py Grammar: constrains the sampled tokens
     owner: str = ""              # the tenant whose cache budget, flush and stats the request counts in
     timeout_s: float | None = None   # the generation ends ("timeout") this long after submit
@@ -52,10 +53,12 @@ class Usage:
 
 @dataclass
 class Stats:
-    render_ms: float = 0.0       # chat template + tokenizer (before submit)
+    render_ms: float = 0.0       # chat template (before submit)
+    tokenize_ms: float = 0.0     # tokenizer (before submit)
     queue_ms: float = 0.0        # submit -> admitted to a state slot
     lookup_ms: float = 0.0       # prompt-cache lookup
     prefill_ms: float = 0.0      # admitted -> prompt consumed
+    sample_ms: float = 0.0       # the first token's sampling (grammar mask included)
     ttft_ms: float = 0.0         # submit -> first token
     decode_ms: float = 0.0
     total_ms: float = 0.0
@@ -132,7 +135,7 @@ class Sequence:
         self.prompt_end_pending = False
         self.cancelled = threading.Event()
         self.usage = Usage(prompt_tokens=len(self.prompt))
-        self.stats = Stats(render_ms=req.render_ms)
+        self.stats = Stats(render_ms=req.render_ms, tokenize_ms=req.tokenize_ms)
         self.finish_reason = "length"
         self.result: Result | None = None
         self.t_submit = time.perf_counter()
@@ -168,6 +171,7 @@ class Sequence:
     def take(self, logits: torch.Tensor) -> bool:
         """Sample from ``logits`` (those of the state's last token), emit the token; True when the
         sequence is finished."""
+        t0 = time.perf_counter() if self.t_first is None else 0.0
         if self.matcher is None:
             token = self.sampler(logits)
         else:       # mask a copy: the unmasked logits are what the prompt cache stores
@@ -179,6 +183,7 @@ class Sequence:
         self.generated.append(token)
         if self.t_first is None:
             self.t_first = time.perf_counter()
+            self.stats.sample_ms = (self.t_first - t0) * 1000
             self.stats.ttft_ms = (self.t_first - self.t_submit) * 1000
         if token in self.eos:
             self.finish_reason = "stop"

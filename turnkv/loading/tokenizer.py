@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from bisect import bisect_right
 from dataclasses import dataclass
 from datetime import datetime
@@ -60,6 +61,7 @@ class RenderedChat:
     # token offsets at the end of the system prompt and of each message that ends
     # on a token boundary of `ids` (strictly increasing, each <= len(ids))
     boundaries: list[int]
+    tokenize_ms: float = 0.0     # the tokenizer's own time (the rest of the work is the template's)
 
 
 # ------------------------------------------------------------------ messages
@@ -312,7 +314,9 @@ class Tokenizer:
         and find the message boundaries in it. ``expand`` maps a rendered prefix of the chat to the
         text the prompt holds for it (vision families: each image marker expanded as the processor
         expands it); None keeps the rendering."""
+        t0 = time.perf_counter()
         encoding = self.backend.encode(text, add_special_tokens=False)
+        tokenize_ms = (time.perf_counter() - t0) * 1000
         ids = encoding.ids
         offsets = encoding.offsets
         ends = [end for _, end in offsets]
@@ -347,7 +351,7 @@ class Tokenizer:
                 continue
             boundaries.append(k)
             prev_chars = n
-        return RenderedChat(text=text, ids=ids, boundaries=boundaries)
+        return RenderedChat(text=text, ids=ids, boundaries=boundaries, tokenize_ms=tokenize_ms)
 
 
 class StreamDecoder:

@@ -351,14 +351,17 @@ def usage_json(usage) -> dict:
 def timings_json(stats, queue_ms: float) -> dict:
     # like llama.cpp's "timings": where a request's time went (ignored by OpenAI clients)
     return {
-        # TTFT breakdown: render (chat template + tokenizer, before the engine), then from submit:
-        # queue (waiting for a slot), lookup, restore, prefill (admit -> prompt consumed, steps
-        # shared with other requests included); ttft_ms counts from submit
+        # TTFT breakdown: render (the chat template) and tokenize, before the engine; then from
+        # submit: queue (waiting for a slot), lookup, restore, prefill (admit -> prompt consumed,
+        # steps shared with other requests included), sample (the first token's sampler, grammar
+        # mask included); ttft_ms counts from submit
         "render_ms": round(stats.render_ms, 3),
+        "tokenize_ms": round(stats.tokenize_ms, 3),
         "queue_ms": round(queue_ms, 3),
         "lookup_ms": round(stats.lookup_ms, 3),
         "restore_ms": round(stats.restore_ms, 3),
         "prefill_ms": round(stats.prefill_ms, 3),
+        "sample_ms": round(stats.sample_ms, 3),
         "ttft_ms": round(stats.ttft_ms, 3),
         "decode_ms": round(stats.decode_ms, 3),
         "decode_tokens_per_s": round(stats.decode_tokens_per_s, 3),
