@@ -40,6 +40,11 @@ namespace tkv_attn {
 constexpr int BLK = 64;        // keys per block, aligned to absolute positions
 constexpr int MAXD = 1024;     // head_dim limit (stack accumulator)
 constexpr int TILE = 16;       // the most queries one unit takes (run_many picks how many)
+// prefetch the next key block's K/V rows while a block computes (TURNKV_ATTN_PREFETCH=0: off, A/B)
+static int g_attn_prefetch = [] {
+    const char* e = std::getenv("TURNKV_ATTN_PREFETCH");
+    return e ? std::atoi(e) : 1;
+}();
 
 enum Kind : int { FULL = 0, SLIDING = 1, CHUNKED = 2 };
 enum Isa : int { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
