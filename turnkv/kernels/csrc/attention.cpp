@@ -15,8 +15,9 @@
 //     invisible keys hold exactly +0.0, which leaves every lane's rounding unchanged;
 //   - P.V: acc[d] += p_s * v_s[d] for the visible keys in increasing position (vectorized over d).
 // Nothing depends on how many queries the call has, where its key range starts, or the thread
-// count: threads split (kv head, query head group, query) units, never a query's keys; the query
-// heads of a group share each K/V load and keep their own arithmetic. Each ISA path is invariant on
+// count: threads split (kv head, query head group, query tile) units, never a query's keys; the
+// query heads of a group share each K/V load and the queries of a tile each key block's reads,
+// and each keeps its own arithmetic. Each ISA path is invariant on
 // its own; the paths differ from each other by rounding (their exp and FMA use differ).
 // Registered as torch.ops.turnkv_attn.{attend,attend_many,best_isa} (a library fragment, so it shares the
 // extension binary with gguf_matmul.cpp without touching its Python module).
