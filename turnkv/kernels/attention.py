@@ -152,6 +152,12 @@ def native_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Te
             and (sinks is None or (_sinks and sinks.dtype == torch.float32 and sinks.device.type == "cpu")))
 
 
+def _widen(t: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """float32 K or V for the scalar path: int8 times its float16 row scales (exact, the values
+    the SIMD paths read on load and ``cache.modes.dequantize_int8`` gives), else a plain cast."""
+    return t if t.dtype == torch.float32 else (torch.mul(t, scale.float()) if scale is not None else t.float())
+
+
 def attend_native(q, k, v, q_pos0: int, k_pos0: int, kind: str, window_or_chunk: int, scale: float,
                   softcap: float | None = None, isa: str | None = None,
                   sinks: torch.Tensor | None = None, scales: tuple | None = None) -> torch.Tensor:
@@ -161,7 +167,8 @@ def attend_native(q, k, v, q_pos0: int, k_pos0: int, kind: str, window_or_chunk:
     copy, so the result is the bits it would give on that copy."""
     i = _default if isa is None else ISAS.index(isa)
     if i == 0 and k.dtype != torch.float32:    # the scalar path reads float32 K/V only
-        k, v = k.float(), v.float()
+        k, v = _widen(k, scales[0] if scales else None), _widen(v, scales[1] if scales else None)
+        scales = None
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     args = (q, k, v, int(q_pos0), int(k_pos0), KINDS[kind], int(window_or_chunk or 0), float(scale),
@@ -187,7 +194,9 @@ def attend_many_native(qs, ks, vs, q_pos0s, k_pos0s, kinds, spans, scale: float,
     i = _default if isa is None else ISAS.index(isa)
     fix = (lambda t: t if t.stride(-1) == 1 else t.contiguous())
     if i == 0:     # the scalar path reads float32 K/V only
-        ks, vs = [k.float() for k in ks], [v.float() for v in vs]
+        ks = [_widen(k, s[0] if scales else None) for k, s in zip(ks, scales or [None] * len(ks))]
+        vs = [_widen(v, s[1] if scales else None) for v, s in zip(vs, scales or [None] * len(vs))]
+        scales = None
     return _op_many([fix(q) for q in qs], [fix(k) for k in ks], [fix(v) for v in vs],
                     [int(p) for p in q_pos0s], [int(p) for p in k_pos0s], [KINDS[k] for k in kinds],
                     [int(w or 0) for w in spans], float(scale), float(softcap) if softcap else 0.0, i,
