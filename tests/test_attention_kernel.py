@@ -185,12 +185,21 @@ def test_many_spans_in_one_call_equal_each_span_alone(isa, sinks):
 
 
 @contextlib.contextmanager
-def max_group(g: int):
-    before = torch.ops.turnkv_attn.set_max_group(g)
+def kernel_setting(setter, value: int):
+    """A ``torch.ops.turnkv_attn.set_*`` setting for the block, the previous value restored after."""
+    before = setter(value)
     try:
         yield
     finally:
-        torch.ops.turnkv_attn.set_max_group(before)
+        setter(before)
+
+
+def max_group(g: int):
+    return kernel_setting(torch.ops.turnkv_attn.set_max_group, g)
+
+
+def tile(n: int):
+    return kernel_setting(torch.ops.turnkv_attn.set_tile, n)
 
 
 @needs_attn
@@ -219,15 +228,6 @@ def test_query_heads_sharing_kv_loads_change_no_bit(isa, heads, D):
     grouped = many()
     with max_group(1):
         assert torch.equal(many(), grouped)
-
-
-@contextlib.contextmanager
-def tile(n: int):
-    before = torch.ops.turnkv_attn.set_tile(n)
-    try:
-        yield
-    finally:
-        torch.ops.turnkv_attn.set_tile(before)
 
 
 @needs_attn

@@ -194,8 +194,9 @@ def attend_many_native(qs, ks, vs, q_pos0s, k_pos0s, kinds, spans, scale: float,
     i = _default if isa is None else ISAS.index(isa)
     fix = (lambda t: t if t.stride(-1) == 1 else t.contiguous())
     if i == 0:     # the scalar path reads float32 K/V only
-        ks = [_widen(k, s[0] if scales else None) for k, s in zip(ks, scales or [None] * len(ks))]
-        vs = [_widen(v, s[1] if scales else None) for v, s in zip(vs, scales or [None] * len(vs))]
+        pairs = scales or [(None, None)] * len(ks)
+        ks = [_widen(k, s[0]) for k, s in zip(ks, pairs)]
+        vs = [_widen(v, s[1]) for v, s in zip(vs, pairs)]
         scales = None
     return _op_many([fix(q) for q in qs], [fix(k) for k in ks], [fix(v) for v in vs],
                     [int(p) for p in q_pos0s], [int(p) for p in k_pos0s], [KINDS[k] for k in kinds],
