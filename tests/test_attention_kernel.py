@@ -270,6 +270,68 @@ def test_queries_walking_key_blocks_together_change_no_bit(isa, dtype, D):
         assert torch.equal(many(), alone)
 
 
+def split(n: int):
+    return kernel_setting(torch.ops.turnkv_attn.set_split, n)
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_attn
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8])
+@pytest.mark.parametrize("heads,D", [((9, 3), 64), ((4, 1), 256), ((8, 2), 80)])
+def test_decode_rows_split_over_threads_change_no_bit(isa, dtype, heads, D):
+    """A decode step of one or two sequences has fewer units than threads x 2, so the threads
+    split each unit's key blocks and fold the blocks' partials afterwards in increasing position.
+    The bits are the unsplit unit's: never splitting (set_split(0)), always splitting
+    (set_split(64)) and one thread give equal rows, for decode rows and short chunks over
+    hundreds of keys, every rule, softcap, sinks, int8 K/V with scales and attend_many; and a
+    decode row equals the same query's row inside a 64-query prefill call (never split)."""
+    Hq, Hk = heads
+    q, k, v = rand_qkv(Hq, Hk, 700, 700, D, seed=5, strided_q=True)
+    from turnkv.cache.modes import quantize_int8
+
+    scales = None
+    if dtype == torch.int8:
+        (k, ks), (v, vs) = quantize_int8(k * 3), quantize_int8(v)
+        scales = (ks, vs)
+    else:
+        k, v = k.to(dtype), v.to(dtype)
+    sinks = torch.linspace(-1.0, 2.0, Hq)
+    with threads(2):
+        for kind, span in RULES + [("sliding", 300)]:
+            for T, softcap, sink in ((1, None, None), (1, 30.0, sinks), (2, None, None), (3, 20.0, None)):
+                q0 = 700 - T
+                call = lambda: A.attend_native(q[:, q0:], k, v, q0, 0, kind, span, 0.2, softcap, isa=isa,  # noqa: E731
+                                               sinks=sink, scales=scales)
+                with split(0):
+                    whole = call()
+                with split(64):
+                    assert torch.equal(call(), whole), (kind, span, T)
+                assert torch.equal(call(), whole), (kind, span, T)
+                with threads(1):
+                    assert torch.equal(call(), whole), (kind, span, T)
+                if T == 1 and softcap is None:   # the same query among 64 (tiles, no split)
+                    prefill = A.attend_native(q[:, 636:], k, v, 636, 0, kind, span, 0.2, isa=isa, scales=scales)
+                    assert torch.equal(prefill[-1:], whole), (kind, span)
+        if scales is None:
+            qs, ks_, vs_ = [q[:, 699:], q[:, 400:401]], [k, k[:, 20:]], [v, v[:, 20:]]
+            many = lambda: A.attend_many_native(qs, ks_, vs_, [699, 400], [0, 20], ["full", "sliding"],  # noqa: E731
+                                                [0, 250], 0.2, isa=isa)
+            with split(0):
+                whole = many()
+            with split(64):
+                assert torch.equal(many(), whole)
+
+
 @needs_attn
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -637,3 +699,16 @@ def test_gguf_logits_bit_identical_across_chunking_with_int4_kv(gguf_model):
         whole, _ = prefill(model, ids, ids.shape[0], mode="int4")
         chunked, _ = prefill(model, ids, 64, mode="int4")
     assert torch.equal(chunked, whole)
+
+
+def test_numerics_tag_names_the_attention_path(monkeypatch):
+    """Snapshots are named by the kernels' numerics (Engine.load's fingerprint): the ISA paths round
+    differently, so each path, the reference and each arithmetic version get their own tag."""
+    tags = set()
+    for op, default in ((None, -1), ("native", 0), ("native", 1), ("native", 2)):
+        monkeypatch.setattr(A, "_op", op)
+        monkeypatch.setattr(A, "_default", default)
+        tags.add(A.numerics_tag())
+    monkeypatch.setattr(A, "NUMERICS", A.NUMERICS + 1)
+    tags.add(A.numerics_tag())
+    assert len(tags) == 5

@@ -224,7 +224,10 @@ def test_greedy_16_tokens_equal_native_but_near_ties(pair):
 @needs_native
 def test_no_float32_copy_and_own_cache_namespace(pair):
     _, _, native, eng = pair
-    assert eng.weights == "gguf" and eng.fingerprint != native.fingerprint and eng.fingerprint.endswith("+w:gguf")
+    from turnkv.kernels.attention import numerics_tag
+
+    assert eng.weights == "gguf" and eng.fingerprint != native.fingerprint
+    assert eng.fingerprint.endswith(f"+w:gguf+k:{numerics_tag()}")   # the kernels' numerics name it too
     # every declared projection and the head are GGUF blocks; nothing float32 of their shape remains
     assert not any(p.is_meta for p in eng.model.parameters())
     proj = [m for m in eng.model.modules() if isinstance(m, PackedWeight)]

@@ -105,6 +105,7 @@ class Engine:
         quantized blocks), or None for the default: ``gguf`` for a GGUF model (stored quantized) of a
         family with packable weights when the native kernels are built, else ``native``
         (``models.weights.default_format``)."""
+        from ..kernels.attention import numerics_tag
         from ..loading import gguf_runs_quantized, load_checkpoint, source_kind
         from ..models import family_class
         from ..models.weights import GGUF_FORMAT, check_format, default_format, load_model
@@ -126,6 +127,8 @@ class Engine:
             kw["max_context"] = int(ckpt.config.get("max_position_embeddings") or 8192)
         # packed weights compute different (close) logits: their snapshots are another namespace
         fingerprint = ckpt.fingerprint if weights == "native" else f"{ckpt.fingerprint}+w:{weights}"
+        # ... and another build's or CPU kind's kernels compute other bits: their tier entries are other names
+        fingerprint = f"{fingerprint}+k:{numerics_tag()}"
         if kw.get("kv_mode") == AUTO_KV:
             kw["kv_mode"] = auto_kv_mode(weights, dtype)
         return cls(net, ckpt.tokenizer, fingerprint=fingerprint, name=ckpt.name, weights=weights, **kw)

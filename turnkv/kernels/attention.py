@@ -92,6 +92,21 @@ def attention_info() -> str:
     return f"native {ISAS[_default]}" if _op is not None else "reference"
 
 
+# Bumped whenever a native kernel's arithmetic changes (a reduction order, a rounding): model state
+# an older build computed is then not what this build computes cold. 2: attention folds per-block
+# partials (each block's own max), 2026-12-02.
+NUMERICS = 2
+
+
+def numerics_tag() -> str:
+    """What a model's numbers depend on besides its weights, dtype and KV modes: the kernels'
+    arithmetic version and the attention path (the ISA paths round differently; the GGUF matmuls
+    and the norm give the same bits on every path). Part of ``Engine.load``'s fingerprint, so a
+    disk or Redis tier entry written by another build or another CPU kind is a miss, not a restore
+    whose continuation differs from a cold run."""
+    return f"n{NUMERICS}-{ISAS[_default] if _op is not None else 'reference'}"
+
+
 def lo_positions(kind: str, span: int, qpos: torch.Tensor) -> torch.Tensor:
     """First visible absolute position for each query position (``kind``'s rule)."""
     if kind == "full":

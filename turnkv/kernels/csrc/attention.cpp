@@ -6,18 +6,23 @@
 // sinks (gpt-oss), head h's softmax denominator has one more term exp(sinks[h]) (no value).
 //
 // The result of a query depends only on its vector, its position and the K/V of its visible keys:
-//   - keys are visited in blocks aligned to absolute positions [64 j, 64 j + 64), j increasing;
-//     online softmax (running max m, sum l, accumulator acc) is rescaled only at those blocks;
+//   - keys are visited in blocks aligned to absolute positions [64 j, 64 j + 64); each block's
+//     partial (its own max mb, exp-sum lb, accumulator accb) depends on the block alone, and the
+//     partials fold into the running (m, l, acc) in increasing j (online softmax, rescaled only at
+//     those blocks): mn = max(m, mb), l = l e^(m-mn) + lb e^(mb-mn), acc = acc e^(m-mn) + accb e^(mb-mn);
 //   - a score is one dot product over D in a fixed order (W lanes, lane = d % W, then a fixed
 //     horizontal tree), times scale (then the optional softcap, tanh);
-//   - inside a block, exp(s - m) is elementwise; the block's exp-sum adds the 64 slots of the
+//   - inside a block, exp(s - mb) is elementwise; the block's exp-sum adds the 64 slots of the
 //     block in W lanes (lane = pos % W) in increasing position, then a fixed tree; slots of
 //     invisible keys hold exactly +0.0, which leaves every lane's rounding unchanged;
-//   - P.V: acc[d] += p_s * v_s[d] for the visible keys in increasing position (vectorized over d).
+//   - P.V: accb[d] += p_s * v_s[d] from zero, for the block's visible keys in increasing position
+//     (vectorized over d).
 // Nothing depends on how many queries the call has, where its key range starts, or the thread
-// count: threads split (kv head, query head group, query tile) units, never a query's keys; the
-// query heads of a group share each K/V load and the queries of a tile each key block's reads,
-// and each keeps its own arithmetic. Each ISA path is invariant on
+// count: threads split (kv head, query head group, query tile) units, and, when those are too few
+// to keep the threads busy (a decode step of one or two sequences), a unit's key blocks: each
+// block's partial is kept and the blocks fold afterwards in the same order with the same
+// arithmetic. The query heads of a group share each K/V load and the queries of a tile each key
+// block's reads, and each keeps its own arithmetic. Each ISA path is invariant on
 // its own; the paths differ from each other by rounding (their exp and FMA use differ).
 // Registered as torch.ops.turnkv_attn.{attend,attend_many,best_isa} (a library fragment, so it shares the
 // extension binary with gguf_matmul.cpp without touching its Python module).
@@ -93,6 +98,23 @@ static inline void visible(const Params& P, int64_t p, int64_t& lo, int64_t& hi)
 
 static inline int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 
+// The blocks [jlo, jlo + nblk) that a tile of nq queries from t0 walks (each query its visible ones)
+static inline void tile_blocks(const Params& P, int t0, int nq, int64_t& jlo, int64_t& nblk) {
+    int64_t lo, hi, hmax = std::numeric_limits<int64_t>::min();
+    jlo = std::numeric_limits<int64_t>::max();
+    for (int qi = 0; qi < nq; qi++) {
+        visible(P, P.q_pos0 + t0 + qi, lo, hi);
+        jlo = std::min(jlo, floor_div(lo, BLK));
+        hmax = std::max(hmax, hi);
+    }
+    nblk = hmax < jlo * BLK ? 0 : floor_div(hmax, BLK) - jlo + 1;
+}
+
+// A block's partial as a split unit keeps it (attention_body.inc): PART_HDR floats (mb, lb, unused)
+// then its accumulator, padded to whole vectors of any ISA
+constexpr int PART_HDR = 16;
+static inline int64_t part_floats(int D) { return PART_HDR + ((int64_t)(D + 63) / 64) * 64; }
+
 static inline float cap(float s, float softcap) { return std::tanh(s / softcap) * softcap; }
 
 // The factor that turns the accumulator into the output: 1 / l, or, with an attention sink, the
@@ -142,24 +164,26 @@ static void unit(const Params& P, int h, int t) {
             buf[pos - b0] = s;
             mb = std::max(mb, s);
         }
-        const float mn = std::max(m, mb);
-        const float alpha = std::exp(m - mn);  // 0 on the first block (m = -inf)
         float lane[16] = {0};
         for (int i = 0; i < BLK; i++) {
             const int64_t pos = b0 + i;
-            const float e = (pos >= a && pos <= b) ? std::exp(buf[i] - mn) : 0.f;
+            const float e = (pos >= a && pos <= b) ? std::exp(buf[i] - mb) : 0.f;
             buf[i] = e;
             lane[i % 16] = lane[i % 16] + e;
         }
         for (int w = 8; w >= 1; w /= 2)
             for (int i = 0; i < w; i++) lane[i] = lane[i] + lane[i + w];
-        l = l * alpha + lane[0];
-        for (int d = 0; d < D; d++) acc[d] = acc[d] * alpha;
+        float accb[MAXD];
+        for (int d = 0; d < D; d++) accb[d] = 0.f;
         for (int64_t pos = a; pos <= b; pos++) {
             const float e = buf[pos - b0];
             const float* vr = V + row_of(P, pos) * P.vst;
-            for (int d = 0; d < D; d++) acc[d] = acc[d] + e * vr[d];
+            for (int d = 0; d < D; d++) accb[d] = accb[d] + e * vr[d];
         }
+        const float mn = std::max(m, mb);
+        const float fa = std::exp(m - mn), fb = std::exp(mb - mn);  // fa = 0 on the first block (m = -inf)
+        l = l * fa + lane[0] * fb;
+        for (int d = 0; d < D; d++) acc[d] = acc[d] * fa + accb[d] * fb;
         m = mn;
     }
     const float inv = out_scale(P, h, m, l);
@@ -356,11 +380,11 @@ static int64_t best_isa() {
 // A unit is (kv head, group of up to G of its query heads, tile of up to TILE consecutive
 // queries): the heads of a group share every K/V load, and the queries of a tile walk the key
 // blocks together (attention_body.inc's unit_group); each (head, query)'s bits depend on neither.
-using UnitFn = void (*)(const Params&, int, int, int);
+using UnitFn = void (*)(const Params&, int, int, int, int64_t, int64_t, float*, int64_t);
 constexpr int GMAX = 4;
 namespace scalar {
-template <int G>
-static void unit_n(const Params& P, int h0, int t0, int nq) {
+template <int G>   // the scalar path never splits a unit's blocks (jb, je, part unused)
+static void unit_n(const Params& P, int h0, int t0, int nq, int64_t, int64_t, float*, int64_t) {
     for (int t = t0; t < t0 + nq; t++)
         for (int g = 0; g < G; g++) unit(P, h0 + g, t);
 }
@@ -374,8 +398,11 @@ static const UnitFn kUnit[][4][GMAX] = {
     {TKV_UNITS(avx512, LF32), TKV_UNITS(avx512, LF16), TKV_UNITS(avx512, LBF16), TKV_UNITS(avx512, LI8)}};
 #undef TKV_UNITS
 #undef TKV_SCALAR
-// the most query heads one unit takes per ISA (registers: 4 accumulators per head + 4 value rows)
-static const int kGroupMax[] = {1, 2, 4};
+using FoldFn = void (*)(const Params&, int, int, int, int, const float*, int64_t);
+static const FoldFn kFold[] = {nullptr, avx2::fold_parts, avx512::fold_parts};
+// the most query heads one unit takes per ISA (AVX2 runs P.V 2 vectors wide past 2 heads, for its
+// 16 registers)
+static const int kGroupMax[] = {1, 4, 4};
 static int g_group_limit = GMAX;   // set_max_group (tests: grouped == one head at a time)
 
 // K/V element types the kernel reads: float32, float16, bfloat16, int8 with scales (the Python
@@ -388,13 +415,20 @@ static int64_t set_max_group(int64_t g) {
     return before;
 }
 
-// Heads per unit: as many as the ISA holds in registers, fewer while that would leave threads idle
-// (a decode step has Hk units per sequence at most).
-static int group_size(int rep, int64_t kv_units, int isa) {
-    int G = std::min(std::min(rep, kGroupMax[isa]), g_group_limit);
-    const int64_t threads = at::get_num_threads();
-    while (G > 1 && kv_units * ((rep + G - 1) / G) < threads) G = (G + 1) / 2;
-    return G;
+// Heads per unit: as many as the ISA holds in registers (a decode step's few units split their key
+// blocks between the threads instead, run_many)
+static int group_size(int rep, int isa) { return std::min(std::min(rep, kGroupMax[isa]), g_group_limit); }
+
+// Split a unit's key blocks between threads when the units are fewer than this many per thread
+// (0: never; set_split, tests and A/B: the same bits either way)
+static int g_split = [] {
+    const char* e = std::getenv("TURNKV_ATTN_SPLIT");
+    return e ? std::atoi(e) : 2;
+}();
+static int64_t set_split(int64_t n) {
+    const int64_t before = g_split;
+    g_split = (int)std::max<int64_t>(0, n);
+    return before;
 }
 
 // Queries per unit: TILE (or TURNKV_ATTN_TILE, A/B), fewer while that would leave threads idle.
@@ -411,12 +445,19 @@ static int64_t set_tile(int64_t n) {
 static inline int64_t tiles_of(int64_t T, int Q) { return (T + Q - 1) / Q; }
 
 // unit u of a sequence (units (kv head, head group) major, query tile minor) -> its call
-static inline void run_unit(const UnitFn* fns, const Params& P, int G, int Q, int64_t u) {
+struct Unit {
+    int h0, n, t0, nq;   // heads [h0, h0 + n), queries [t0, t0 + nq)
+};
+static inline Unit unit_at(const Params& P, int G, int Q, int64_t u) {
     const int rep = P.Hq / P.Hk, groups = (rep + G - 1) / G;
     const int64_t tiles = tiles_of(P.T, Q), hg = u / tiles;
     const int t0 = (int)(u % tiles) * Q, kh = (int)(hg / groups), gi = (int)(hg % groups);
-    const int h0 = kh * rep + gi * G, n = std::min(G, rep - gi * G);
-    fns[n - 1](P, h0, t0, std::min<int>(Q, (int)P.T - t0));
+    return Unit{kh * rep + gi * G, std::min(G, rep - gi * G), t0, std::min<int>(Q, (int)P.T - t0)};
+}
+static inline void run_unit(const UnitFn* fns, const Params& P, int G, int Q, int64_t u) {
+    const Unit w = unit_at(P, G, Q, u);
+    fns[w.n - 1](P, w.h0, w.t0, w.nq, std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max(),
+                 nullptr, 0);
 }
 
 // The rest of a sequence's Params (its shapes and pointers already set): positions, rule, scale,
@@ -563,6 +604,46 @@ static void widen_i8(Params& p, std::vector<torch::Tensor>& keep) {
     keep.push_back(vf);
 }
 
+// Few units (a decode step of one or two sequences): each unit's key blocks are cut into
+// ``parts`` ranges and the (range, unit) pieces run range-major, so each thread reads its share of
+// every unit's K/V rows once; every block's partial is kept, then each (head, query) folds them in
+// increasing position (fold_parts): the bits of the unsplit unit.
+static void split_units(std::vector<Params>& P, const std::vector<int64_t>& first_unit, int G, int Q, int64_t isa,
+                        int64_t threads) {
+    struct Piece {
+        size_t span;
+        Unit w;
+        int64_t jlo, nblk, off;
+    };
+    std::vector<Piece> units;
+    int64_t floats = 0, most = 1;
+    const int64_t Dp = part_floats(P[0].D);
+    for (size_t j = 0; j < P.size(); j++)
+        for (int64_t u = 0; u < first_unit[j + 1] - first_unit[j]; u++) {
+            Piece p{j, unit_at(P[j], G, Q, u), 0, 0, floats};
+            tile_blocks(P[j], p.w.t0, p.w.nq, p.jlo, p.nblk);
+            floats += (int64_t)p.w.nq * p.w.n * p.nblk * Dp;
+            most = std::max(most, p.nblk);
+            units.push_back(p);
+        }
+    const int64_t nu = (int64_t)units.size();
+    const int64_t parts = std::min<int64_t>(most, (2 * threads + nu - 1) / nu);
+    static thread_local std::vector<float> partial;
+    if (partial.size() < (size_t)floats + 16) partial.resize(floats + 16);
+    float* const pb = (float*)(((uintptr_t)partial.data() + 63) & ~(uintptr_t)63);
+    at::parallel_for(0, parts * nu, 1, [&](int64_t b, int64_t e) {
+        for (int64_t x = b; x < e; x++) {
+            const Piece& p = units[x % nu];
+            const int64_t part = x / nu;
+            const int64_t jb = p.jlo + p.nblk * part / parts, je = p.jlo + p.nblk * (part + 1) / parts;
+            if (jb >= je) continue;
+            const Params& pr = P[p.span];
+            kUnit[isa][pr.kv][p.w.n - 1](pr, p.w.h0, p.w.t0, p.w.nq, jb, je, pb + p.off, p.nblk);
+        }
+    });
+    for (const Piece& p : units) kFold[isa](P[p.span], p.w.h0, p.w.n, p.w.t0, p.w.nq, pb + p.off, p.nblk);
+}
+
 static torch::Tensor run_many(std::vector<Params>& P, int64_t isa) {
     const size_t n = P.size();
     std::vector<torch::Tensor> widened;
@@ -579,7 +660,7 @@ static torch::Tensor run_many(std::vector<Params>& P, int64_t isa) {
         D = p.D;
         rows += p.T;
     }
-    const int rep = (int)(Hq / Hk), G = group_size(rep, Hk * rows, (int)isa), groups = (rep + G - 1) / G;
+    const int rep = (int)(Hq / Hk), G = group_size(rep, (int)isa), groups = (rep + G - 1) / G;
     int Q = g_tile;
     const int64_t threads = at::get_num_threads();
     auto count = [&](int q) {
@@ -600,6 +681,10 @@ static torch::Tensor run_many(std::vector<Params>& P, int64_t isa) {
     if (units == 0) return out;
     float* base = out.data_ptr<float>();
     for (size_t j = 0; j < n; j++) P[j].out = base + first_row[j] * Hq * D;
+    if (isa != ISA_SCALAR && threads > 1 && units < (int64_t)g_split * threads) {
+        split_units(P, first_unit, G, Q, isa, threads);
+        return out;
+    }
     at::parallel_for(0, units, grain_for(std::max<int64_t>(1, cost / units), D * G), [&](int64_t b, int64_t e) {
         size_t j = std::upper_bound(first_unit.begin(), first_unit.end(), b) - first_unit.begin() - 1;
         for (int64_t u = b; u < e; u++) {
@@ -783,6 +868,7 @@ const bool g_registered = [] {
     lib.def("best_isa() -> int", &tkv_attn::best_isa);
     lib.def("set_max_group(int g) -> int", &tkv_attn::set_max_group);
     lib.def("set_tile(int n) -> int", &tkv_attn::set_tile);
+    lib.def("set_split(int n) -> int", &tkv_attn::set_split);
     lib.def("kv_dtypes() -> int", &tkv_attn::kv_dtypes);
     return true;
 }();
