@@ -259,13 +259,14 @@ def bench_model(name: str, args) -> list[tuple]:
             print(f"[{name}] repetition {rep + 1}/{args.reps} done", flush=True)
     if server is not None:
         server.close()
-        if args.nll_tokens:
-            ids = bench_text_ids(ckpt.tokenizer, args.nll_tokens)
-            for spec, (model, dtype, kv) in engines.items():
-                t = time.perf_counter()
+    if args.nll_tokens:   # with or without llama-server (it has no NLL column)
+        ids = bench_text_ids(ckpt.tokenizer, args.nll_tokens)
+        for spec, (model, dtype, kv) in engines.items():
+            t = time.perf_counter()
+            with torch.inference_mode():
                 samples[spec].nll = chunked_nll(model, dtype, ids)
-                print(f"[{name}] {spec}: mean NLL {samples[spec].nll:.4f} over {ids.shape[0] - 1} tokens "
-                      f"({time.perf_counter() - t:.1f}s)", flush=True)
+            print(f"[{name}] {spec}: mean NLL {samples[spec].nll:.4f} over {ids.shape[0] - 1} tokens "
+                  f"({time.perf_counter() - t:.1f}s)", flush=True)
     ref = samples["transformers" if hf is not None else next(iter(engines))]
     rows = []
     for key, s in samples.items():
