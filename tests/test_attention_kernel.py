@@ -184,6 +184,16 @@ def test_many_spans_in_one_call_equal_each_span_alone(isa, sinks):
                                             0.3, isa=isa, sinks=sink), alone[2])
 
 
+def kv_as(k, v, dtype):
+    """K/V stored as ``dtype`` (int8: quantized with row scales, K spread wider) -> (k, v, scales)."""
+    if dtype != torch.int8:
+        return k.to(dtype), v.to(dtype), None
+    from turnkv.cache.modes import quantize_int8
+
+    (k, ks), (v, vs) = quantize_int8(k * 3), quantize_int8(v)
+    return k, v, (ks, vs)
+
+
 @contextlib.contextmanager
 def kernel_setting(setter, value: int):
     """A ``torch.ops.turnkv_attn.set_*`` setting for the block, the previous value restored after."""
@@ -242,14 +252,7 @@ def test_queries_walking_key_blocks_together_change_no_bit(isa, dtype, D):
     softcap, sinks, every K/V type and attend_many."""
     Hq, Hk = 6, 2
     q, k, v = rand_qkv(Hq, Hk, 300, 300, D, seed=11, strided_q=True)
-    from turnkv.cache.modes import quantize_int8
-
-    scales = None
-    if dtype == torch.int8:
-        (k, ks), (v, vs) = quantize_int8(k * 3), quantize_int8(v)
-        scales = (ks, vs)
-    else:
-        k, v = k.to(dtype), v.to(dtype)
+    k, v, scales = kv_as(k, v, dtype)
     sinks = torch.linspace(-1.0, 2.0, Hq)
     for kind, span in RULES:
         for T, softcap, sink in ((70, None, None), (33, 30.0, None), (16, None, sinks), (5, None, None)):
@@ -297,14 +300,7 @@ def test_decode_rows_split_over_threads_change_no_bit(isa, dtype, heads, D):
     decode row equals the same query's row inside a 64-query prefill call (never split)."""
     Hq, Hk = heads
     q, k, v = rand_qkv(Hq, Hk, 700, 700, D, seed=5, strided_q=True)
-    from turnkv.cache.modes import quantize_int8
-
-    scales = None
-    if dtype == torch.int8:
-        (k, ks), (v, vs) = quantize_int8(k * 3), quantize_int8(v)
-        scales = (ks, vs)
-    else:
-        k, v = k.to(dtype), v.to(dtype)
+    k, v, scales = kv_as(k, v, dtype)
     sinks = torch.linspace(-1.0, 2.0, Hq)
     with threads(2):
         for kind, span in RULES + [("sliding", 300)]:

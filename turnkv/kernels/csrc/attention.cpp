@@ -615,7 +615,11 @@ static void split_units(std::vector<Params>& P, const std::vector<int64_t>& firs
         Unit w;
         int64_t jlo, nblk, off;
     };
-    std::vector<Piece> units;
+    // reused by every layer of every decode step (no allocation); the workers reach the calling
+    // thread's vector through this reference, not their own thread_local copy
+    static thread_local std::vector<Piece> kept;
+    std::vector<Piece>& units = kept;
+    units.clear();
     int64_t floats = 0, most = 1;
     const int64_t Dp = part_floats(P[0].D);
     for (size_t j = 0; j < P.size(); j++)
