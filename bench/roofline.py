@@ -1,0 +1,107 @@
+"""What this CPU can issue, and how much of it the prefill kernels use.
+
+    .venv/bin/python bench/roofline.py [--threads 1 2]
+
+Builds bench/roofline.cpp with g++ (a few seconds) and runs it: per core, 256-bit FMAs per ns and
+vpmaddubsw + vpaddw pairs per ns (the int8 dot step of the GGUF kernels without VNNI, 32
+multiply-adds each), with 12 independent accumulators in registers; and the cost of an OpenMP
+parallel region and of a barrier. Then times, per thread count, compute-bound kernel calls of the
+bundled models' shapes (GGUF matmuls with 512 activation rows, and the attention of a 72-token
+prefill chunk over 1100 keys of float16 K/V) and prints each as a share of that issue rate:
+the matmul's multiply-adds against 32 x the vpmaddubsw rate, the attention's FMAs (8 lanes each,
+q.k and p.v per head, query and visible key) against the FMA rate. A share far below 1 means the
+kernel's own instructions (loads, conversions, stores, spills), not the CPU, set its speed.
+Timings are the best of repeated calls (this shared VM's noise is large). See docs/kernels.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # run as a script from anywhere
+
+from bench.machine import cpu_model  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+def probe(threads: int) -> dict[str, float]:
+    """bench/roofline.cpp's numbers (built into a temporary folder)."""
+    with tempfile.TemporaryDirectory() as d:
+        exe = Path(d) / "roofline"
+        subprocess.run(["g++", "-O2", "-fopenmp", "-o", str(exe), str(HERE / "roofline.cpp")], check=True)
+        out = subprocess.run([str(exe)], check=True, capture_output=True, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": str(threads)}).stdout
+    vals = {}
+    for line in out.splitlines():
+        k, v = line.split()
+        vals[k] = float(v)
+    return vals
+
+
+def best_s(fn, budget: float = 1.0) -> float:
+    fn()
+    best, t_end = float("inf"), time.perf_counter() + budget
+    while time.perf_counter() < t_end:
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def kernel_rows(threads: int, peak: dict[str, float]) -> list[tuple[str, float, float]]:
+    """(what, units per ns, share of the issue rate) for the kernel calls, at ``threads``."""
+    from gguf import GGMLQuantizationType as Q
+
+    import turnkv.kernels as tk
+    from bench.kernels import random_weight
+    from turnkv.kernels import attention as A
+
+    torch.set_num_threads(threads)
+    rows = []
+    ext, isa = tk._ext, tk._isa_index(None)
+    int8_peak = 32 * peak["maddubs_ymm_per_ns"] * threads      # multiply-adds per ns
+    for name, qt, n, k in (("Q4_1 [3072, 576] (SmolLM2 gate/up)", Q.Q4_1, 3072, 576),
+                           ("Q5_0 [4096, 640] (Gemma 3 gate/up)", Q.Q5_0, 4096, 640),
+                           ("Q4_K [640, 2048] (Gemma 3 down)", Q.Q4_K, 640, 2048)):
+        w, x = random_weight(qt, n, k), torch.randn(512, k)
+        s = best_s(lambda: ext.gguf_matmul(x, w.raw, int(w.qtype), n, k, isa))
+        rate = 512 * n * k / s / 1e9
+        rows.append((f"matmul {name}, M=512: multiply-adds/ns", rate, rate / int8_peak))
+    fma_peak = peak["fma_ymm_per_ns"] * threads
+    for name, hq, hk, d in (("SmolLM2 9q/3kv x 64", 9, 3, 64), ("Gemma 3 4q/1kv x 256", 4, 1, 256)):
+        t, keys = 72, 1100
+        q, kk, v = torch.randn(hq, t, d), torch.randn(hk, keys, d).half(), torch.randn(hk, keys, d).half()
+        s = best_s(lambda: A.attend_native(q, kk, v, keys - t, 0, "full", 0, 0.125, None))
+        visible = sum(keys - t + i + 1 for i in range(t))
+        fmas = 2 * hq * visible * (d / 8)
+        rate = fmas / s / 1e9
+        rows.append((f"attention {name}, 72 queries / 1100 keys: FMAs/ns", rate, rate / fma_peak))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, nargs="*", default=[1, 2])
+    a = ap.parse_args()
+    print(f"CPU: {cpu_model()}")
+    for threads in a.threads:
+        peak = probe(threads)
+        print(f"\n{threads} thread(s): per core {peak['fma_ymm_per_ns']:.2f} FMA ymm/ns, "
+              f"{peak['maddubs_ymm_per_ns']:.2f} vpmaddubsw+vpaddw ymm/ns; OpenMP region "
+              f"{peak['omp_region_us']:.2f} us, barrier {peak['omp_barrier_us']:.2f} us")
+        print(f"{'kernel call':72s} {'rate':>8s} {'share':>6s}")
+        for what, rate, share in kernel_rows(threads, peak):
+            print(f"{what:72s} {rate:8.1f} {share:6.0%}")
+
+
+if __name__ == "__main__":
+    main()
