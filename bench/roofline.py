@@ -21,7 +21,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -33,28 +32,28 @@ from bench.machine import cpu_model  # noqa: E402
 HERE = Path(__file__).resolve().parent
 
 
-def probe(threads: int) -> dict[str, float]:
-    """bench/roofline.cpp's numbers (built into a temporary folder)."""
-    with tempfile.TemporaryDirectory() as d:
-        exe = Path(d) / "roofline"
+def build_probe(folder: Path) -> Path:
+    """bench/roofline.cpp compiled into ``folder`` (once for every thread count)."""
+    exe = folder / "roofline"
+    try:
         subprocess.run(["g++", "-O2", "-fopenmp", "-o", str(exe), str(HERE / "roofline.cpp")], check=True)
-        out = subprocess.run([str(exe)], check=True, capture_output=True, text=True,
-                             env={**os.environ, "OMP_NUM_THREADS": str(threads)}).stdout
+    except FileNotFoundError:
+        raise SystemExit("bench/roofline.py needs g++ (apt-get install g++)") from None
+    except subprocess.CalledProcessError as err:
+        raise SystemExit(f"building bench/roofline.cpp failed (g++ exit status {err.returncode})") from None
+    return exe
+
+
+def probe(exe: Path, threads: int) -> dict[str, float]:
+    """The probe's numbers with ``threads`` OpenMP threads."""
+    run = subprocess.run([str(exe)], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    if run.returncode != 0:
+        raise SystemExit(f"the probe failed: {(run.stdout + run.stderr).strip()}")
     vals = {}
-    for line in out.splitlines():
+    for line in run.stdout.splitlines():
         k, v = line.split()
         vals[k] = float(v)
     return vals
-
-
-def best_s(fn, budget: float = 1.0) -> float:
-    fn()
-    best, t_end = float("inf"), time.perf_counter() + budget
-    while time.perf_counter() < t_end:
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def kernel_rows(threads: int, peak: dict[str, float]) -> list[tuple[str, float, float]]:
@@ -62,7 +61,7 @@ def kernel_rows(threads: int, peak: dict[str, float]) -> list[tuple[str, float, 
     from gguf import GGMLQuantizationType as Q
 
     import turnkv.kernels as tk
-    from bench.kernels import random_weight
+    from bench.kernels import best_time, random_weight
     from turnkv.kernels import attention as A
 
     torch.set_num_threads(threads)
@@ -73,14 +72,14 @@ def kernel_rows(threads: int, peak: dict[str, float]) -> list[tuple[str, float, 
                            ("Q5_0 [4096, 640] (Gemma 3 gate/up)", Q.Q5_0, 4096, 640),
                            ("Q4_K [640, 2048] (Gemma 3 down)", Q.Q4_K, 640, 2048)):
         w, x = random_weight(qt, n, k), torch.randn(512, k)
-        s = best_s(lambda: ext.gguf_matmul(x, w.raw, int(w.qtype), n, k, isa))
+        s = best_time(lambda: ext.gguf_matmul(x, w.raw, int(w.qtype), n, k, isa), budget=1.0)
         rate = 512 * n * k / s / 1e9
         rows.append((f"matmul {name}, M=512: multiply-adds/ns", rate, rate / int8_peak))
     fma_peak = peak["fma_ymm_per_ns"] * threads
     for name, hq, hk, d in (("SmolLM2 9q/3kv x 64", 9, 3, 64), ("Gemma 3 4q/1kv x 256", 4, 1, 256)):
         t, keys = 72, 1100
         q, kk, v = torch.randn(hq, t, d), torch.randn(hk, keys, d).half(), torch.randn(hk, keys, d).half()
-        s = best_s(lambda: A.attend_native(q, kk, v, keys - t, 0, "full", 0, 0.125, None))
+        s = best_time(lambda: A.attend_native(q, kk, v, keys - t, 0, "full", 0, 0.125, None), budget=1.0)
         visible = sum(keys - t + i + 1 for i in range(t))
         fmas = 2 * hq * visible * (d / 8)
         rate = fmas / s / 1e9
@@ -92,9 +91,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, nargs="*", default=[1, 2])
     a = ap.parse_args()
+    import turnkv.kernels as tk
+    from turnkv.kernels.attention import native_attention_available
+
+    if tk._ext is None or not native_attention_available():
+        raise SystemExit("the native kernels are not built: run `make setup` (or `.venv/bin/python -m turnkv.kernels.build`)")
     print(f"CPU: {cpu_model()}")
-    for threads in a.threads:
-        peak = probe(threads)
+    with tempfile.TemporaryDirectory() as d:
+        exe = build_probe(Path(d))
+        peaks = {threads: probe(exe, threads) for threads in a.threads}
+    for threads, peak in peaks.items():
         print(f"\n{threads} thread(s): per core {peak['fma_ymm_per_ns']:.2f} FMA ymm/ns, "
               f"{peak['maddubs_ymm_per_ns']:.2f} vpmaddubsw+vpaddw ymm/ns; OpenMP region "
               f"{peak['omp_region_us']:.2f} us, barrier {peak['omp_barrier_us']:.2f} us")
