@@ -235,19 +235,32 @@ TKV_TARGET static inline float hsum(VF x) {  // fixed tree: (0+4, 1+5, ...), the
     return _mm_cvtss_f32(s);
 }
 // hsum of W = 8 vectors at once: lane j of the result is exactly hsum(x[j]) (the same additions
-// of the same lanes: halves, then (0+2, 1+3), then 0+1), the vectors' trees sharing shuffles
-TKV_TARGET static inline VF hsum_many(const VF* x) {
-    VF p[4], r[2];
-    for (int i = 0; i < 4; i++)
-        p[i] = _mm256_add_ps(_mm256_permute2f128_ps(x[2 * i], x[2 * i + 1], 0x20),
-                             _mm256_permute2f128_ps(x[2 * i], x[2 * i + 1], 0x31));
-    for (int i = 0; i < 2; i++)
-        r[i] = _mm256_add_ps(_mm256_shuffle_ps(p[2 * i], p[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm256_shuffle_ps(p[2 * i], p[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+// of the same lanes: halves, then (0+2, 1+3), then 0+1), the vectors' trees sharing shuffles.
+// Its levels one by one: hs_p of two vectors, hs_r of two of those (4 vectors' partial sums), hs_f
+// of two of those (all 8, key j in lane j); so the partial trees of 2 or 4 keys
+// (attention_body.inc's dots_group) finish into the same bits.
+TKV_TARGET static inline VF hs_p(VF a, VF b) {
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+TKV_TARGET static inline VF hs_r(VF a, VF b) {
+    return _mm256_add_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+TKV_TARGET static inline VF hs_f(VF r0, VF r1) {
     // element 4k + e holds the sum of x[2e + k]
-    const VF f = _mm256_add_ps(_mm256_shuffle_ps(r[0], r[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                               _mm256_shuffle_ps(r[0], r[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const VF f = _mm256_add_ps(_mm256_shuffle_ps(r0, r1, _MM_SHUFFLE(2, 0, 2, 0)),
+                               _mm256_shuffle_ps(r0, r1, _MM_SHUFFLE(3, 1, 3, 1)));
     return _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+TKV_TARGET static inline VF hsum_many(const VF* x) {
+    return hs_f(hs_r(hs_p(x[0], x[1]), hs_p(x[2], x[3])), hs_r(hs_p(x[4], x[5]), hs_p(x[6], x[7])));
+}
+// dots_group: KC keys' partial tree (KC = 4 for up to 3 heads, 2 for 4: the accumulators fit the
+// 16 registers), two of which hs_f finishes, four hs_r then hs_f
+constexpr int group_keys(int G) { return G <= 3 ? 4 : 2; }
+template <int KC>
+TKV_TARGET static inline VF hs_chunk(const VF* x) {
+    if constexpr (KC == 4) return hs_r(hs_p(x[0], x[1]), hs_p(x[2], x[3]));
+    else return hs_p(x[0], x[1]);
 }
 TKV_TARGET static inline __m256i tail_mask(int n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -258,6 +271,7 @@ TKV_TARGET static inline __m256i tail_mask(int n) {
 #define STORET(p, x, n) _mm256_maskstore_ps(p, tail_mask(n), x)
 #define FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define MUL(a, b) _mm256_mul_ps(a, b)
+#define MAX(a, b) _mm256_max_ps(a, b)
 #define ADD(a, b) _mm256_add_ps(a, b)
 #define ZERO() _mm256_setzero_ps()
 #define LOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p)))
@@ -272,6 +286,7 @@ TKV_TARGET static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 #undef STORET
 #undef FMA
 #undef MUL
+#undef MAX
 #undef ADD
 #undef ZERO
 #undef SET1
@@ -315,22 +330,37 @@ TKV_TARGET static inline float hsum(VF x) {  // fixed tree: halves, then avx2's
     return _mm_cvtss_f32(s);
 }
 // hsum of W = 16 vectors at once: lane j of the result is exactly hsum(x[j]) (the same additions
-// of the same lanes: halves, quarters, then (0+2, 1+3), then 0+1), the trees sharing shuffles
-TKV_TARGET static inline VF hsum_many(const VF* x) {
-    VF p[8], q[4], r[2];
-    for (int i = 0; i < 8; i++)
-        p[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; i++)
-        q[i] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; i++)
-        r[i] = _mm512_add_ps(_mm512_shuffle_ps(q[2 * i], q[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(q[2 * i], q[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+// of the same lanes: halves, quarters, then (0+2, 1+3), then 0+1), the trees sharing shuffles.
+// Its levels one by one: hs_p of two vectors, hs_q of two of those (4 vectors' partial sums),
+// hs_r of two of those (8 vectors'), hs_f of two of those (all 16, key j in lane j); so the
+// partial trees of 4 or 8 keys (attention_body.inc's dots_group) finish into the same bits.
+TKV_TARGET static inline VF hs_p(VF a, VF b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+TKV_TARGET static inline VF hs_q(VF a, VF b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+TKV_TARGET static inline VF hs_r(VF a, VF b) {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+TKV_TARGET static inline VF hs_f(VF r0, VF r1) {
     // element 4k + e holds the sum of x[4e + k]
-    const VF f = _mm512_add_ps(_mm512_shuffle_ps(r[0], r[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                               _mm512_shuffle_ps(r[0], r[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const VF f = _mm512_add_ps(_mm512_shuffle_ps(r0, r1, _MM_SHUFFLE(2, 0, 2, 0)),
+                               _mm512_shuffle_ps(r0, r1, _MM_SHUFFLE(3, 1, 3, 1)));
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), f);
+}
+// x[0..7]'s part of the tree
+TKV_TARGET static inline VF hsum_half(const VF* x) {
+    return hs_r(hs_q(hs_p(x[0], x[1]), hs_p(x[2], x[3])), hs_q(hs_p(x[4], x[5]), hs_p(x[6], x[7])));
+}
+TKV_TARGET static inline VF hsum_many(const VF* x) { return hs_f(hsum_half(x), hsum_half(x + 8)); }
+// dots_group: KC keys' partial tree (KC = 8 for up to 3 heads, 4 for 4: the accumulators fit the
+// 32 registers), two of which hs_f finishes, four hs_r then hs_f
+constexpr int group_keys(int G) { return G <= 3 ? 8 : 4; }
+template <int KC>
+TKV_TARGET static inline VF hs_chunk(const VF* x) {
+    if constexpr (KC == 8) return hsum_half(x);
+    else return hs_q(hs_p(x[0], x[1]), hs_p(x[2], x[3]));
 }
 #define LOAD(p) _mm512_loadu_ps(p)
 #define STORE(p, x) _mm512_storeu_ps(p, x)
@@ -338,6 +368,7 @@ TKV_TARGET static inline VF hsum_many(const VF* x) {
 #define STORET(p, x, n) _mm512_mask_storeu_ps(p, (__mmask16)((1u << (n)) - 1), x)
 #define FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define MUL(a, b) _mm512_mul_ps(a, b)
+#define MAX(a, b) _mm512_max_ps(a, b)
 #define ADD(a, b) _mm512_add_ps(a, b)
 #define ZERO() _mm512_setzero_ps()
 #define LOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p)))
@@ -352,6 +383,7 @@ TKV_TARGET static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 #undef STORET
 #undef FMA
 #undef MUL
+#undef MAX
 #undef ADD
 #undef ZERO
 #undef SET1
