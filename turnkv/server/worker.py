@@ -155,8 +155,8 @@ class EngineWorker:
                     log.exception("the engine loop died; failing the requests in flight and restarting it")
                     now = time.monotonic()
                     deaths = [t for t in deaths if now - t < RESTART_WINDOW_S] + [now]
+                    self.restarts += 1      # counted before the requests fail: their clients see it
                     failed = self.engine.abort_all(err)
-                    self.restarts += 1
                     log.error("engine restart %d: %d request(s) failed", self.restarts, failed)
                     if len(deaths) > MAX_RESTARTS:
                         log.error("the engine loop died %d times in %d s: giving up (health stays 503)",
