@@ -710,6 +710,13 @@ static torch::Tensor run_many(std::vector<Params>& P, int64_t isa) {
         return u;
     };
     while (Q > 1 && count(Q) < 2 * threads) Q = (Q + 1) / 2;
+    // one span (a prompt's chunk): as many tiles as a multiple of the threads, so they share the
+    // tiles evenly (72 queries on 2 threads: 6 tiles of 12, not 5 of 16); a batch's spans of
+    // different sizes are balanced by cost below
+    if (n == 1 && threads > 1 && P[0].T > Q) {
+        const int64_t tiles = (tiles_of(P[0].T, Q) + threads - 1) / threads * threads;
+        Q = (int)std::max<int64_t>(1, (P[0].T + tiles - 1) / tiles);
+    }
     for (size_t j = 0; j < n; j++) {
         const Params& p = P[j];
         first_unit[j + 1] = first_unit[j] + Hk * groups * tiles_of(p.T, Q);
@@ -726,11 +733,50 @@ static torch::Tensor run_many(std::vector<Params>& P, int64_t isa) {
         split_units(P, first_unit, G, Q, isa, threads);
         return out;
     }
-    at::parallel_for(0, units, grain_for(std::max<int64_t>(1, cost / units), D * G), [&](int64_t b, int64_t e) {
-        size_t j = std::upper_bound(first_unit.begin(), first_unit.end(), b) - first_unit.begin() - 1;
-        for (int64_t u = b; u < e; u++) {
+    // Each thread takes a contiguous range of units of about equal cost (queries x heads x the keys
+    // the unit's middle query sees), not of equal count: a batch of one prefill chunk beside decode
+    // rows has units 16-70x apart (split by count, one thread got the whole chunk). Which thread
+    // runs a unit changes none of its bits.
+    const int64_t grain = grain_for(std::max<int64_t>(1, cost / units), D * G);
+    const int64_t nth = std::min<int64_t>(threads, (units + grain - 1) / grain);
+    if (nth <= 1) {
+        size_t j = 0;
+        for (int64_t u = 0; u < units; u++) {
             while (u >= first_unit[j + 1]) j++;
             run_unit(kUnit[isa][P[j].kv], P[j], G, Q, u - first_unit[j]);
+        }
+        return out;
+    }
+    static thread_local std::vector<int64_t> ucost, bound;
+    ucost.assign(units, 0);
+    int64_t total = 0;
+    for (size_t j = 0, u = 0; j < n; j++)
+        for (int64_t i = 0; i < first_unit[j + 1] - first_unit[j]; i++, u++) {
+            const Unit w = unit_at(P[j], G, Q, i);
+            int64_t lo, hi;
+            visible(P[j], P[j].q_pos0 + w.t0 + w.nq / 2, lo, hi);
+            ucost[u] = (int64_t)w.nq * w.n * std::max<int64_t>(1, hi - lo + 1);
+            total += ucost[u];
+        }
+    // unit u goes to the thread whose share holds the middle of its cost: contiguous ranges
+    bound.assign(nth + 1, units);
+    bound[0] = 0;
+    {
+        int64_t before = 0, t = 0;
+        for (int64_t u = 0; u < units; u++) {
+            const int64_t owner = std::min<int64_t>(nth - 1, (2 * before + ucost[u]) * nth / (2 * total));
+            while (t < owner) bound[++t] = u;
+            before += ucost[u];
+        }
+    }
+    const std::vector<int64_t>& bd = bound;   // the workers read the calling thread's vectors
+    at::parallel_for(0, nth, 1, [&](int64_t b, int64_t e) {
+        for (int64_t t = b; t < e; t++) {
+            size_t j = std::upper_bound(first_unit.begin(), first_unit.end(), bd[t]) - first_unit.begin() - 1;
+            for (int64_t u = bd[t]; u < bd[t + 1]; u++) {
+                while (u >= first_unit[j + 1]) j++;
+                run_unit(kUnit[isa][P[j].kv], P[j], G, Q, u - first_unit[j]);
+            }
         }
     });
     return out;
