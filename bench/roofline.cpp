@@ -54,6 +54,51 @@ __attribute__((target("avx2"), noinline)) static void int8_loop(int64_t iters) {
           "xmm12", "xmm13", "xmm14", "xmm15", "cc");
 }
 
+// the same two steps 512 bits wide, and vpdpbusd (AVX-512 VNNI: 64 multiply-adds in one instruction),
+// for the avx512 / avx512vnni paths
+__attribute__((target("avx512f"), noinline)) static float fma_zmm_loop(int64_t iters) {
+    __m512 q = _mm512_set1_ps(1.0001f), b = _mm512_set1_ps(0.5f);
+#define DECL(i) __m512 a##i = _mm512_set1_ps((float)i);
+    ACC12(DECL)
+#undef DECL
+    for (int64_t it = 0; it < iters; it++) {
+#define STEP(i) a##i = _mm512_fmadd_ps(q, b, a##i);
+        ACC12(STEP)
+#undef STEP
+        __asm__ volatile("" : "+v"(q));
+    }
+    __m512 s = _mm512_setzero_ps();
+#define SUM(i) s = _mm512_add_ps(s, a##i);
+    ACC12(SUM)
+#undef SUM
+    return _mm512_reduce_add_ps(s);
+}
+
+#define ZCLOBBER "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", \
+                 "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "cc"
+#define ZPAIR(a, t) "vpmaddubsw %%zmm13, %%zmm12, %%zmm" #t "\n\t" "vpaddw %%zmm" #t ", %%zmm" #a ", %%zmm" #a "\n\t"
+__attribute__((target("avx512f,avx512bw"), noinline)) static void int8_zmm_loop(int64_t iters) {
+    __asm__ volatile(
+        "vpxord %%zmm12, %%zmm12, %%zmm12\n\t" "vpxord %%zmm13, %%zmm13, %%zmm13\n\t"
+        "1:\n\t"
+        ZPAIR(0, 14) ZPAIR(1, 15) ZPAIR(2, 14) ZPAIR(3, 15) ZPAIR(4, 14) ZPAIR(5, 15)
+        ZPAIR(6, 14) ZPAIR(7, 15) ZPAIR(8, 14) ZPAIR(9, 15) ZPAIR(10, 14) ZPAIR(11, 15)
+        "dec %0\n\t"
+        "jnz 1b\n\t"
+        : "+r"(iters) : : ZCLOBBER);
+}
+
+#define ZDOT(a) "vpdpbusd %%zmm13, %%zmm12, %%zmm" #a "\n\t"
+__attribute__((target("avx512f,avx512vnni"), noinline)) static void vnni_zmm_loop(int64_t iters) {
+    __asm__ volatile(
+        "vpxord %%zmm12, %%zmm12, %%zmm12\n\t" "vpxord %%zmm13, %%zmm13, %%zmm13\n\t"
+        "1:\n\t"
+        ZDOT(0) ZDOT(1) ZDOT(2) ZDOT(3) ZDOT(4) ZDOT(5) ZDOT(6) ZDOT(7) ZDOT(8) ZDOT(9) ZDOT(10) ZDOT(11)
+        "dec %0\n\t"
+        "jnz 1b\n\t"
+        : "+r"(iters) : : ZCLOBBER);
+}
+
 template <class F>
 static double best_ns_per_op(F f, int64_t ops) {
     double best = 1e30;
@@ -77,6 +122,15 @@ int main() {
     const double i8 = best_ns_per_op([&] { int8_loop(n); }, 12 * n);
     std::printf("fma_ymm_per_ns %.3f\n", 1.0 / fma);
     std::printf("maddubs_ymm_per_ns %.3f\n", 1.0 / i8);
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) {
+        const double fz = best_ns_per_op([&] { sf = fma_zmm_loop(n); }, 12 * n);
+        const double iz = best_ns_per_op([&] { int8_zmm_loop(n); }, 12 * n);
+        std::printf("fma_zmm_per_ns %.3f\nmaddubs_zmm_per_ns %.3f\n", 1.0 / fz, 1.0 / iz);
+        if (__builtin_cpu_supports("avx512vnni")) {
+            const double dz = best_ns_per_op([&] { vnni_zmm_loop(n); }, 12 * n);
+            std::printf("dpbusd_zmm_per_ns %.3f\n", 1.0 / dz);
+        }
+    }
     // the cost of an OpenMP parallel region and of a barrier inside one, all threads spinning
     const int N = 50000;
     volatile int sink = 0;

@@ -2,16 +2,19 @@
 
     .venv/bin/python bench/roofline.py [--threads 1 2]
 
-Builds bench/roofline.cpp with g++ (a few seconds) and runs it: per core, 256-bit FMAs per ns and
-vpmaddubsw + vpaddw pairs per ns (the int8 dot step of the GGUF kernels without VNNI, 32
-multiply-adds each), with 12 independent accumulators in registers; and the cost of an OpenMP
-parallel region and of a barrier. Then times, per thread count, compute-bound kernel calls of the
-bundled models' shapes (GGUF matmuls with 512 activation rows, and the attention of a 72-token
-prefill chunk over 1100 keys of float16 K/V) and prints each as a share of that issue rate:
-the matmul's multiply-adds against 32 x the vpmaddubsw rate, the attention's FMAs (8 lanes each,
-q.k and p.v per head, query and visible key) against the FMA rate. A share far below 1 means the
-kernel's own instructions (loads, conversions, stores, spills), not the CPU, set its speed.
-Timings are the best of repeated calls (this shared VM's noise is large). See docs/kernels.md.
+Builds bench/roofline.cpp with g++ (a few seconds) and runs it: per core, with 12 independent
+accumulators in registers, 256-bit FMAs per ns and vpmaddubsw + vpaddw pairs per ns (the int8 dot
+step of the GGUF kernels without VNNI); where the CPU has AVX-512, the same two 512 bits wide and
+vpdpbusd per ns (AVX-512 VNNI); and the cost of an OpenMP parallel region and of a barrier. Then
+times, per thread count, compute-bound kernel calls of the bundled models' shapes (GGUF matmuls
+with 512 activation rows, and the attention of a 72-token prefill chunk over 1100 keys of float16
+K/V) and prints each in multiply-adds per ns and as a share of the rate of the instruction the
+dispatched path uses: the matmul's against vpdpbusd zmm (avx512vnni, 64 each), vpmaddubsw zmm
+(avx512, 64) or vpmaddubsw ymm (avx2, 32); the attention's (q.k and p.v per head, query and
+visible key, d each) against the FMA rate at its path's width (avx512: 16 lanes, avx2: 8). A share
+far below 1 means the kernel's own instructions (loads, conversions, stores, spills), not the CPU,
+set its speed. Timings are the best of repeated calls (this shared VM's noise is large). See
+docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -56,8 +59,28 @@ def probe(exe: Path, threads: int) -> dict[str, float]:
     return vals
 
 
+def peaks(peak: dict[str, float], threads: int) -> tuple[str, float, str, float]:
+    """(matmul instruction, its multiply-adds per ns, attention instruction, its multiply-adds per
+    ns) on ``threads`` cores for the paths the kernels dispatch to on this CPU."""
+    import turnkv.kernels as tk
+    from turnkv.kernels.attention import attention_isas
+
+    mm = tk.ISAS[tk._isa_index(None)]
+    if mm == "avx512vnni":
+        mm_ins, mm_rate = "vpdpbusd zmm", 64 * peak["dpbusd_zmm_per_ns"]
+    elif mm == "avx512":
+        mm_ins, mm_rate = "vpmaddubsw zmm", 64 * peak["maddubs_zmm_per_ns"]
+    else:
+        mm_ins, mm_rate = "vpmaddubsw ymm", 32 * peak["maddubs_ymm_per_ns"]
+    if attention_isas()[-1] == "avx512" and os.environ.get("TURNKV_KERNEL_ISA", "") not in ("avx2", "scalar"):
+        at_ins, at_rate = "FMA zmm", 16 * peak["fma_zmm_per_ns"]
+    else:
+        at_ins, at_rate = "FMA ymm", 8 * peak["fma_ymm_per_ns"]
+    return mm_ins, mm_rate * threads, at_ins, at_rate * threads
+
+
 def kernel_rows(threads: int, peak: dict[str, float]) -> list[tuple[str, float, float]]:
-    """(what, units per ns, share of the issue rate) for the kernel calls, at ``threads``."""
+    """(what, multiply-adds per ns, share of the issue rate) for the kernel calls, at ``threads``."""
     from gguf import GGMLQuantizationType as Q
 
     import turnkv.kernels as tk
@@ -67,23 +90,21 @@ def kernel_rows(threads: int, peak: dict[str, float]) -> list[tuple[str, float, 
     torch.set_num_threads(threads)
     rows = []
     ext, isa = tk._ext, tk._isa_index(None)
-    int8_peak = 32 * peak["maddubs_ymm_per_ns"] * threads      # multiply-adds per ns
+    mm_ins, mm_peak, at_ins, at_peak = peaks(peak, threads)
     for name, qt, n, k in (("Q4_1 [3072, 576] (SmolLM2 gate/up)", Q.Q4_1, 3072, 576),
                            ("Q5_0 [4096, 640] (Gemma 3 gate/up)", Q.Q5_0, 4096, 640),
                            ("Q4_K [640, 2048] (Gemma 3 down)", Q.Q4_K, 640, 2048)):
         w, x = random_weight(qt, n, k), torch.randn(512, k)
         s = best_time(lambda: ext.gguf_matmul(x, w.raw, int(w.qtype), n, k, isa), budget=1.0)
         rate = 512 * n * k / s / 1e9
-        rows.append((f"matmul {name}, M=512: multiply-adds/ns", rate, rate / int8_peak))
-    fma_peak = peak["fma_ymm_per_ns"] * threads
+        rows.append((f"matmul {name}, M=512 (against {mm_ins})", rate, rate / mm_peak))
     for name, hq, hk, d in (("SmolLM2 9q/3kv x 64", 9, 3, 64), ("Gemma 3 4q/1kv x 256", 4, 1, 256)):
         t, keys = 72, 1100
         q, kk, v = torch.randn(hq, t, d), torch.randn(hk, keys, d).half(), torch.randn(hk, keys, d).half()
         s = best_time(lambda: A.attend_native(q, kk, v, keys - t, 0, "full", 0, 0.125, None), budget=1.0)
         visible = sum(keys - t + i + 1 for i in range(t))
-        fmas = 2 * hq * visible * (d / 8)
-        rate = fmas / s / 1e9
-        rows.append((f"attention {name}, 72 queries / 1100 keys: FMAs/ns", rate, rate / fma_peak))
+        rate = 2 * hq * visible * d / s / 1e9
+        rows.append((f"attention {name}, 72 q / 1100 keys (against {at_ins})", rate, rate / at_peak))
     return rows
 
 
@@ -96,18 +117,21 @@ def main() -> None:
 
     if tk._ext is None or not native_attention_available():
         raise SystemExit("the native kernels are not built: run `make setup` (or `.venv/bin/python -m turnkv.kernels.build`)")
-    print(f"CPU: {cpu_model()}")
+    print(f"CPU: {cpu_model()}; kernels: {tk.kernel_info()}")
     with tempfile.TemporaryDirectory() as d:
         exe = build_probe(Path(d))
-        peaks = {threads: probe(exe, threads) for threads in a.threads}
-    for threads, peak in peaks.items():
+        peaks_by_threads = {threads: probe(exe, threads) for threads in a.threads}
+    for threads, peak in peaks_by_threads.items():
+        wide = (f", {peak['fma_zmm_per_ns']:.2f} FMA zmm/ns, {peak['maddubs_zmm_per_ns']:.2f} vpmaddubsw+vpaddw zmm/ns"
+                if "fma_zmm_per_ns" in peak else "")
+        if "dpbusd_zmm_per_ns" in peak:
+            wide += f", {peak['dpbusd_zmm_per_ns']:.2f} vpdpbusd zmm/ns"
         print(f"\n{threads} thread(s): per core {peak['fma_ymm_per_ns']:.2f} FMA ymm/ns, "
-              f"{peak['maddubs_ymm_per_ns']:.2f} vpmaddubsw+vpaddw ymm/ns; OpenMP region "
+              f"{peak['maddubs_ymm_per_ns']:.2f} vpmaddubsw+vpaddw ymm/ns{wide}; OpenMP region "
               f"{peak['omp_region_us']:.2f} us, barrier {peak['omp_barrier_us']:.2f} us")
-        print(f"{'kernel call':72s} {'rate':>8s} {'share':>6s}")
+        print(f"{'kernel call':80s} {'MA/ns':>8s} {'share':>6s}")
         for what, rate, share in kernel_rows(threads, peak):
-            print(f"{what:72s} {rate:8.1f} {share:6.0%}")
-
+            print(f"{what:80s} {rate:8.1f} {share:6.0%}")
 
 if __name__ == "__main__":
     main()
