@@ -738,13 +738,16 @@ static torch::Tensor run_many(std::vector<Params>& P, int64_t isa) {
     // rows has units 16-70x apart (split by count, one thread got the whole chunk). Which thread
     // runs a unit changes none of its bits.
     const int64_t grain = grain_for(std::max<int64_t>(1, cost / units), D * G);
-    const int64_t nth = std::min<int64_t>(threads, (units + grain - 1) / grain);
-    if (nth <= 1) {
-        size_t j = 0;
-        for (int64_t u = 0; u < units; u++) {
+    const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(threads, (units + grain - 1) / grain));
+    auto run_range = [&](int64_t b, int64_t e) {
+        size_t j = std::upper_bound(first_unit.begin(), first_unit.end(), b) - first_unit.begin() - 1;
+        for (int64_t u = b; u < e; u++) {
             while (u >= first_unit[j + 1]) j++;
             run_unit(kUnit[isa][P[j].kv], P[j], G, Q, u - first_unit[j]);
         }
+    };
+    if (nth == 1) {
+        run_range(0, units);
         return out;
     }
     static thread_local std::vector<int64_t> ucost, bound;
@@ -769,15 +772,9 @@ static torch::Tensor run_many(std::vector<Params>& P, int64_t isa) {
             before += ucost[u];
         }
     }
-    const std::vector<int64_t>& bd = bound;   // the workers read the calling thread's vectors
+    const std::vector<int64_t>& bd = bound;   // the workers read the calling thread's vector
     at::parallel_for(0, nth, 1, [&](int64_t b, int64_t e) {
-        for (int64_t t = b; t < e; t++) {
-            size_t j = std::upper_bound(first_unit.begin(), first_unit.end(), bd[t]) - first_unit.begin() - 1;
-            for (int64_t u = bd[t]; u < bd[t + 1]; u++) {
-                while (u >= first_unit[j + 1]) j++;
-                run_unit(kUnit[isa][P[j].kv], P[j], G, Q, u - first_unit[j]);
-            }
-        }
+        for (int64_t t = b; t < e; t++) run_range(bd[t], bd[t + 1]);
     });
     return out;
 }
