@@ -46,7 +46,10 @@ namespace tkv_attn {
 constexpr int BLK = 64;        // keys per block, aligned to absolute positions
 constexpr int MAXD = 1024;     // head_dim limit (stack accumulator)
 constexpr int TILE = 16;       // the most queries one unit takes (run_many picks how many)
-// prefetch the next key block's K/V rows while a block computes (TURNKV_ATTN_PREFETCH=0: off, A/B)
+// prefetch the next key block's K/V rows into L2 while a block computes (TURNKV_ATTN_PREFETCH=0: off,
+// 2: into L1 instead, A/B). L2, not L1: a block's K and V rows are 16 KB (D = 64, float16) to 64 KB
+// (D = 256), and the next block's pulled into a 32 KB L1 evicted the rows being read (cold decode
+// attention ~1.5x slower than with no software prefetch on a Zen 4, docs/kernels.md)
 static int g_attn_prefetch = [] {
     const char* e = std::getenv("TURNKV_ATTN_PREFETCH");
     return e ? std::atoi(e) : 1;
