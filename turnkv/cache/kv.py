@@ -267,7 +267,11 @@ class KVCache(LayerCache):
         if keep > self.floor:
             self._release_from(0, keep // B)
             self.floor = keep
-        self._own_rows(T)
+        i = q0 // B
+        if T > 0 and q0 % B and (q0 + T - 1) // B == i and self._own[0] == i and self._own[1] == self._ids[i]:
+            self.offset = q0 + T     # inside the last block, already this cache's own (most decode steps)
+        else:
+            self._own_rows(T)
         return max(self.floor, self.needed_from(q0)), q0
 
     def _own_rows(self, T: int) -> None:

@@ -211,21 +211,38 @@ def attention_spans(batch: Batch, layer: int, q: torch.Tensor, k: torch.Tensor, 
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+def _write_layout(cache) -> str | None:
+    """How ``write_attend`` writes this layer cache's K/V buffers ("plain", "int8"), or None when it
+    does not: fixed for a cache's life (its store's type and element type and its block size do not
+    change), so worked out on its first step and kept on it."""
+    try:
+        return cache._write_layout
+    except AttributeError:
+        pass
+    layout = None
+    if isinstance(cache, KVCache) and cache.block_size == KERNEL_BLOCK and write_buffers_ok({cache.store.parts_dtype}):
+        layout = type(cache.store).native_layout
+    cache._write_layout = layout
+    return layout
+
+
 def write_plan(batch: Batch, layer: int) -> tuple | None:
     """The cache side of ``write_attend`` for every span's cache at ``layer``, after reserving
     room for the span's rows in it: (K buffers, V buffers, lengths, block tables, query positions,
     key positions, kinds, windows / chunks, int8 K scales, V scales), or None (nothing reserved)
     unless every one keeps its K/V in blocks of the kernel's size (``KERNEL_BLOCK``) as plain
-    float buffers the kernel writes, or every one as int8 with row scales."""
-    caches = [s.caches[layer] for s in batch.spans]
-    layouts = {type(c.store).native_layout if isinstance(c, KVCache) and c.block_size == KERNEL_BLOCK else None
-               for c in caches}
-    if len(layouts) != 1 or None in layouts or not write_buffers_ok({c.store.parts_dtype for c in caches}):
+    float buffers the kernel writes, or every one as int8 with row scales. Runs once per layer of
+    every step (a decode step of a small model: ~10 us a call is ~5% of the step), hence the one
+    pass and the layout kept on each cache."""
+    spans = batch.spans
+    caches = [s.caches[layer] for s in spans]
+    layout = _write_layout(caches[0])
+    if layout is None or any(_write_layout(c) != layout for c in caches[1:]):
         return None
-    plan = [c.reserve(s.length) for c, s in zip(caches, batch.spans)]
-    parts = [c.store.parts for c in caches]     # after reserve: the pool may have grown
-    int8 = "int8" in layouts
-    return ([b["k"] for b in parts], [b["v"] for b in parts], [s.length for s in batch.spans],
+    plan = [c.reserve(s.length) for c, s in zip(caches, spans)]
+    parts = [c.store.parts for c in caches]     # after every reserve: the pool may have grown
+    int8 = layout == "int8"
+    return ([b["k"] for b in parts], [b["v"] for b in parts], [s.length for s in spans],
             [c.table for c in caches], [p[1] for p in plan], [p[0] for p in plan],
             [KINDS[c.kind] for c in caches], [int(c.span or 0) for c in caches],
             [b["k_scale"] for b in parts] if int8 else None, [b["v_scale"] for b in parts] if int8 else None)
