@@ -267,11 +267,7 @@ class KVCache(LayerCache):
         if keep > self.floor:
             self._release_from(0, keep // B)
             self.floor = keep
-        i = q0 // B
-        if T > 0 and q0 % B and (q0 + T - 1) // B == i and self._own[0] == i and self._own[1] == self._ids[i]:
-            self.offset = q0 + T     # inside the last block, already this cache's own (most decode steps)
-        else:
-            self._own_rows(T)
+        self._own_rows(T)
         return max(self.floor, self.needed_from(q0)), q0
 
     def _own_rows(self, T: int) -> None:
@@ -279,6 +275,10 @@ class KVCache(LayerCache):
         ``offset`` past them."""
         B, q0 = self.block_size, self.offset
         r = q0 % B
+        i = q0 // B
+        if T > 0 and r and (q0 + T - 1) // B == i and self._own[0] == i and self._own[1] == self._ids[i]:
+            self.offset = q0 + T     # inside the last block, already this cache's own (most decode steps)
+            return
         for i in range(q0 // B, (q0 + T - 1) // B + 1) if T > 0 else ():
             b = self._ids[i] if i < len(self._ids) else -1
             if i == q0 // B and r and b >= 0:

@@ -7,6 +7,7 @@ behaviour beyond the ``Model`` interface.
 
 from __future__ import annotations
 
+import functools
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
@@ -211,19 +212,19 @@ def attention_spans(batch: Batch, layer: int, q: torch.Tensor, k: torch.Tensor, 
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+@functools.lru_cache(maxsize=None)
+def _layout_of(store_type: type, parts_dtype: torch.dtype, block_size: int) -> str | None:
+    if block_size != KERNEL_BLOCK or not write_buffers_ok({parts_dtype}):
+        return None
+    return store_type.native_layout
+
+
 def _write_layout(cache) -> str | None:
     """How ``write_attend`` writes this layer cache's K/V buffers ("plain", "int8"), or None when it
-    does not: fixed for a cache's life (its store's type and element type and its block size do not
-    change), so worked out on its first step and kept on it."""
-    try:
-        return cache._write_layout
-    except AttributeError:
-        pass
-    layout = None
-    if isinstance(cache, KVCache) and cache.block_size == KERNEL_BLOCK and write_buffers_ok({cache.store.parts_dtype}):
-        layout = type(cache.store).native_layout
-    cache._write_layout = layout
-    return layout
+    does not: a function of its store's type and element type and its block size (memoized)."""
+    if not isinstance(cache, KVCache):
+        return None
+    return _layout_of(type(cache.store), cache.store.parts_dtype, cache.block_size)
 
 
 def write_plan(batch: Batch, layer: int) -> tuple | None:
@@ -233,7 +234,7 @@ def write_plan(batch: Batch, layer: int) -> tuple | None:
     unless every one keeps its K/V in blocks of the kernel's size (``KERNEL_BLOCK``) as plain
     float buffers the kernel writes, or every one as int8 with row scales. Runs once per layer of
     every step (a decode step of a small model: ~10 us a call is ~5% of the step), hence the one
-    pass and the layout kept on each cache."""
+    pass and the memoized layout."""
     spans = batch.spans
     caches = [s.caches[layer] for s in spans]
     layout = _write_layout(caches[0])
