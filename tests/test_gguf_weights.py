@@ -151,7 +151,7 @@ def test_loader_blocks_dequantize_to_the_float_loader(pair):
         # the raw rows, dequantized by the float loader's own routine: same bytes, same row order
         # (q/k: the un-permute applied to the raw rows); every q/k, all of the first and last layer
         if "q_proj" in n or "k_proj" in n or n.startswith(("model.layers.0.", last)) or "layers" not in n:
-            assert torch.equal(dequantize_rows(q.raw.numpy(), q.qtype), ref.tensors[n]), n
+            assert torch.equal(dequantize_rows(q.rows().numpy(), q.qtype), ref.tensors[n]), n
     # GGUFWeight's own dequantize / lookup agree (one layer, and embedding rows at both ends)
     for n, q in got.quantized.items():
         if n.startswith("model.layers.0."):

@@ -112,10 +112,10 @@ def test_isa_env_forces_lower_path():
 @pytest.mark.parametrize("qtype", ALL, ids=lambda q: q.name)
 def test_dequantize_exact_and_unpack_layout(qtype):
     w = random_weight(qtype)
-    ref = torch.from_numpy(gguf.quants.dequantize(w.raw.numpy(), qtype).astype(np.float32))
+    ref = torch.from_numpy(gguf.quants.dequantize(w.rows().numpy(), qtype).astype(np.float32))
     assert torch.equal(w.dequantize(), ref)
     # the integer unpacking that both matmul paths use decodes the same values
-    u = reference.unpack(w.raw, qtype, K)
+    u = reference.unpack(w.rows(), qtype, K)
     if qtype in KQUANTS:
         val = u["d"].double().unsqueeze(-1) * u["w"].double()
         if u["mn"] is not None:
@@ -130,9 +130,48 @@ def test_dequantize_exact_and_unpack_layout(qtype):
         assert torch.equal(val.float(), ref)
 
 
+@pytest.mark.parametrize("qtype", QUANTIZABLE, ids=lambda q: q.name)
+@pytest.mark.parametrize("n", [1, 8, 67])
+def test_tiles_of_8_rows(qtype, n):
+    """The 32-value types are held as tiles of 8 rows (kernels/__init__.py, tile_rows): the same
+    bytes moved, each block's fields of the 8 rows side by side, the last tile padded with zero
+    rows. Checked byte by byte against GGUF's rows, and back."""
+    block, bb = GGML_QUANT_SIZES[qtype]
+    rows = torch.from_numpy(np.random.default_rng(n).integers(0, 256, size=(n, 3 * bb), dtype=np.uint8))
+    tiles = tk.tile_rows(rows, qtype)
+    npad = -(-n // 8) * 8
+    assert tiles.shape == (npad, 3 * bb)
+    assert torch.equal(tk.untile_rows(tiles, qtype, n), rows)
+    assert (tk.untile_rows(tiles, qtype, npad)[n:] == 0).all()       # zero rows pad the last tile
+    head = {Q.Q4_0: (2,), Q.Q4_1: (2, 2), Q.Q5_0: (2, 4), Q.Q5_1: (2, 2, 4), Q.Q8_0: (2,)}[qtype]
+    widths = head + (4,) * ((bb - sum(head)) // 4)
+    flat = tiles.view(-1)
+    for r in range(n):
+        t, i = divmod(r, 8)
+        for b in range(3):
+            at = (t * 8 * 3 + b * 8) * bb       # block b of tile t
+            off = 0
+            for w in widths:                    # field of 8 rows: row i at i * w
+                got = flat[at + 8 * off + i * w: at + 8 * off + (i + 1) * w]
+                assert torch.equal(got, rows[r, b * bb + off: b * bb + off + w]), (r, b, off)
+                off += w
+    if tk.native_available():
+        w = GGUFWeight.from_raw(rows.reshape(n, -1)[:, : 3 * bb], qtype, (n, 3 * block))
+        assert w.tiled and torch.equal(w.raw, tiles) and torch.equal(w.rows(), rows)
+        assert w.nbytes == n * 3 * bb
+        # an untiled weight never reaches the native kernels (they would read it as tiles)
+        with pytest.raises(RuntimeError):
+            GGUFWeight(rows, qtype, (n, 3 * block)).matmul(torch.randn(1, 3 * block))
+
+
+def test_kquants_keep_gguf_rows():
+    w = random_weight(Q.Q4_K, k=256)
+    assert not w.tiled and w.raw.shape == (N, 144) and torch.equal(w.rows(), w.raw)
+
+
 def test_dequantize_real(real_weights):
     for name, w in real_weights:
-        ref = torch.from_numpy(gguf.quants.dequantize(w.raw.numpy(), w.qtype).astype(np.float32))
+        ref = torch.from_numpy(gguf.quants.dequantize(w.rows().numpy(), w.qtype).astype(np.float32))
         assert torch.equal(w.dequantize(), ref), name
 
 
@@ -291,7 +330,7 @@ def test_take_rows_cat_lookup(qtype):
     a, b = w.take_rows(torch.arange(0, 20)), w.take_rows(torch.arange(20, N))
     c = GGUFWeight.cat([a, b])
     assert c.shape == (N, K) and c.nbytes == w.nbytes
-    assert torch.equal(c.raw, w.raw)
+    assert torch.equal(c.raw, w.raw) and torch.equal(c.rows(), w.rows())
     assert torch.equal(torch.cat([a.matmul(x), b.matmul(x)], 1), full)
     with pytest.raises(ValueError):
         GGUFWeight.cat([w, random_weight(Q.Q5_0 if qtype != Q.Q5_0 else Q.Q4_0)])
@@ -316,10 +355,10 @@ def test_bfloat16_and_leading_dims():
 def test_from_raw_checks():
     w = random_weight(Q.Q4_0)
     with pytest.raises(ValueError):
-        GGUFWeight.from_raw(w.raw, Q.Q4_0, (N, K + 16))
+        GGUFWeight.from_raw(w.rows(), Q.Q4_0, (N, K + 16))
     with pytest.raises(NotImplementedError):
-        GGUFWeight.from_raw(w.raw, Q.Q2_K, (N, K))
-    again = GGUFWeight.from_raw(w.raw.numpy(), Q.Q4_0, (N, K))
+        GGUFWeight.from_raw(w.rows(), Q.Q2_K, (N, K))
+    again = GGUFWeight.from_raw(w.rows().numpy(), Q.Q4_0, (N, K))
     assert again.nbytes == N * K // 32 * 18 and torch.equal(again.raw, w.raw)
 
 

@@ -1,9 +1,12 @@
 """GGUF quantized weights run as stored: int8 activations, integer dot products.
 
-`GGUFWeight` holds a tensor's GGUF bytes ([N, row_bytes] uint8, GGUF's own block layout) and
-multiplies float activations with them through the native extension (`csrc/gguf_matmul.cpp`,
-built by `python -m turnkv.kernels.build`) or, when that is missing, through the pure-PyTorch
-reference (`reference.py`), which computes the very same numbers (docs/kernels.md).
+`GGUFWeight` holds a tensor's GGUF bytes and multiplies float activations with them through the
+native extension (`csrc/gguf_matmul.cpp`, built by `python -m turnkv.kernels.build`) or, when
+that is missing, through the pure-PyTorch reference (`reference.py`), which computes the very same
+numbers (docs/kernels.md). With the build, the 32-value block types (Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0) are held in tiles of 8 rows (`tile_rows`: the same bytes, each block's fields of the 8 rows
+side by side, so the kernels load them without transposing); the k-quants and every weight
+without the build keep GGUF's row layout. `GGUFWeight.rows()` gives GGUF's rows either way.
 
 `TURNKV_KERNEL_ISA=scalar|avx2|avx512|avx512vnni` forces a lower native path.
 """
@@ -22,7 +25,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from . import reference
 
-__all__ = ["GGUFWeight", "kernel_info", "native_available", "ISAS", "SUPPORTED"]
+__all__ = ["GGUFWeight", "kernel_info", "native_available", "ISAS", "SUPPORTED", "TILED", "tile_rows", "untile_rows"]
 
 SUPPORTED = reference.SUPPORTED
 ISAS = ("scalar", "avx2", "avx512", "avx512vnni")
@@ -96,6 +99,59 @@ def kernel_info() -> str:
     return f"native {ISAS[_isa]}"
 
 
+# ------------------------------------------------------------------ tiles of 8 rows
+#
+# For the 32-value block types the kernels read a weight as tiles of TILE_ROWS rows: tile t holds
+# rows 8t..8t+7 (the last tile padded with zero rows, whose blocks have scale 0), block after
+# block; block b of a tile is its 8 rows' block b cut into fields (the float16 scale d, the min m,
+# Q5's 32 high bits, then the quants as 4-byte groups), each field of the 8 rows side by side:
+#     Q4_1 block of a tile = d[8] (16 B) | m[8] (16 B) | group 0 of rows 0..7 (32 B) | ... group 3
+# so one 32-byte load gives a group of all 8 rows (row r in bytes 4r..4r+3), the layout the dot
+# products want, where GGUF's rows needed an 8x8 transpose per block (docs/kernels.md, "Layouts").
+# The bytes are GGUF's own, only moved: a tile is exactly 8 rows' bytes.
+TILE_ROWS = 8
+TILED = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
+         GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0)
+# a block's fields in GGUF order, as byte widths
+_FIELDS = {
+    GGMLQuantizationType.Q4_0: (2,) + (4,) * 4,
+    GGMLQuantizationType.Q4_1: (2, 2) + (4,) * 4,
+    GGMLQuantizationType.Q5_0: (2, 4) + (4,) * 4,
+    GGMLQuantizationType.Q5_1: (2, 2, 4) + (4,) * 4,
+    GGMLQuantizationType.Q8_0: (2,) + (4,) * 8,
+}
+
+
+def tile_rows(rows: torch.Tensor, qtype) -> torch.Tensor:
+    """GGUF rows [N, row_bytes] of a TILED type -> its tiles [ceil(N / 8) * 8, row_bytes]."""
+    fields = _FIELDS[GGMLQuantizationType(qtype)]
+    n, rb = rows.shape
+    bb = sum(fields)
+    npad = -(-n // TILE_ROWS) * TILE_ROWS
+    if npad != n:
+        rows = torch.cat([rows, rows.new_zeros(npad - n, rb)])
+    blocks = rows.reshape(npad // TILE_ROWS, TILE_ROWS, rb // bb, bb).transpose(1, 2)   # [tiles, nb, 8, bb]
+    parts, off = [], 0
+    for w in fields:
+        parts.append(blocks[..., off:off + w].reshape(npad // TILE_ROWS, rb // bb, TILE_ROWS * w))
+        off += w
+    return torch.cat(parts, -1).reshape(npad, rb).contiguous()
+
+
+def untile_rows(tiles: torch.Tensor, qtype, n: int) -> torch.Tensor:
+    """The inverse of ``tile_rows``: GGUF's rows [n, row_bytes]."""
+    fields = _FIELDS[GGMLQuantizationType(qtype)]
+    npad, rb = tiles.shape
+    bb = sum(fields)
+    t = tiles.reshape(npad // TILE_ROWS, rb // bb, TILE_ROWS * bb)
+    parts, off = [], 0
+    for w in fields:
+        parts.append(t[..., off:off + TILE_ROWS * w].reshape(npad // TILE_ROWS, rb // bb, TILE_ROWS, w))
+        off += TILE_ROWS * w
+    rows = torch.cat(parts, -1).transpose(1, 2).reshape(npad, rb)
+    return rows[:n].contiguous()
+
+
 def _isa_index(isa: str | None) -> int:
     if isa is None:
         return _isa
@@ -106,14 +162,16 @@ def _isa_index(isa: str | None) -> int:
 
 
 class GGUFWeight:
-    """A [N, K] weight kept as its GGUF blocks (rows of K/block_size blocks, GGUF byte layout)."""
+    """A [N, K] weight kept as its GGUF blocks: ``raw`` is uint8, GGUF's rows [N, row_bytes], or
+    for a TILED type with the native build its tiles of 8 rows (``tiled``; [ceil(N/8)*8, row_bytes])."""
 
-    __slots__ = ("raw", "qtype", "shape")
+    __slots__ = ("raw", "qtype", "shape", "tiled")
 
-    def __init__(self, raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, int]):
+    def __init__(self, raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, int], tiled: bool = False):
         self.raw = raw
         self.qtype = qtype
         self.shape = shape
+        self.tiled = tiled
 
     @classmethod
     def from_raw(cls, raw, qtype, shape) -> "GGUFWeight":
@@ -133,11 +191,17 @@ class GGUFWeight:
         if raw.dtype != torch.uint8:
             raise TypeError(f"GGUFWeight: raw must be uint8, got {raw.dtype}")
         raw = raw.reshape(n, row_bytes).contiguous()
+        if _ext is not None and qtype in TILED and raw.is_cpu:   # the layout the native kernels read
+            return cls(tile_rows(raw, qtype), qtype, (n, k), tiled=True)
         return cls(raw, qtype, (n, k))
+
+    def rows(self) -> torch.Tensor:
+        """GGUF's own rows [N, row_bytes] (a copy when tiled)."""
+        return untile_rows(self.raw, self.qtype, self.shape[0]) if self.tiled else self.raw
 
     @property
     def nbytes(self) -> int:
-        return self.raw.numel()
+        return self.shape[0] * self.raw.shape[1]
 
     @property
     def row_bytes(self) -> int:
@@ -159,13 +223,16 @@ class GGUFWeight:
         if use_native:
             if _ext is None:
                 raise RuntimeError(f"native GGUF kernels unavailable: {_ext_error}")
+            if self.qtype in TILED and not self.tiled:
+                raise RuntimeError("the native GGUF kernels read the 32-value block types as tiles: build the weight "
+                                   "with GGUFWeight.from_raw")
             if x2.dtype != torch.float32:
                 x2 = x2.float()
             y = _ext.gguf_matmul(x2.contiguous(), self.raw, int(self.qtype), n, k, _isa_index(isa))
         else:
             if native is None and _ext is None:
                 _warn_fallback()
-            y = reference.matmul(x2, self.raw, self.qtype, n, k)
+            y = reference.matmul(x2, self.rows(), self.qtype, n, k)
         if x.dtype != torch.float32:
             y = y.to(x.dtype)
         return y.reshape(*lead, n)
@@ -173,19 +240,27 @@ class GGUFWeight:
 
     def dequantize(self) -> torch.Tensor:
         """[N, K] float32, bit-exact with gguf.quants.dequantize."""
-        return reference.dequantize(self.raw, self.qtype, self.shape)
+        return reference.dequantize(self.rows(), self.qtype, self.shape)
+
+    def _rows_at(self, index: torch.Tensor) -> torch.Tensor:
+        """GGUF rows ``index`` [n, row_bytes]; tiled: the tiles holding them, untiled, then picked."""
+        if not self.tiled:
+            return self.raw.index_select(0, index)
+        rb = self.raw.shape[1]
+        tiles = self.raw.view(-1, TILE_ROWS * rb).index_select(0, index // TILE_ROWS)
+        rows = untile_rows(tiles.view(-1, rb), self.qtype, tiles.shape[0] * TILE_ROWS).view(-1, TILE_ROWS, rb)
+        return rows[torch.arange(index.numel()), index % TILE_ROWS]
 
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Embedding rows: ids [...] -> [..., K] dequantized (bit-exact), in dtype."""
         flat = ids.reshape(-1).long()
-        rows = self.raw.index_select(0, flat)
-        out = reference.dequantize(rows, self.qtype, (flat.numel(), self.shape[1]))
+        out = reference.dequantize(self._rows_at(flat), self.qtype, (flat.numel(), self.shape[1]))
         return out.to(dtype).reshape(*ids.shape, self.shape[1])
 
     def take_rows(self, index: torch.Tensor) -> "GGUFWeight":
         """Rows `index` (a permutation or selection) as a new weight; the blocks move unchanged."""
         index = torch.as_tensor(index).reshape(-1).long()
-        return GGUFWeight(self.raw.index_select(0, index).contiguous(), self.qtype, (index.numel(), self.shape[1]))
+        return GGUFWeight.from_raw(self._rows_at(index).contiguous(), self.qtype, (index.numel(), self.shape[1]))
 
     @staticmethod
     def cat(parts: list["GGUFWeight"]) -> "GGUFWeight":
@@ -196,5 +271,5 @@ class GGUFWeight:
         for p in parts:
             if p.qtype != q or p.shape[1] != k:
                 raise ValueError(f"GGUFWeight.cat: mixed parts ({q.name}, K={k}) vs ({p.qtype.name}, K={p.shape[1]})")
-        raw = torch.cat([p.raw for p in parts], 0)
-        return GGUFWeight(raw, q, (raw.shape[0], k))
+        raw = torch.cat([p.rows() for p in parts], 0)
+        return GGUFWeight.from_raw(raw, q, (raw.shape[0], k))

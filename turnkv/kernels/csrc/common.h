@@ -26,6 +26,32 @@ inline int block_bytes(int qt) {
     return 0;
 }
 
+// The 32-value block types are read as tiles of 8 rows (turnkv/kernels/__init__.py, tile_rows):
+// tile t = rows 8t..8t+7 (zero rows pad the last), block after block; block b of a tile is the
+// 8 rows' block b cut into fields, each field of the 8 rows side by side: the float16 scale d
+// (16 bytes), Q4_1 / Q5_1's min m (16), Q5's high bits (32), then the quants as 4-byte groups
+// (32 bytes a group: row r at 4r). Field offsets inside a tile's block:
+inline bool is_tiled(int qt) { return !is_kquant(qt); }
+inline int64_t tiled_rows(int64_t n) { return (n + 7) / 8 * 8; }
+// bytes before the quants in one row's block (the d, m and qh fields), and in a tile's block
+inline int head_bytes(int qt) { return qt == Q4_1 ? 4 : qt == Q5_0 ? 6 : qt == Q5_1 ? 8 : 2; }
+
+// block b of row `row` of a tiled weight gathered back into GGUF's block layout (out: BB bytes)
+inline void gather_block(const uint8_t* W, int64_t row_bytes, int qt, int64_t row, int b, uint8_t* out) {
+    const int BB = block_bytes(qt), r = (int)(row % 8);
+    const uint8_t* blk = W + (row / 8) * 8 * row_bytes + (int64_t)b * 8 * BB;
+    int widths[12], nf = 0;
+    widths[nf++] = 2;                                   // d
+    if (qt == Q4_1 || qt == Q5_1) widths[nf++] = 2;     // m
+    if (qt == Q5_0 || qt == Q5_1) widths[nf++] = 4;     // qh
+    for (int j = 0; j < (BB - head_bytes(qt)) / 4; j++) widths[nf++] = 4;
+    int off = 0;
+    for (int f = 0; f < nf; f++) {
+        std::memcpy(out + off, blk + 8 * off + r * widths[f], widths[f]);
+        off += widths[f];
+    }
+}
+
 // exact IEEE half -> float (the same value on every path)
 inline float fp16_to_fp32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16;
@@ -100,7 +126,7 @@ struct Scratch {
         zero_bytes = row_bytes;
         const size_t T = TILE_MAX;
         size_t need = T * K + 2 * sizeof(float) * T * (K / 32) + sizeof(int16_t) * T * (K / 32) * 8 +
-                      2 * sizeof(int32_t) * T * (K / 16) + 2 * sizeof(uint16_t) * T * (K / 32) + row_bytes + 64 + 1024;
+                      2 * sizeof(int32_t) * T * (K / 16) + 2 * sizeof(uint16_t) * T * (K / 32) + 8 * row_bytes + 64 + 1024;
         if (buf.size() < need) buf.resize(need);
         uint8_t* p = buf.data();
         auto take = [&](size_t n) { uint8_t* r = p; p += (n + 63) & ~(size_t)63; return r; };
@@ -112,8 +138,8 @@ struct Scratch {
         csc = (int32_t*)take(sizeof(int32_t) * T * (K / 16));
         hd = (uint16_t*)take(sizeof(uint16_t) * T * (K / 32));
         hm = (uint16_t*)take(sizeof(uint16_t) * T * (K / 32));
-        zero = take(row_bytes + 64);
-        std::memset(zero, 0, row_bytes + 64);
+        zero = take(8 * row_bytes + 64);   // a zero row, or a zero tile of 8 rows (tiled types)
+        std::memset(zero, 0, 8 * row_bytes + 64);
     }
 };
 

@@ -96,8 +96,10 @@ static void unpack_tile(const Args& g, Scratch& s, int n0, int nv) {
         uint8_t* w = s.w + (int64_t)r * K;
         const uint8_t* src = g.W + (int64_t)(n0 + r) * g.row_bytes;
         if (!is_kquant(qt)) {
+            uint8_t blk[34];
             for (int b = 0; b < K / 32; b++) {
-                const uint8_t* p = src + b * BB;
+                gather_block(g.W, g.row_bytes, qt, n0 + r, b, blk);   // tiles of 8 rows -> GGUF's block
+                const uint8_t* p = blk;
                 uint8_t* o = w + b * 32;
                 s.d[b * TILE + r] = rdh(p);
                 s.m[b * TILE + r] = (qt == Q4_1 || qt == Q5_1) ? rdh(p + 2) : 0.f;
@@ -379,9 +381,10 @@ static torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor w, int64_t qt, i
     const int bb = block_bytes((int)qt), be = block_elems((int)qt);
     TORCH_CHECK(bb > 0, "gguf_matmul: unsupported quantization type ", qt);
     TORCH_CHECK(K % be == 0, "gguf_matmul: K not a multiple of the block size");
-    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(0) == N &&
-                    w.size(1) == K / be * bb,
-                "gguf_matmul: w must be contiguous uint8 [N, row_bytes]");
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() &&
+                    w.size(0) == (is_tiled((int)qt) ? tiled_rows(N) : N) && w.size(1) == K / be * bb,
+                "gguf_matmul: w must be contiguous uint8 [N, row_bytes] (the 32-value types: tiles of 8 rows, "
+                "[ceil(N / 8) * 8, row_bytes])");
     TORCH_CHECK(isa >= 0 && isa <= best_isa(), "gguf_matmul: ISA path ", isa, " not supported by this CPU");
     const int64_t M = x.size(0);
     auto y = torch::empty({M, N}, torch::kFloat32);
