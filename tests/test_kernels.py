@@ -130,10 +130,10 @@ def test_dequantize_exact_and_unpack_layout(qtype):
         assert torch.equal(val.float(), ref)
 
 
-@pytest.mark.parametrize("qtype", QUANTIZABLE, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", ALL, ids=lambda q: q.name)
 @pytest.mark.parametrize("n", [1, 8, 67])
 def test_tiles_of_8_rows(qtype, n):
-    """The 32-value types are held as tiles of 8 rows (kernels/__init__.py, tile_rows): the same
+    """With the build, weights are held as tiles of 8 rows (kernels/__init__.py, tile_rows): the same
     bytes moved, each block's fields of the 8 rows side by side, the last tile padded with zero
     rows. Checked byte by byte against GGUF's rows, and back."""
     block, bb = GGML_QUANT_SIZES[qtype]
@@ -143,8 +143,10 @@ def test_tiles_of_8_rows(qtype, n):
     assert tiles.shape == (npad, 3 * bb)
     assert torch.equal(tk.untile_rows(tiles, qtype, n), rows)
     assert (tk.untile_rows(tiles, qtype, npad)[n:] == 0).all()       # zero rows pad the last tile
-    head = {Q.Q4_0: (2,), Q.Q4_1: (2, 2), Q.Q5_0: (2, 4), Q.Q5_1: (2, 2, 4), Q.Q8_0: (2,)}[qtype]
-    widths = head + (4,) * ((bb - sum(head)) // 4)
+    # GGUF's block fields (ggml-common.h): 2-byte scales, then 4-byte pieces; Q6_K's d comes last
+    widths = {Q.Q4_0: (2,), Q.Q4_1: (2, 2), Q.Q5_0: (2, 4), Q.Q5_1: (2, 2, 4), Q.Q8_0: (2,),
+              Q.Q4_K: (2, 2), Q.Q5_K: (2, 2), Q.Q6_K: ()}[qtype]
+    widths = widths + (4,) * ((bb - sum(widths) - (2 if qtype == Q.Q6_K else 0)) // 4) + ((2,) if qtype == Q.Q6_K else ())
     flat = tiles.view(-1)
     for r in range(n):
         t, i = divmod(r, 8)
@@ -162,11 +164,6 @@ def test_tiles_of_8_rows(qtype, n):
         # an untiled weight never reaches the native kernels (they would read it as tiles)
         with pytest.raises(RuntimeError):
             GGUFWeight(rows, qtype, (n, 3 * block)).matmul(torch.randn(1, 3 * block))
-
-
-def test_kquants_keep_gguf_rows():
-    w = random_weight(Q.Q4_K, k=256)
-    assert not w.tiled and w.raw.shape == (N, 144) and torch.equal(w.rows(), w.raw)
 
 
 def test_dequantize_real(real_weights):

@@ -3,10 +3,10 @@
 `GGUFWeight` holds a tensor's GGUF bytes and multiplies float activations with them through the
 native extension (`csrc/gguf_matmul.cpp`, built by `python -m turnkv.kernels.build`) or, when
 that is missing, through the pure-PyTorch reference (`reference.py`), which computes the very same
-numbers (docs/kernels.md). With the build, the 32-value block types (Q4_0, Q4_1, Q5_0, Q5_1,
-Q8_0) are held in tiles of 8 rows (`tile_rows`: the same bytes, each block's fields of the 8 rows
-side by side, so the kernels load them without transposing); the k-quants and every weight
-without the build keep GGUF's row layout. `GGUFWeight.rows()` gives GGUF's rows either way.
+numbers (docs/kernels.md). With the build, weights are held in tiles of 8 rows (`tile_rows`: the
+same bytes, each block's fields of the 8 rows side by side, so the kernels load them without
+transposing); without it they keep GGUF's row layout. `GGUFWeight.rows()` gives GGUF's rows
+either way.
 
 `TURNKV_KERNEL_ISA=scalar|avx2|avx512|avx512vnni` forces a lower native path.
 """
@@ -101,29 +101,33 @@ def kernel_info() -> str:
 
 # ------------------------------------------------------------------ tiles of 8 rows
 #
-# For the 32-value block types the kernels read a weight as tiles of TILE_ROWS rows: tile t holds
-# rows 8t..8t+7 (the last tile padded with zero rows, whose blocks have scale 0), block after
-# block; block b of a tile is its 8 rows' block b cut into fields (the float16 scale d, the min m,
-# Q5's 32 high bits, then the quants as 4-byte groups), each field of the 8 rows side by side:
+# The native kernels read a weight as tiles of TILE_ROWS rows: tile t holds rows 8t..8t+7 (the
+# last tile padded with zero rows, whose blocks have scale 0), block after block; block b of a
+# tile is its 8 rows' block b cut into fields (2- or 4-byte pieces: scales, mins, high bits, the
+# quants as 4-byte groups), each field of the 8 rows side by side:
 #     Q4_1 block of a tile = d[8] (16 B) | m[8] (16 B) | group 0 of rows 0..7 (32 B) | ... group 3
 # so one 32-byte load gives a group of all 8 rows (row r in bytes 4r..4r+3), the layout the dot
 # products want, where GGUF's rows needed an 8x8 transpose per block (docs/kernels.md, "Layouts").
-# The bytes are GGUF's own, only moved: a tile is exactly 8 rows' bytes.
+# The field at byte o of a row's block starts at byte 8 * o of the tile's block. The bytes are
+# GGUF's own, only moved: a tile is exactly 8 rows' bytes.
 TILE_ROWS = 8
-TILED = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
-         GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0)
-# a block's fields in GGUF order, as byte widths
+_Q = GGMLQuantizationType
+# a block's fields in GGUF order, as byte widths (csrc/common.h, block_fields)
 _FIELDS = {
-    GGMLQuantizationType.Q4_0: (2,) + (4,) * 4,
-    GGMLQuantizationType.Q4_1: (2, 2) + (4,) * 4,
-    GGMLQuantizationType.Q5_0: (2, 4) + (4,) * 4,
-    GGMLQuantizationType.Q5_1: (2, 2, 4) + (4,) * 4,
-    GGMLQuantizationType.Q8_0: (2,) + (4,) * 8,
+    _Q.Q4_0: (2,) + (4,) * 4,                                 # d, qs
+    _Q.Q4_1: (2, 2) + (4,) * 4,                               # d, m, qs
+    _Q.Q5_0: (2, 4) + (4,) * 4,                               # d, qh, qs
+    _Q.Q5_1: (2, 2, 4) + (4,) * 4,                            # d, m, qh, qs
+    _Q.Q8_0: (2,) + (4,) * 8,                                 # d, qs
+    _Q.Q4_K: (2, 2) + (4,) * 3 + (4,) * 32,                   # d, dmin, scales, qs
+    _Q.Q5_K: (2, 2) + (4,) * 3 + (4,) * 8 + (4,) * 32,        # d, dmin, scales, qh, qs
+    _Q.Q6_K: (4,) * 32 + (4,) * 16 + (4,) * 4 + (2,),         # ql, qh, scales, d
 }
+TILED = tuple(_FIELDS)
 
 
 def tile_rows(rows: torch.Tensor, qtype) -> torch.Tensor:
-    """GGUF rows [N, row_bytes] of a TILED type -> its tiles [ceil(N / 8) * 8, row_bytes]."""
+    """GGUF rows [N, row_bytes] -> their tiles [ceil(N / 8) * 8, row_bytes]."""
     fields = _FIELDS[GGMLQuantizationType(qtype)]
     n, rb = rows.shape
     bb = sum(fields)
@@ -162,8 +166,8 @@ def _isa_index(isa: str | None) -> int:
 
 
 class GGUFWeight:
-    """A [N, K] weight kept as its GGUF blocks: ``raw`` is uint8, GGUF's rows [N, row_bytes], or
-    for a TILED type with the native build its tiles of 8 rows (``tiled``; [ceil(N/8)*8, row_bytes])."""
+    """A [N, K] weight kept as its GGUF blocks: ``raw`` is uint8, with the native build its tiles
+    of 8 rows (``tiled``; [ceil(N/8)*8, row_bytes]), else GGUF's rows [N, row_bytes]."""
 
     __slots__ = ("raw", "qtype", "shape", "tiled")
 
@@ -191,7 +195,7 @@ class GGUFWeight:
         if raw.dtype != torch.uint8:
             raise TypeError(f"GGUFWeight: raw must be uint8, got {raw.dtype}")
         raw = raw.reshape(n, row_bytes).contiguous()
-        if _ext is not None and qtype in TILED and raw.is_cpu:   # the layout the native kernels read
+        if _ext is not None and raw.is_cpu:   # the layout the native kernels read
             return cls(tile_rows(raw, qtype), qtype, (n, k), tiled=True)
         return cls(raw, qtype, (n, k))
 
@@ -223,8 +227,8 @@ class GGUFWeight:
         if use_native:
             if _ext is None:
                 raise RuntimeError(f"native GGUF kernels unavailable: {_ext_error}")
-            if self.qtype in TILED and not self.tiled:
-                raise RuntimeError("the native GGUF kernels read the 32-value block types as tiles: build the weight "
+            if not self.tiled:
+                raise RuntimeError("the native GGUF kernels read weights as tiles of 8 rows: build the weight "
                                    "with GGUFWeight.from_raw")
             if x2.dtype != torch.float32:
                 x2 = x2.float()

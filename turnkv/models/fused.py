@@ -46,7 +46,7 @@ def _qlinear(w):
     if not isinstance(w, GGUFPacked) or w.float_out:
         return None
     parts = w.parts
-    if not all(p.raw.is_cpu and (p.tiled or p.qtype not in kernels.TILED) for p in parts):
+    if not all(p.raw.is_cpu and p.tiled for p in parts):
         return None
     return kernels._ext.QLinear([p.raw for p in parts], [int(p.qtype) for p in parts], [int(p.shape[0]) for p in parts],
                                 int(w.in_features))

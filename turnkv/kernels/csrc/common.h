@@ -26,25 +26,37 @@ inline int block_bytes(int qt) {
     return 0;
 }
 
-// The 32-value block types are read as tiles of 8 rows (turnkv/kernels/__init__.py, tile_rows):
-// tile t = rows 8t..8t+7 (zero rows pad the last), block after block; block b of a tile is the
-// 8 rows' block b cut into fields, each field of the 8 rows side by side: the float16 scale d
-// (16 bytes), Q4_1 / Q5_1's min m (16), Q5's high bits (32), then the quants as 4-byte groups
-// (32 bytes a group: row r at 4r). Field offsets inside a tile's block:
-inline bool is_tiled(int qt) { return !is_kquant(qt); }
+// Every type is read as tiles of 8 rows (turnkv/kernels/__init__.py, tile_rows): tile t = rows
+// 8t..8t+7 (zero rows pad the last), block after block; block b of a tile is the 8 rows' block b
+// cut into its fields (2- or 4-byte pieces: scales, mins, high bits, 4-byte groups of quants),
+// each field of the 8 rows side by side (row r at r * width). So the field that starts at byte o
+// of a row's block starts at byte 8 * o of the tile's block, and a 4-byte field there is one
+// 32-byte vector with row r in lane r.
 inline int64_t tiled_rows(int64_t n) { return (n + 7) / 8 * 8; }
-// bytes before the quants in one row's block (the d, m and qh fields), and in a tile's block
-inline int head_bytes(int qt) { return qt == Q4_1 ? 4 : qt == Q5_0 ? 6 : qt == Q5_1 ? 8 : 2; }
+
+// a block's field widths in GGUF order; returns how many
+inline int block_fields(int qt, int* w) {
+    int n = 0;
+    auto add = [&](int width, int count) { for (int i = 0; i < count; i++) w[n++] = width; };
+    switch (qt) {
+        case Q4_0: add(2, 1); add(4, 4); break;                        // d, qs
+        case Q4_1: add(2, 2); add(4, 4); break;                        // d, m, qs
+        case Q5_0: add(2, 1); add(4, 1); add(4, 4); break;             // d, qh, qs
+        case Q5_1: add(2, 2); add(4, 1); add(4, 4); break;             // d, m, qh, qs
+        case Q8_0: add(2, 1); add(4, 8); break;                        // d, qs
+        case Q4_K: add(2, 2); add(4, 3); add(4, 32); break;            // d, dmin, scales, qs
+        case Q5_K: add(2, 2); add(4, 3); add(4, 8); add(4, 32); break; // d, dmin, scales, qh, qs
+        case Q6_K: add(4, 32); add(4, 16); add(4, 4); add(2, 1); break; // ql, qh, scales, d
+    }
+    return n;
+}
 
 // block b of row `row` of a tiled weight gathered back into GGUF's block layout (out: BB bytes)
 inline void gather_block(const uint8_t* W, int64_t row_bytes, int qt, int64_t row, int b, uint8_t* out) {
     const int BB = block_bytes(qt), r = (int)(row % 8);
     const uint8_t* blk = W + (row / 8) * 8 * row_bytes + (int64_t)b * 8 * BB;
-    int widths[12], nf = 0;
-    widths[nf++] = 2;                                   // d
-    if (qt == Q4_1 || qt == Q5_1) widths[nf++] = 2;     // m
-    if (qt == Q5_0 || qt == Q5_1) widths[nf++] = 4;     // qh
-    for (int j = 0; j < (BB - head_bytes(qt)) / 4; j++) widths[nf++] = 4;
+    int widths[64];
+    const int nf = block_fields(qt, widths);
     int off = 0;
     for (int f = 0; f < nf; f++) {
         std::memcpy(out + off, blk + 8 * off + r * widths[f], widths[f]);

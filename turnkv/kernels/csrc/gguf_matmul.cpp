@@ -94,11 +94,10 @@ static void unpack_tile(const Args& g, Scratch& s, int n0, int nv) {
             continue;
         }
         uint8_t* w = s.w + (int64_t)r * K;
-        const uint8_t* src = g.W + (int64_t)(n0 + r) * g.row_bytes;
+        uint8_t blk[256];   // one block of this row, gathered from its tile into GGUF's layout
         if (!is_kquant(qt)) {
-            uint8_t blk[34];
             for (int b = 0; b < K / 32; b++) {
-                gather_block(g.W, g.row_bytes, qt, n0 + r, b, blk);   // tiles of 8 rows -> GGUF's block
+                gather_block(g.W, g.row_bytes, qt, n0 + r, b, blk);
                 const uint8_t* p = blk;
                 uint8_t* o = w + b * 32;
                 s.d[b * TILE + r] = rdh(p);
@@ -119,7 +118,8 @@ static void unpack_tile(const Args& g, Scratch& s, int n0, int nv) {
             continue;
         }
         for (int sb = 0; sb < K / 256; sb++) {
-            const uint8_t* p = src + sb * BB;
+            gather_block(g.W, g.row_bytes, qt, n0 + r, sb, blk);
+            const uint8_t* p = blk;
             uint8_t* o = w + sb * 256;
             int16_t* lsc = s.lsc + ((int64_t)r * nch + sb * 8) * 8;
             if (qt == Q4_K || qt == Q5_K) {
@@ -382,9 +382,8 @@ static torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor w, int64_t qt, i
     TORCH_CHECK(bb > 0, "gguf_matmul: unsupported quantization type ", qt);
     TORCH_CHECK(K % be == 0, "gguf_matmul: K not a multiple of the block size");
     TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() &&
-                    w.size(0) == (is_tiled((int)qt) ? tiled_rows(N) : N) && w.size(1) == K / be * bb,
-                "gguf_matmul: w must be contiguous uint8 [N, row_bytes] (the 32-value types: tiles of 8 rows, "
-                "[ceil(N / 8) * 8, row_bytes])");
+                    w.size(0) == tiled_rows(N) && w.size(1) == K / be * bb,
+                "gguf_matmul: w must be contiguous uint8 tiles of 8 rows [ceil(N / 8) * 8, row_bytes]");
     TORCH_CHECK(isa >= 0 && isa <= best_isa(), "gguf_matmul: ISA path ", isa, " not supported by this CPU");
     const int64_t M = x.size(0);
     auto y = torch::empty({M, N}, torch::kFloat32);
