@@ -13,6 +13,7 @@ either way.
 
 from __future__ import annotations
 
+import functools
 import glob
 import importlib.util
 import os
@@ -156,6 +157,14 @@ def untile_rows(tiles: torch.Tensor, qtype, n: int) -> torch.Tensor:
     return rows[:n].contiguous()
 
 
+@functools.lru_cache(maxsize=None)
+def _row_gather(qtype, row_bytes: int) -> torch.Tensor:
+    """[8, row_bytes] int64: where byte j of row i of a tile lies in that tile's bytes (the
+    inverse of ``tile_rows`` for one row, as offsets from the tile's start)."""
+    tile = torch.arange(TILE_ROWS * row_bytes).view(TILE_ROWS, row_bytes)
+    return untile_rows(tile, qtype, TILE_ROWS)
+
+
 def _isa_index(isa: str | None) -> int:
     if isa is None:
         return _isa
@@ -247,13 +256,13 @@ class GGUFWeight:
         return reference.dequantize(self.rows(), self.qtype, self.shape)
 
     def _rows_at(self, index: torch.Tensor) -> torch.Tensor:
-        """GGUF rows ``index`` [n, row_bytes]; tiled: the tiles holding them, untiled, then picked."""
+        """GGUF rows ``index`` [n, row_bytes]; tiled: one gather of each row's bytes from its tile
+        (``_row_gather``), so a decode step's embedding row costs one small index op."""
         if not self.tiled:
             return self.raw.index_select(0, index)
         rb = self.raw.shape[1]
-        tiles = self.raw.view(-1, TILE_ROWS * rb).index_select(0, index // TILE_ROWS)
-        rows = untile_rows(tiles.view(-1, rb), self.qtype, tiles.shape[0] * TILE_ROWS).view(-1, TILE_ROWS, rb)
-        return rows[torch.arange(index.numel()), index % TILE_ROWS]
+        at = (index // TILE_ROWS * (TILE_ROWS * rb))[:, None] + _row_gather(self.qtype, rb)[index % TILE_ROWS]
+        return self.raw.view(-1)[at]
 
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Embedding rows: ids [...] -> [..., K] dequantized (bit-exact), in dtype."""
