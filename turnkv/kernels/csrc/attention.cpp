@@ -32,6 +32,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <immintrin.h>
+#include <cpuid.h>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -53,6 +54,29 @@ constexpr int TILE = 16;       // the most queries one unit takes (run_many pick
 static int g_attn_prefetch = [] {
     const char* e = std::getenv("TURNKV_ATTN_PREFETCH");
     return e ? std::atoi(e) : 1;
+}();
+// Where a block's prefetches go: spread over the P.V pass (a row's share at each row) or in bursts
+// with each chunk of scores (W rows at a time). Rows longer than 128 bytes always spread (bursts of
+// Gemma 3's 512-byte rows filled the miss queue). For rows of up to 128 bytes (D = 64 in float16)
+// the measured winner depends on the CPU: bursts on Zen 4 (its 8-sequence SmolLM2 call 328-361 us a
+// layer against 400-465 spread), spread on Zen 5 (AMD family 0x1A: 8-sequence SmolLM2 decode
+// steps 5% faster, interleaved in one process; with bursts perf put a fifth of the call's samples
+// on V row loads waiting for memory); docs/kernels.md. TURNKV_ATTN_SPREAD=0 / 1 forces either.
+static bool short_rows_spread_default() {
+#if defined(__x86_64__)
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+    const bool amd = b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163;   // "AuthenticAMD"
+    if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return false;
+    const unsigned base = (a >> 8) & 0xf, family = base == 0xf ? base + ((a >> 20) & 0xff) : base;
+    return family >= 0x1a;
+#else
+    return false;
+#endif
+}
+static int g_attn_spread = [] {
+    const char* e = std::getenv("TURNKV_ATTN_SPREAD");
+    return e && *e ? (std::atoi(e) != 0 ? 1 : 0) : (short_rows_spread_default() ? 1 : -1);   // -1: by row size
 }();
 
 enum Kind : int { FULL = 0, SLIDING = 1, CHUNKED = 2 };
