@@ -26,7 +26,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from . import reference
 
-__all__ = ["GGUFWeight", "kernel_info", "native_available", "ISAS", "SUPPORTED", "TILED", "tile_rows", "untile_rows"]
+__all__ = ["GGUFWeight", "kernel_info", "native_available", "ISAS", "SUPPORTED", "tile_rows", "untile_rows"]
 
 SUPPORTED = reference.SUPPORTED
 ISAS = ("scalar", "avx2", "avx512", "avx512vnni")
@@ -124,7 +124,6 @@ _FIELDS = {
     _Q.Q5_K: (2, 2) + (4,) * 3 + (4,) * 8 + (4,) * 32,        # d, dmin, scales, qh, qs
     _Q.Q6_K: (4,) * 32 + (4,) * 16 + (4,) * 4 + (2,),         # ql, qh, scales, d
 }
-TILED = tuple(_FIELDS)
 
 
 def tile_rows(rows: torch.Tensor, qtype) -> torch.Tensor:
