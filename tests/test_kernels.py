@@ -144,9 +144,10 @@ def test_tiles_of_8_rows(qtype, n):
     assert torch.equal(tk.untile_rows(tiles, qtype, n), rows)
     assert (tk.untile_rows(tiles, qtype, npad)[n:] == 0).all()       # zero rows pad the last tile
     # GGUF's block fields (ggml-common.h): 2-byte scales, then 4-byte pieces; Q6_K's d comes last
-    widths = {Q.Q4_0: (2,), Q.Q4_1: (2, 2), Q.Q5_0: (2, 4), Q.Q5_1: (2, 2, 4), Q.Q8_0: (2,),
-              Q.Q4_K: (2, 2), Q.Q5_K: (2, 2), Q.Q6_K: ()}[qtype]
-    widths = widths + (4,) * ((bb - sum(widths) - (2 if qtype == Q.Q6_K else 0)) // 4) + ((2,) if qtype == Q.Q6_K else ())
+    head = {Q.Q4_0: (2,), Q.Q4_1: (2, 2), Q.Q5_0: (2, 4), Q.Q5_1: (2, 2, 4), Q.Q8_0: (2,),
+            Q.Q4_K: (2, 2), Q.Q5_K: (2, 2), Q.Q6_K: ()}[qtype]
+    tail = (2,) if qtype == Q.Q6_K else ()
+    widths = head + (4,) * ((bb - sum(head) - sum(tail)) // 4) + tail
     flat = tiles.view(-1)
     for r in range(n):
         t, i = divmod(r, 8)
