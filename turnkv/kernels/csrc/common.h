@@ -129,7 +129,7 @@ struct Scratch {
     int32_t* csc;      // SIMD Q4_K/Q5_K: [nsb][8][TILE] scales
     uint16_t* hd;      // SIMD: [nblocks][TILE] the blocks' float16 scale d, as stored
     uint16_t* hm;      // SIMD: [nblocks][TILE] float16 min m / dmin, as stored
-    uint8_t* zero;     // a row of zero bytes (valid blocks with scale 0) for a tile's missing rows
+    uint8_t* zero;     // a tile of 8 zero rows (valid blocks with scale 0): a 16-row tile's missing half
     int K = -1;
     int64_t zero_bytes = 0;
     void ensure(int K_, int64_t row_bytes) {
@@ -150,7 +150,7 @@ struct Scratch {
         csc = (int32_t*)take(sizeof(int32_t) * T * (K / 16));
         hd = (uint16_t*)take(sizeof(uint16_t) * T * (K / 32));
         hm = (uint16_t*)take(sizeof(uint16_t) * T * (K / 32));
-        zero = take(8 * row_bytes + 64);   // a zero row, or a zero tile of 8 rows (tiled types)
+        zero = take(8 * row_bytes + 64);
         std::memset(zero, 0, 8 * row_bytes + 64);
     }
 };
