@@ -119,10 +119,12 @@ def test_one_call_layer_same_bits_as_three_calls(model, kv, monkeypatch):
     """``FusedBlock.layer`` as one native call (fused_qkv, write_attend, fused_out_mlp in C++)
     against the same three calls from Python: a chunked prompt, decode steps, and a batch of a
     prefill chunk beside two decode rows give the same bits. int4 caches are not written by the
-    kernel: there the layer must take the three calls (and nothing is reserved twice)."""
+    kernel: there the layer must take the three calls (and nothing is reserved twice). The
+    layers run one by one here (FusedStack off: the next test compares the stack with this)."""
     from turnkv import kernels
-    from turnkv.models.fused import FusedBlock
+    from turnkv.models.fused import FusedBlock, FusedStack
 
+    monkeypatch.setattr(FusedStack, "enabled", False)
     calls = []
     real = kernels._ext.fused_layer
     monkeypatch.setattr(kernels._ext, "fused_layer", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -147,6 +149,42 @@ def test_one_call_layer_same_bits_as_three_calls(model, kv, monkeypatch):
     assert used == (0 if kv == "int4" else layers * (3 + 4 + 2 + 1)), used
     assert torch.equal(one, three)
     assert torch.equal(one_batch, three_batch)
+
+
+@pytest.mark.parametrize("kv", ["fp16", "int8", "int4"])
+def test_stack_same_bits_as_one_call_per_layer(model, kv, monkeypatch):
+    """``FusedStack``: every layer of a step in one native call (``fused_layers``, the layers'
+    cache plans reserved in one pass first) against one ``fused_layer`` call per layer from
+    Python: a chunked prompt, decode steps, and a batch of a prefill chunk beside two decode rows
+    give the same bits, with one call per forward. int4 caches are not written by the kernel:
+    there the stack does nothing (nothing reserved) and the layers run one by one."""
+    from turnkv import kernels
+    from turnkv.models.fused import FusedStack
+
+    calls = []
+    real = kernels._ext.fused_layers
+    monkeypatch.setattr(kernels._ext, "fused_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def both():
+        ids = prompt(150, 6)
+        single = run(model, ids, 64, 4, kv)
+        cs = [caches(model, kv) for _ in range(3)]
+        firsts = [model.step(p, c, logits="last") for p, c in zip((ids[:40], ids[:70]), cs[:2])]
+        parts = [(torch.tensor([int(f.argmax())]), c, "last") for f, c in zip(firsts, cs[:2])]
+        parts.append((ids[:90], cs[2], "last"))
+        return single, model.forward(Batch.build(parts)), [c[0].offset for c in cs]
+
+    with torch.inference_mode():
+        monkeypatch.setattr(FusedStack, "enabled", True)
+        stack, stack_batch, stack_offsets = both()
+        used = len(calls)
+        monkeypatch.setattr(FusedStack, "enabled", False)
+        layers, layers_batch, layer_offsets = both()
+    assert len(calls) == used
+    assert used == (0 if kv == "int4" else 3 + 4 + 2 + 1), used
+    assert torch.equal(stack, layers)
+    assert torch.equal(stack_batch, layers_batch)
+    assert stack_offsets == layer_offsets == [41, 71, 90]
 
 
 FIXTURES = Path(__file__).resolve().parent / "gguf_fixtures"

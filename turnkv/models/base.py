@@ -91,6 +91,10 @@ class Model(nn.Module, ABC):
         final RMS norm and the lm_head on the rows that want logits."""
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, batch, i, *extra)
+        return self.final_logits(x, batch)
+
+    def final_logits(self, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+        """The final RMS norm and the lm_head on the rows of ``x`` that want logits (None: none)."""
         x = select_rows(x, batch)
         if x is None:
             return None
@@ -221,10 +225,31 @@ def _layout_of(store_type: type, parts_dtype: torch.dtype, block_size: int) -> s
 
 def _write_layout(cache) -> str | None:
     """How ``write_attend`` writes this layer cache's K/V buffers ("plain", "int8"), or None when it
-    does not: a function of its store's type and element type and its block size (memoized)."""
+    does not: a function of its store's type and element type and its block size, all fixed for
+    the cache's life (memoized on the cache: a step asks once per layer and sequence)."""
     if not isinstance(cache, KVCache):
         return None
-    return _layout_of(type(cache.store), cache.store.parts_dtype, cache.block_size)
+    try:
+        return cache.write_layout
+    except AttributeError:
+        cache.write_layout = _layout_of(type(cache.store), cache.store.parts_dtype, cache.block_size)
+        return cache.write_layout
+
+
+def _common_layout(caches: list) -> str | None:
+    layout = _write_layout(caches[0])
+    if layout is None or any(_write_layout(c) != layout for c in caches[1:]):
+        return None
+    return layout
+
+
+def _reserve_plan(spans, caches: list, int8: bool) -> tuple:
+    plan = [c.reserve(s.length) for c, s in zip(caches, spans)]
+    parts = [c.store.parts for c in caches]     # after every reserve: the pool may have grown
+    return ([b["k"] for b in parts], [b["v"] for b in parts], [s.length for s in spans],
+            [c.table for c in caches], [p[1] for p in plan], [p[0] for p in plan],
+            [KINDS[c.kind] for c in caches], [int(c.span or 0) for c in caches],
+            [b["k_scale"] for b in parts] if int8 else None, [b["v_scale"] for b in parts] if int8 else None)
 
 
 def write_plan(batch: Batch, layer: int) -> tuple | None:
@@ -237,16 +262,20 @@ def write_plan(batch: Batch, layer: int) -> tuple | None:
     pass and the memoized layout."""
     spans = batch.spans
     caches = [s.caches[layer] for s in spans]
-    layout = _write_layout(caches[0])
-    if layout is None or any(_write_layout(c) != layout for c in caches[1:]):
+    layout = _common_layout(caches)
+    return None if layout is None else _reserve_plan(spans, caches, layout == "int8")
+
+
+def write_plans(batch: Batch, layers: int) -> list[tuple] | None:
+    """``write_plan`` for layers ``0 .. layers - 1`` in one pass (models/fused.py FusedStack runs
+    them all in one native call), or None, with nothing reserved, unless every layer's caches
+    take ``write_attend``: the layouts are checked for every layer before any layer reserves."""
+    spans = batch.spans
+    per_layer = [[s.caches[i] for s in spans] for i in range(layers)]
+    layouts = [_common_layout(caches) for caches in per_layer]
+    if None in layouts:
         return None
-    plan = [c.reserve(s.length) for c, s in zip(caches, spans)]
-    parts = [c.store.parts for c in caches]     # after every reserve: the pool may have grown
-    int8 = layout == "int8"
-    return ([b["k"] for b in parts], [b["v"] for b in parts], [s.length for s in spans],
-            [c.table for c in caches], [p[1] for p in plan], [p[0] for p in plan],
-            [KINDS[c.kind] for c in caches], [int(c.span or 0) for c in caches],
-            [b["k_scale"] for b in parts] if int8 else None, [b["v_scale"] for b in parts] if int8 else None)
+    return [_reserve_plan(spans, caches, layout == "int8") for caches, layout in zip(per_layer, layouts)]
 
 
 def native_kv(q: torch.Tensor, view: KVView, sinks: torch.Tensor | None = None):

@@ -28,7 +28,7 @@ import torch
 from .. import kernels
 from ..kernels.attention import attention_isa
 from ..kernels.norm import native_rms_norm
-from .base import attention_spans, write_plan
+from .base import attention_spans, write_plan, write_plans
 from .weights import GGUFPacked
 
 ACTS = {"silu": 0, "gelu_tanh": 1}
@@ -135,3 +135,56 @@ def fuse_llama_block(block) -> "FusedBlock | None":
     return FusedBlock.build(hq=a.hq, hk=a.hk, head_dim=a.d, eps=block.eps, attn_norm=block.ln_attn, wqkv=a.wqkv,
                             qk_norm=None, wo=a.wo, post_attn=None, mlp_norm=block.ln_mlp, wgu=m.wgu, act="silu",
                             wdown=m.wdown, post_ff=None)
+
+
+class FusedStack:
+    """Every layer of a decoder as one native call a step (``fused_layers``): the same
+    ``fused_layer`` calls in the same order, looped in C++. What it saves is the Python between
+    the layers (about 10 us a layer, several times that in situ: each layer's weights and K/V
+    evict the interpreter's code and data from the caches) and, in the server, the GIL: the engine
+    thread takes it once a step instead of once a layer. The layers' cache plans are reserved in
+    one pass first (``write_plans``); when any layer's caches do not take ``write_attend``,
+    ``run`` does nothing and the family runs its layers one by one."""
+
+    enabled = os.environ.get("TURNKV_FUSED_STACK", "1").strip() != "0"   # A/B, tests
+
+    def __init__(self, fused: list[FusedBlock], scales: list[float], softcaps: list[float | None],
+                 rope_of: list[int]):
+        self.first = fused[0]
+        self.natives = [f.native for f in fused]
+        self.scales = [float(x) for x in scales]
+        self.softcaps = [float(x) if x else 0.0 for x in softcaps]
+        self.rope_of = [int(r) for r in rope_of]
+
+    @classmethod
+    def of(cls, layers, scales, softcaps, rope_of) -> "FusedStack | None":
+        """The stack of ``layers`` (family blocks with ``fused``), or None when it is off, the build
+        lacks it, or a block does not run as one native call."""
+        if not (cls.enabled and FusedBlock.one_call and hasattr(kernels._ext, "fused_layers")):
+            return None
+        fused = [getattr(layer, "fused", None) for layer in layers]
+        if not fused or any(f is None or f.native is None for f in fused):
+            return None
+        return cls(fused, scales, softcaps, rope_of)
+
+    def run(self, x: torch.Tensor, batch, ropes: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Every layer on the rows ``x`` in place, the RoPE tables ``ropes[rope_of[i]]`` for layer
+        ``i``; False, with nothing done, when ``x`` or some layer's caches do not take it."""
+        if not self.first.takes(x):
+            return False
+        plans = write_plans(batch, len(self.natives))
+        if plans is None:
+            return False
+        kernels._ext.fused_layers(self.natives, x, [c.contiguous() for c, _ in ropes],
+                                  [s.contiguous() for _, s in ropes], self.rope_of, plans, self.scales, self.softcaps)
+        return True
+
+
+def stack_for(model, scales, softcaps, rope_of) -> "FusedStack | None":
+    """``model``'s FusedStack, rebuilt when its blocks' fused calls changed (``enable_fused``)."""
+    key = (FusedStack.enabled, FusedBlock.one_call, *(id(getattr(layer, "fused", None)) for layer in model.layers))
+    kept = model.__dict__.get("_fused_stack")
+    if kept is None or kept[0] != key:
+        kept = (key, FusedStack.of(model.layers, scales(), softcaps(), rope_of()))
+        model.__dict__["_fused_stack"] = kept
+    return kept[1]

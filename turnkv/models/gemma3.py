@@ -11,7 +11,7 @@ from torch import nn
 from ..cache import specs
 from ..images import IMAGE_KEY_BASE
 from .batch import Batch, Span, select_rows, spans_apply
-from .fused import FusedBlock
+from .fused import FusedBlock, stack_for
 from .base import (BaseArgs, Model, Rope, apply_rope, attention, attention_spans, embedding, linear, param,
                    rms_norm, take)
 from .rope_config import inv_freq_for, rope_params
@@ -228,8 +228,13 @@ class Gemma3Model(Model):
         """The decoder over input embeddings ``x`` [N, hidden]; ``blocks`` (Gemma 3 vision) maps a
         span to its image rows and their same-image table (``image_blocks``)."""
         rope_g, rope_l = self.rope_global.rows(batch), self.rope_local.rows(batch)
-        for i, layer in enumerate(self.layers):
-            x = layer.forward(x, batch, i, rope_l if layer.sliding else rope_g, blocks)
+        stack = None if blocks is not None else stack_for(
+            self, lambda: [layer.attn.scale for layer in self.layers],
+            lambda: [layer.attn.softcap for layer in self.layers],
+            lambda: [1 if layer.sliding else 0 for layer in self.layers])
+        if stack is None or not stack.run(x, batch, [rope_g, rope_l]):   # all layers in one native call, else one by one
+            for i, layer in enumerate(self.layers):
+                x = layer.forward(x, batch, i, rope_l if layer.sliding else rope_g, blocks)
         x = select_rows(x, batch)
         if x is None:
             return None

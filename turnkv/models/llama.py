@@ -10,7 +10,7 @@ from torch import nn
 
 from ..cache import specs
 from .batch import Batch
-from .fused import FusedBlock, fuse_llama_block
+from .fused import FusedBlock, fuse_llama_block, stack_for
 from .base import (BaseArgs, Model, Rope, apply_rope, attention_spans, embedding, linear, param, rms_norm,
                    take)
 from .rope_config import inv_freq_for, rope_params
@@ -124,5 +124,11 @@ class LlamaModel(Model):
 
     def forward_embeds(self, x, batch):
         """The decoder over given input embeddings [N, hidden] (a fresh buffer: the blocks add into
-        it in place); a vision family (models/idefics3.py) puts image rows in."""
-        return self.run_decoder(x, batch, self.rope.rows(batch))
+        it in place); a vision family (models/idefics3.py) puts image rows in. All layers in one
+        native call when they are fused (models/fused.py FusedStack), else one by one."""
+        rope = self.rope.rows(batch)
+        stack = stack_for(self, lambda: [layer.attn.scale for layer in self.layers],
+                          lambda: [None] * len(self.layers), lambda: [0] * len(self.layers))
+        if stack is not None and stack.run(x, batch, [rope]):
+            return self.final_logits(x, batch)
+        return self.run_decoder(x, batch, rope)
