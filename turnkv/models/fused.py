@@ -150,6 +150,7 @@ class FusedStack:
 
     def __init__(self, fused: list[FusedBlock], scales: list[float], softcaps: list[float | None],
                  rope_of: list[int]):
+        self.fused = fused          # held, so no block's id is reused while ``stack_for`` keys on it
         self.first = fused[0]
         self.natives = [f.native for f in fused]
         self.scales = [float(x) for x in scales]
