@@ -9,6 +9,14 @@ Prints, per run: wall time, TTFT p50/p95 over turns 2+, completion tok/s over al
 completion tokens / wall), and prompt reuse (cached / prompt tokens, where the server reports
 it). Several ``--engine``/``--url`` targets run one after another in one invocation, so their
 numbers come from the same machine minutes apart; the CPU model is printed first.
+
+``--users 1,8 --rounds 3`` runs every target with 1 and with 8 users, three rounds, the order of
+the counts alternating between rounds (1, 8, 8, 1, 1, 8), and ends with a summary: the median
+of each count's runs and each count's aggregate tok/s against 1 user's, as the median of the
+rounds' ratios (a round's runs are minutes apart; a VM's speed can drift over longer). An
+``--engine`` target gets a fresh server for every run; a ``--url`` server keeps its prompt cache,
+so its runs after the first tag the user messages with the run's number ("(volunteer 3, run
+2)"): a run never finds an earlier run's replies cached, only the shared system prompt.
 """
 
 from __future__ import annotations
@@ -33,16 +41,18 @@ from bench.multiturn import TurnResult, openai_chat  # noqa: E402
 
 
 
-def user_messages(user: int, turn: int, replies: list[str]) -> list[dict]:
-    """The shared conversation with user-specific wording, so users share the system prompt only."""
+def user_messages(user: int, turn: int, replies: list[str], run: int = 0) -> list[dict]:
+    """The shared conversation with user-specific wording, so users share the system prompt only;
+    ``run`` > 0 tags the wording with the run too (repeated runs against one server)."""
     messages = messages_for_turn(turn, replies)
+    tag = f"volunteer {user + 1}" + (f", run {run + 1}" if run else "")
     for m in messages:
         if m["role"] == "user":
-            m["content"] = f"(volunteer {user + 1}) {m['content']}"
+            m["content"] = f"({tag}) {m['content']}"
     return messages
 
 
-def run_users(url: str, model: str | None, users: int, turns: int, max_tokens: int) -> dict:
+def run_users(url: str, model: str | None, users: int, turns: int, max_tokens: int, run: int = 0) -> dict:
     results: list[list[TurnResult]] = [[] for _ in range(users)]
     errors: list[BaseException] = []
 
@@ -51,7 +61,7 @@ def run_users(url: str, model: str | None, users: int, turns: int, max_tokens: i
             chat = openai_chat(url, model, os.environ.get("OPENAI_API_KEY"), max_tokens=max_tokens)
             replies: list[str] = []
             for turn in range(turns):
-                r = chat(user_messages(u, turn, replies))
+                r = chat(user_messages(u, turn, replies, run))
                 replies.append(r.reply)
                 results[u].append(r)
         except BaseException as err:  # noqa: BLE001 - reported below
@@ -119,7 +129,8 @@ class TurnkvServer:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--users", type=int, default=4)
+    ap.add_argument("--users", default="4", help="users at once; a comma list (1,8) runs each count")
+    ap.add_argument("--rounds", type=int, default=1, help="runs of every count and target (default 1)")
     ap.add_argument("--turns", type=int, default=len(USER_TURNS))
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--engine", action="append", default=[], help="bundled model to serve with turnkv (repeatable)")
@@ -130,7 +141,14 @@ def main() -> int:
     args = ap.parse_args()
     if not args.engine and not args.url:
         ap.error("give --engine MODEL or --url URL")
-    print(f"CPU: {cpu_model()}; {args.users} users x {args.turns} turns, {args.max_tokens} tokens a reply")
+    try:
+        counts = [int(x) for x in str(args.users).split(",") if x.strip()]
+    except ValueError:
+        ap.error("--users takes a number or a comma list of numbers")
+    if not counts or min(counts) < 1 or args.rounds < 1:
+        ap.error("--users and --rounds must be >= 1")
+    print(f"CPU: {cpu_model()}; {args.users} users x {args.turns} turns, {args.max_tokens} tokens a reply"
+          + (f", {args.rounds} rounds" if args.rounds > 1 else ""))
     print(f"{'target':48} {'wall s':>7} {'TTFT p50':>9} {'TTFT p95':>9} {'tok/s all':>9} "
           f"{'tok/s user':>10} {'reuse':>6}")
 
@@ -139,18 +157,43 @@ def main() -> int:
         print(f"{name[:48]:48} {r['wall_s']:7.1f} {r['ttft_p50']:9.0f} {r['ttft_p95']:9.0f} {r['tok_s']:9.1f} "
               f"{r['decode_per_user']:10.1f} {reuse:>6}", flush=True)
 
-    for i, model in enumerate(args.engine):
-        extra = shlex.split(args.serve_args[i]) if i < len(args.serve_args) else []
-        server = TurnkvServer(model, extra)
-        try:
-            server.wait()
-            show(f"turnkv {model} {' '.join(extra)}".strip(), run_users(server.url, None, args.users, args.turns,
-                                                                         args.max_tokens))
-        finally:
-            server.close()
-    for url in args.url:
-        show(url, run_users(url, args.model, args.users, args.turns, args.max_tokens))
+    runs: dict[tuple[str, int], list[dict]] = {}      # (target, users) -> one result a round
+    served = 0                                            # runs so far against the --url servers
+    for r in range(args.rounds):
+        for n in (counts if r % 2 == 0 else counts[::-1]):
+            for i, model in enumerate(args.engine):
+                extra = shlex.split(args.serve_args[i]) if i < len(args.serve_args) else []
+                name = f"turnkv {model} {' '.join(extra)}".strip()
+                server = TurnkvServer(model, extra)
+                try:
+                    server.wait()
+                    res = run_users(server.url, None, n, args.turns, args.max_tokens)
+                finally:
+                    server.close()
+                runs.setdefault((name, n), []).append(res)
+                show(f"{name} ({n} user{'s' if n > 1 else ''})" if len(counts) > 1 else name, res)
+            for url in args.url:
+                res = run_users(url, args.model, n, args.turns, args.max_tokens, run=served)
+                runs.setdefault((url, n), []).append(res)
+                show(f"{url} ({n} user{'s' if n > 1 else ''})" if len(counts) > 1 else url, res)
+            served += 1
+    if args.rounds > 1 or len(counts) > 1:
+        summary(runs, args.rounds)
     return 0
+
+
+def summary(runs: dict[tuple[str, int], list[dict]], rounds: int) -> None:
+    """Medians over the rounds, and each count's aggregate tok/s against 1 user's (the median of
+    the rounds' ratios) where 1 user ran too."""
+    print(f"\nmedians of {rounds} round(s); x 1 user: aggregate tok/s against 1 user's, median of the rounds' ratios")
+    print(f"{'target':48} {'users':>5} {'wall s':>7} {'TTFT p50':>9} {'TTFT p95':>9} {'tok/s all':>9} {'x 1 user':>9}")
+    for (name, n), rs in runs.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in ("wall_s", "ttft_p50", "ttft_p95", "tok_s")}
+        ones = runs.get((name, 1))
+        ratio = (f"{statistics.median(a['tok_s'] / b['tok_s'] for a, b in zip(rs, ones)):.2f}"
+                 if ones and n != 1 else "-")
+        print(f"{name[:48]:48} {n:5d} {med['wall_s']:7.1f} {med['ttft_p50']:9.0f} {med['ttft_p95']:9.0f} "
+              f"{med['tok_s']:9.1f} {ratio:>9}", flush=True)
 
 
 if __name__ == "__main__":
