@@ -175,6 +175,30 @@ def test_fused_weights_equal_native_parameters(pair):
 
 @pytest.mark.real
 @needs_native
+def test_decode_embedding_rows_from_the_row_cache_are_exact_and_fresh(pair, monkeypatch):
+    """A decode step's few embedding rows come from a small cache of dequantized rows: they equal
+    the float checkpoint's rows on a miss and on a hit, in any shape, each lookup returns a fresh
+    tensor (the families add into it in place), and the cache stays within its bound."""
+    _, _, native, eng = pair
+    emb, want = eng.model.embed, native.model.embed
+    assert isinstance(emb, GGUFPacked)
+    monkeypatch.setattr(GGUFPacked, "ROW_CACHE", 6)
+    emb.__dict__.pop("_rows", None)
+    vocab = want.shape[0]
+    for ids in ([5], [vocab - 1, 5, 5], [[7, 8], [9, 5]], [1, 2, 3, 4], [5], list(range(100, 108))):
+        t = torch.tensor(ids)
+        got = emb.lookup(t, torch.float32)
+        assert got.shape == (*t.shape, want.shape[1])
+        assert torch.equal(got, want[t]), ids
+        got.add_(1.0)                                        # in place, as the decoder does
+        assert torch.equal(emb.lookup(t, torch.float32), want[t]), ids
+        assert len(emb.__dict__["_rows"]) <= 8               # bounded (cleared when full)
+    long = torch.arange(0, 40)                               # a prefill chunk: not through the cache
+    assert torch.equal(emb.lookup(long, torch.float32), want[long])
+
+
+@pytest.mark.real
+@needs_native
 def test_logits_close_to_float32_native_same_top1(pair):
     _, _, native, eng = pair
     ids = torch.tensor(native.tokenizer.encode(PROMPT))
