@@ -182,7 +182,7 @@ def test_decode_embedding_rows_from_the_row_cache_are_exact_and_fresh(pair, monk
     _, _, native, eng = pair
     emb, want = eng.model.embed, native.model.embed
     assert isinstance(emb, GGUFPacked)
-    monkeypatch.setattr(GGUFPacked, "ROW_CACHE", 6)
+    monkeypatch.setattr(GGUFPacked, "ROW_CACHE_BYTES", 6 * want.shape[1] * 4)     # 6 float32 rows
     emb.__dict__.pop("_rows", None)
     vocab = want.shape[0]
     for ids in ([5], [vocab - 1, 5, 5], [[7, 8], [9, 5]], [1, 2, 3, 4], [5], list(range(100, 108))):

@@ -390,8 +390,8 @@ class GGUFPacked(PackedWeight):
             out = torch.cat([p.matmul(flat) for p in self.parts], dim=-1)
         return out.view(*x.shape[:-1], self.out_features)
 
-    ROW_CACHE = 4096       # dequantized embedding rows kept for decode steps (per table)
-    ROW_CACHE_TOKENS = 8   # lookups of at most this many tokens go through it
+    ROW_CACHE_BYTES = 16 << 20   # dequantized embedding rows kept for decode steps (per table)
+    ROW_CACHE_TOKENS = 8         # lookups of at most this many tokens go through them
 
     def lookup(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Embedding rows, dequantized exactly. A decode step's few rows come from a small cache of
@@ -405,14 +405,16 @@ class GGUFPacked(PackedWeight):
             return self.parts[0].lookup(flat, dtype).view(*tokens.shape, self.in_features)
         rows = self.__dict__.setdefault("_rows", {})
         ids = flat.tolist()
-        miss = [i for i in dict.fromkeys(ids) if (i, dtype) not in rows]
+        have = {i: rows.get((i, dtype)) for i in dict.fromkeys(ids)}
+        miss = [i for i, r in have.items() if r is None]
         if miss:
-            if len(rows) + len(miss) > self.ROW_CACHE:
+            cap = max(self.ROW_CACHE_TOKENS, self.ROW_CACHE_BYTES // (self.in_features * dtype.itemsize))
+            if len(rows) + len(miss) > cap:
                 rows.clear()
             for i, r in zip(miss, self.parts[0].lookup(torch.tensor(miss, dtype=torch.long), dtype)):
-                rows[i, dtype] = r
+                have[i] = rows[i, dtype] = r
         # a fresh tensor: the families add into the embeddings in place
-        return torch.stack([rows[i, dtype] for i in ids]).view(*tokens.shape, self.in_features)
+        return torch.stack([have[i] for i in ids]).view(*tokens.shape, self.in_features)
 
 
 def pack(w: torch.Tensor, kind: str, dense: bool = True) -> PackedWeight:
