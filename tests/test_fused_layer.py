@@ -114,6 +114,19 @@ def test_batch_same_bits_as_alone_unfused(model):
         assert torch.equal(together[j], want[j]), j
 
 
+def mixed_runs(model, kv: str, seed: int):
+    """A 150-token prompt in 64-token chunks and 4 decode steps (``run``), then one forward of a
+    90-token prefill beside two decode rows: (single's logits, the batch's logits, the three
+    batch sequences' layer-0 offsets after it)."""
+    ids = prompt(150, seed)
+    single = run(model, ids, 64, 4, kv)
+    cs = [caches(model, kv) for _ in range(3)]
+    firsts = [model.step(p, c, logits="last") for p, c in zip((ids[:40], ids[:70]), cs[:2])]
+    parts = [(torch.tensor([int(f.argmax())]), c, "last") for f, c in zip(firsts, cs[:2])]
+    parts.append((ids[:90], cs[2], "last"))
+    return single, model.forward(Batch.build(parts)), [c[0].offset for c in cs]
+
+
 @pytest.mark.parametrize("kv", ["fp16", "int8", "int4"])
 def test_one_call_layer_same_bits_as_three_calls(model, kv, monkeypatch):
     """``FusedBlock.layer`` as one native call (fused_qkv, write_attend, fused_out_mlp in C++)
@@ -129,21 +142,12 @@ def test_one_call_layer_same_bits_as_three_calls(model, kv, monkeypatch):
     real = kernels._ext.fused_layer
     monkeypatch.setattr(kernels._ext, "fused_layer", lambda *a, **k: calls.append(1) or real(*a, **k))
 
-    def both():
-        ids = prompt(150, 5)
-        single = run(model, ids, 64, 4, kv)
-        cs = [caches(model, kv) for _ in range(3)]
-        firsts = [model.step(p, c, logits="last") for p, c in zip((ids[:40], ids[:70]), cs[:2])]
-        parts = [(torch.tensor([int(f.argmax())]), c, "last") for f, c in zip(firsts, cs[:2])]
-        parts.append((ids[:90], cs[2], "last"))
-        return single, model.forward(Batch.build(parts))
-
     with torch.inference_mode():
         monkeypatch.setattr(FusedBlock, "one_call", True)
-        one, one_batch = both()
+        one, one_batch, _ = mixed_runs(model, kv, 5)
         used = len(calls)
         monkeypatch.setattr(FusedBlock, "one_call", False)
-        three, three_batch = both()
+        three, three_batch, _ = mixed_runs(model, kv, 5)
     assert len(calls) == used
     layers = model.args.num_hidden_layers
     assert used == (0 if kv == "int4" else layers * (3 + 4 + 2 + 1)), used
@@ -165,21 +169,12 @@ def test_stack_same_bits_as_one_call_per_layer(model, kv, monkeypatch):
     real = kernels._ext.fused_layers
     monkeypatch.setattr(kernels._ext, "fused_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
 
-    def both():
-        ids = prompt(150, 6)
-        single = run(model, ids, 64, 4, kv)
-        cs = [caches(model, kv) for _ in range(3)]
-        firsts = [model.step(p, c, logits="last") for p, c in zip((ids[:40], ids[:70]), cs[:2])]
-        parts = [(torch.tensor([int(f.argmax())]), c, "last") for f, c in zip(firsts, cs[:2])]
-        parts.append((ids[:90], cs[2], "last"))
-        return single, model.forward(Batch.build(parts)), [c[0].offset for c in cs]
-
     with torch.inference_mode():
         monkeypatch.setattr(FusedStack, "enabled", True)
-        stack, stack_batch, stack_offsets = both()
+        stack, stack_batch, stack_offsets = mixed_runs(model, kv, 6)
         used = len(calls)
         monkeypatch.setattr(FusedStack, "enabled", False)
-        layers, layers_batch, layer_offsets = both()
+        layers, layers_batch, layer_offsets = mixed_runs(model, kv, 6)
     assert len(calls) == used
     assert used == (0 if kv == "int4" else 3 + 4 + 2 + 1), used
     assert torch.equal(stack, layers)
