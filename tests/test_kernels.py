@@ -227,6 +227,33 @@ def test_decode_fast_path_equals_general(qtype):
                     assert torch.equal(w.matmul(x[r0 : r0 + m], isa=isa), full[r0 : r0 + m]), (isa, n, m, r0)
 
 
+@pytest.mark.parametrize("qtype", QUANTIZABLE, ids=lambda q: q.name)
+def test_paired_rows_same_bits_as_unpaired(qtype):
+    """The AVX-512 paths' paired decode rows (2..8 activation rows, two rows a 512-bit vector:
+    csrc/simd_body.inc fused_pairs) == the 256-bit path one row group at a time == the
+    reference, forced on and off whatever the CPU's default (on for AMD family 0x1A only); N = 67
+    (a partial tile) and 1000 (split across threads), odd and even M."""
+    wide = [isa for isa in ISAS if isa.startswith("avx512")]
+    if not wide:
+        pytest.skip("no AVX-512 path on this CPU")
+    before = tk._ext.set_pair(1)
+    try:
+        for n in (N, 1000):
+            w = random_weight(qtype, n=n, seed=n + 1)
+            x = _x(8) * 4
+            x[5, 64:96] = 0.0  # an all-zero block in a paired row's partner
+            ref = w.matmul(x, native=False)
+            for isa in wide:
+                for m in range(2, 9):
+                    tk._ext.set_pair(1)
+                    paired = w.matmul(x[:m], isa=isa)
+                    tk._ext.set_pair(0)
+                    assert torch.equal(w.matmul(x[:m], isa=isa), paired), (isa, n, m)
+                    assert torch.equal(paired, ref[:m]), (isa, n, m)
+    finally:
+        tk._ext.set_pair(before)
+
+
 def _largest_block(qtype: Q) -> np.ndarray:
     """One GGUF block whose quantized values are all the type's largest (4-bit 15, 5-bit 31,
     6-bit 63), scales 1."""

@@ -97,7 +97,8 @@ def kernel_info() -> str:
     """One line for a start-up message: which GGUF matmul path runs."""
     if _ext is None:
         return f"reference ({_ext_error})"
-    return f"native {ISAS[_isa]}"
+    paired = ", decode rows paired in 512-bit vectors" if _isa >= 2 and int(_ext.pair()) else ""
+    return f"native {ISAS[_isa]}{paired}"
 
 
 # ------------------------------------------------------------------ tiles of 8 rows

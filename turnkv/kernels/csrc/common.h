@@ -14,7 +14,8 @@ constexpr int TILE = 8;       // weight rows per tile of the scalar path
 constexpr int TILE_MAX = 16;  // the widest tile (512-bit paths); sizes the scratch
 extern int64_t g_prefetch;  // software prefetch distance in bytes
 extern int64_t g_prefetch_fused;  // per-block prefetch distance of full 8-row tiles (TURNKV_KERNEL_PREFETCH_FUSED)
-extern int g_fused;         // 1: the fused M <= 4 path of the 32-value block types (TURNKV_KERNEL_FUSED=0 turns it off)
+extern int g_fused;         // 1: the fused M <= 8 path of the 32-value block types (TURNKV_KERNEL_FUSED=0 turns it off)
+extern int g_pair;          // 1: that path pairs activation rows in 512-bit vectors (AVX-512; TURNKV_KERNEL_PAIR)
 
 inline bool is_kquant(int qt) { return qt == Q4_K || qt == Q5_K || qt == Q6_K; }
 inline int block_elems(int qt) { return is_kquant(qt) ? 256 : 32; }
@@ -107,6 +108,12 @@ struct Act {
     float* sx = nullptr;               // [M][K/32] dx * float(bsum32)  (QB == 32 only)
     int32_t* bs16 = nullptr;           // [M][K/16]
     int32_t* bs32 = nullptr;           // [M][K/32]
+    // rows 2p and 2p+1 side by side (the paired path, 2 <= M <= 8; nullptr otherwise):
+    // q2[(p * K/4 + g) * 2 + i] = row 2p+i's 4-byte group g; d2 / sx2 / b2[(p * nb + b) * 2 + i]
+    int32_t* q2 = nullptr;
+    float* d2 = nullptr;
+    float* sx2 = nullptr;
+    int32_t* b2 = nullptr;
 };
 
 struct Args {

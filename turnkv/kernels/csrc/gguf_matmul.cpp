@@ -9,6 +9,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <cpuid.h>
 #include <cstdlib>
 #include <algorithm>
 
@@ -41,6 +42,22 @@ int64_t g_prefetch_fused = [] {
 int g_fused = [] {
     const char* e = std::getenv("TURNKV_KERNEL_FUSED");
     return e ? std::atoi(e) : 1;
+}();
+
+// The fused decode path (2..8 activation rows) pairs the rows in 512-bit vectors (simd_body.inc,
+// fused_pairs): on by default where measured faster (AMD family 0x1A, Zen 5: docs/kernels.md),
+// TURNKV_KERNEL_PAIR=0 / 1 forces it; the same bits either way.
+static int pair_default() {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return 0;
+    const bool amd = b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163;  // "AuthenticAMD"
+    if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    const unsigned base = (a >> 8) & 0xf, family = base == 0xf ? base + ((a >> 20) & 0xff) : base;
+    return family >= 0x1a ? 1 : 0;
+}
+int g_pair = [] {
+    const char* e = std::getenv("TURNKV_KERNEL_PAIR");
+    return e && *e ? (std::atoi(e) != 0 ? 1 : 0) : pair_default();
 }();
 
 // a call goes parallel only when each thread gets at least this many weight-bytes-equivalent
@@ -254,11 +271,13 @@ static void run_tiles(const Args& g, int64_t t0, int64_t t1) {
 #define TKV_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")))
 #define TKV_VNNI 0
 #define TKV_TILE 8
+#define TKV_ZMM 1
 #include "simd_body.inc"
 #undef TKV_NS
 #undef TKV_TARGET
 #undef TKV_VNNI
 #undef TKV_TILE
+#undef TKV_ZMM
 
 #define TKV_NS avx512
 #define TKV_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")))
@@ -274,11 +293,13 @@ static void run_tiles(const Args& g, int64_t t0, int64_t t1) {
 #define TKV_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 #define TKV_VNNI 1
 #define TKV_TILE 8
+#define TKV_ZMM 1
 #include "simd_body.inc"
 #undef TKV_NS
 #undef TKV_TARGET
 #undef TKV_VNNI
 #undef TKV_TILE
+#undef TKV_ZMM
 
 #define TKV_NS avx512vnni
 #define TKV_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
@@ -331,7 +352,9 @@ static void quantize_act(const float* X, int64_t M, int64_t K, int isa, Act& a) 
     a.QB = 32;  // 32-value activation blocks for every type (the k-quants too; docs/kernels.md)
     a.nb = (int)(K / 32);
     const size_t nq = (size_t)M * K, n32 = (size_t)M * (K / 32), n16 = (size_t)M * (K / 16);
-    const size_t need = nq + 64 + 2 * (n32 * 4 + 64) + (n16 * 4 + 64) + (n32 * 4 + 64);
+    const bool pair = M >= 2 && M <= 8 && isa >= 2 && g_pair;  // the paired path's layout (AVX-512)
+    const size_t need = nq + 64 + 2 * (n32 * 4 + 64) + (n16 * 4 + 64) + (n32 * 4 + 64) +
+                        (pair ? nq + 64 + 3 * (n32 * 4 + 64) : 0);
     if (abuf.size() < need) abuf.resize(need);
     uint8_t* p = abuf.data();
     auto take = [&](size_t n) { uint8_t* r = p; p += (n + 63) & ~(size_t)63; return r; };
@@ -340,12 +363,47 @@ static void quantize_act(const float* X, int64_t M, int64_t K, int isa, Act& a) 
     a.sx = (float*)take(n32 * 4);
     a.bs16 = (int32_t*)take(n16 * 4);
     a.bs32 = (int32_t*)take(n32 * 4);
+    a.q2 = nullptr;
+    a.d2 = a.sx2 = nullptr;
+    a.b2 = nullptr;
+    if (pair) {
+        a.q2 = (int32_t*)take(nq);
+        a.d2 = (float*)take(n32 * 4);
+        a.sx2 = (float*)take(n32 * 4);
+        a.b2 = (int32_t*)take(n32 * 4);
+    }
     const QuantFn qf = kQuant[isa];
     if (M >= 16) {
         at::parallel_for(0, M, 4, [&](int64_t b, int64_t e) { qf(X, a, (int)b, (int)e); });
     } else {
         qf(X, a, 0, (int)M);
     }
+    if (pair) {  // rows 2p and 2p+1 side by side (an odd last row is not paired)
+        const int64_t G = K / 4, nb = a.nb;
+        for (int64_t p = 0; p < M / 2; p++) {
+            const int32_t* r0 = (const int32_t*)(a.q + (2 * p) * K);
+            const int32_t* r1 = (const int32_t*)(a.q + (2 * p + 1) * K);
+            int32_t* o = a.q2 + p * G * 2;
+            for (int64_t g = 0; g < G; g++) {
+                o[2 * g] = r0[g];
+                o[2 * g + 1] = r1[g];
+            }
+            for (int64_t b = 0; b < nb; b++)
+                for (int i = 0; i < 2; i++) {
+                    const int64_t src = (2 * p + i) * nb + b, dst = (p * nb + b) * 2 + i;
+                    a.d2[dst] = a.d[src];
+                    a.sx2[dst] = a.sx[src];
+                    a.b2[dst] = a.bs32[src];
+                }
+        }
+    }
+}
+
+// the paired path on / off (tests, A/B); returns the previous setting
+static int64_t set_pair(int64_t on) {
+    const int64_t before = g_pair;
+    g_pair = on != 0 ? 1 : 0;
+    return before;
 }
 
 // Y[:, 0:N] (row stride ldy) = the quantized activations a times W [N, K] (GGUF blocks).
@@ -403,6 +461,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     // the GIL is released while the kernel runs (other Python threads, e.g. the server's, go on)
     m.def("gguf_matmul", &tkv::gguf_matmul, "Y = X @ W^T, W in GGUF blocks", py::arg("x"), py::arg("w"), py::arg("qtype"),
           py::arg("n"), py::arg("k"), py::arg("isa"), py::call_guard<py::gil_scoped_release>());
+    m.def("set_pair", &tkv::set_pair, "the fused path's paired 512-bit rows on (1) / off (0); returns the previous", py::arg("on"));
+    m.def("pair", [] { return (int64_t)tkv::g_pair; }, "1 when the fused path pairs rows in 512-bit vectors");
     m.def("best_isa", &tkv::best_isa, "best ISA path: 0 scalar, 1 avx2, 2 avx512, 3 avx512vnni");
     tkv::register_fused(m);
     m.def("write_attend", &tkv_attn::write_attend,
