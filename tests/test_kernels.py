@@ -227,10 +227,11 @@ def test_decode_fast_path_equals_general(qtype):
                     assert torch.equal(w.matmul(x[r0 : r0 + m], isa=isa), full[r0 : r0 + m]), (isa, n, m, r0)
 
 
-@pytest.mark.parametrize("qtype", QUANTIZABLE, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", ALL, ids=lambda q: q.name)
 def test_paired_rows_same_bits_as_unpaired(qtype):
     """The AVX-512 paths' paired decode rows (2..8 activation rows, two rows a 512-bit vector:
-    csrc/simd_body.inc fused_pairs) == the 256-bit path one row group at a time == the
+    csrc/simd_body.inc fused_pairs, and dot_rows_k_pair for the k-quants) == the 256-bit path
+    one row group at a time == the
     reference, forced on and off whatever the CPU's default (on for AMD family 0x1A only); N = 67
     (a partial tile) and 1000 (split across threads), odd and even M."""
     wide = [isa for isa in ISAS if isa.startswith("avx512")]

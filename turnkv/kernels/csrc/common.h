@@ -110,10 +110,12 @@ struct Act {
     int32_t* bs32 = nullptr;           // [M][K/32]
     // rows 2p and 2p+1 side by side (the paired path, 2 <= M <= 8; nullptr otherwise):
     // q2[(p * K/4 + g) * 2 + i] = row 2p+i's 4-byte group g; d2 / sx2 / b2[(p * nb + b) * 2 + i]
+    // (b2: bs32), b16_2[(p * K/16 + j) * 2 + i] (bs16)
     int32_t* q2 = nullptr;
     float* d2 = nullptr;
     float* sx2 = nullptr;
     int32_t* b2 = nullptr;
+    int32_t* b16_2 = nullptr;
 };
 
 struct Args {

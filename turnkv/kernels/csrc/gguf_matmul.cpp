@@ -354,7 +354,7 @@ static void quantize_act(const float* X, int64_t M, int64_t K, int isa, Act& a) 
     const size_t nq = (size_t)M * K, n32 = (size_t)M * (K / 32), n16 = (size_t)M * (K / 16);
     const bool pair = M >= 2 && M <= 8 && isa >= 2 && g_pair;  // the paired path's layout (AVX-512)
     const size_t need = nq + 64 + 2 * (n32 * 4 + 64) + (n16 * 4 + 64) + (n32 * 4 + 64) +
-                        (pair ? nq + 64 + 3 * (n32 * 4 + 64) : 0);
+                        (pair ? nq + 64 + 3 * (n32 * 4 + 64) + (n16 * 4 + 64) : 0);
     if (abuf.size() < need) abuf.resize(need);
     uint8_t* p = abuf.data();
     auto take = [&](size_t n) { uint8_t* r = p; p += (n + 63) & ~(size_t)63; return r; };
@@ -365,12 +365,13 @@ static void quantize_act(const float* X, int64_t M, int64_t K, int isa, Act& a) 
     a.bs32 = (int32_t*)take(n32 * 4);
     a.q2 = nullptr;
     a.d2 = a.sx2 = nullptr;
-    a.b2 = nullptr;
+    a.b2 = a.b16_2 = nullptr;
     if (pair) {
         a.q2 = (int32_t*)take(nq);
         a.d2 = (float*)take(n32 * 4);
         a.sx2 = (float*)take(n32 * 4);
         a.b2 = (int32_t*)take(n32 * 4);
+        a.b16_2 = (int32_t*)take(n16 * 4);
     }
     const QuantFn qf = kQuant[isa];
     if (M >= 16) {
@@ -395,6 +396,8 @@ static void quantize_act(const float* X, int64_t M, int64_t K, int isa, Act& a) 
                     a.sx2[dst] = a.sx[src];
                     a.b2[dst] = a.bs32[src];
                 }
+            for (int64_t j = 0; j < K / 16; j++)
+                for (int i = 0; i < 2; i++) a.b16_2[(p * (K / 16) + j) * 2 + i] = a.bs16[(2 * p + i) * (K / 16) + j];
         }
     }
 }
