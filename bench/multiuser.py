@@ -6,14 +6,18 @@ distinct per user), streaming, against any OpenAI-compatible server.
     python bench/multiuser.py --users 4 --url http://127.0.0.1:8080/v1   # llama-server, vLLM, ...
 
 Prints, per run: wall time, TTFT p50/p95 over turns 2+, completion tok/s over all users (total
-completion tokens / wall), and prompt reuse (cached / prompt tokens, where the server reports
-it). Several ``--engine``/``--url`` targets run one after another in one invocation, so their
+completion tokens / wall), each user's decode speed (median over the requests of (completion
+tokens - 1) / the time from the first streamed piece to the last) and prompt reuse (cached /
+prompt tokens, where the server reports it). Several ``--engine``/``--url`` targets run one after another in one invocation, so their
 numbers come from the same machine minutes apart; the CPU model is printed first.
 
 ``--users 1,8 --rounds 3`` runs every target with 1 and with 8 users, three rounds, the order of
 the counts alternating between rounds (1, 8, 8, 1, 1, 8), and ends with a summary: the median
-of each count's runs and each count's aggregate tok/s against 1 user's, as the median of the
-rounds' ratios (a round's runs are minutes apart; a VM's speed can drift over longer). An
+of each count's runs and two ratios against 1 user, each the median of the rounds' ratios (a
+round's runs are minutes apart; a VM's speed can drift over longer): the aggregate completion
+tok/s (wall clock: every turn's prefill of the new messages included), and the aggregate decode
+speed (users x the per-user decode speed: each user's own prefill left out, but not the other
+users' prefill steps that ran while it decoded, which is what a user of a busy server sees). An
 ``--engine`` target gets a fresh server for every run; a ``--url`` server keeps its prompt cache,
 so its runs after the first tag the user messages with the run's number ("(volunteer 3, run
 2)"): a run never finds an earlier run's replies cached, only the shared system prompt.
@@ -185,15 +189,19 @@ def main() -> int:
 def summary(runs: dict[tuple[str, int], list[dict]], rounds: int) -> None:
     """Medians over the rounds, and each count's aggregate tok/s against 1 user's (the median of
     the rounds' ratios) where 1 user ran too."""
-    print(f"\nmedians of {rounds} round(s); x 1 user: aggregate tok/s against 1 user's, median of the rounds' ratios")
-    print(f"{'target':48} {'users':>5} {'wall s':>7} {'TTFT p50':>9} {'TTFT p95':>9} {'tok/s all':>9} {'x 1 user':>9}")
+    print(f"\nmedians of {rounds} round(s); x 1 user: against 1 user's, the median of the rounds' ratios, of the "
+          "aggregate completion tok/s (all) and of users x the per-user decode speed (decode)")
+    print(f"{'target':48} {'users':>5} {'wall s':>7} {'TTFT p50':>9} {'TTFT p95':>9} {'tok/s all':>9} "
+          f"{'x 1 (all)':>9} {'x 1 (decode)':>12}")
     for (name, n), rs in runs.items():
         med = {k: statistics.median(r[k] for r in rs) for k in ("wall_s", "ttft_p50", "ttft_p95", "tok_s")}
         ones = runs.get((name, 1))
         ratio = (f"{statistics.median(a['tok_s'] / b['tok_s'] for a, b in zip(rs, ones)):.2f}"
                  if ones and n != 1 else "-")
+        dec = (f"{statistics.median(n * a['decode_per_user'] / b['decode_per_user'] for a, b in zip(rs, ones)):.2f}"
+               if ones and n != 1 else "-")
         print(f"{name[:48]:48} {n:5d} {med['wall_s']:7.1f} {med['ttft_p50']:9.0f} {med['ttft_p95']:9.0f} "
-              f"{med['tok_s']:9.1f} {ratio:>9}", flush=True)
+              f"{med['tok_s']:9.1f} {ratio:>9} {dec:>12}", flush=True)
 
 
 if __name__ == "__main__":
