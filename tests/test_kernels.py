@@ -231,9 +231,9 @@ def test_decode_fast_path_equals_general(qtype):
 def test_paired_rows_same_bits_as_unpaired(qtype):
     """The AVX-512 paths' paired decode rows (2..8 activation rows, two rows a 512-bit vector:
     csrc/simd_body.inc fused_pairs, and dot_rows_k_pair for the k-quants) == the 256-bit path
-    one row group at a time == the
-    reference, forced on and off whatever the CPU's default (on for AMD family 0x1A only); N = 67
-    (a partial tile) and 1000 (split across threads), odd and even M."""
+    one row group at a time == the reference, forced on and off whatever the CPU's default (on
+    for AMD family 0x1A only); N = 67 (a partial tile) and 1000 (split across threads), odd and
+    even M."""
     wide = [isa for isa in ISAS if isa.startswith("avx512")]
     if not wide:
         pytest.skip("no AVX-512 path on this CPU")
