@@ -8,8 +8,9 @@ distinct per user), streaming, against any OpenAI-compatible server.
 Prints, per run: wall time, TTFT p50/p95 over turns 2+, completion tok/s over all users (total
 completion tokens / wall), each user's decode speed (median over the requests of (completion
 tokens - 1) / the time from the first streamed piece to the last) and prompt reuse (cached /
-prompt tokens, where the server reports it). Several ``--engine``/``--url`` targets run one after another in one invocation, so their
-numbers come from the same machine minutes apart; the CPU model is printed first.
+prompt tokens, where the server reports it). Several ``--engine``/``--url`` targets run one
+after another in one invocation, so their numbers come from the same machine minutes apart; the
+CPU model is printed first.
 
 ``--users 1,8 --rounds 3`` runs every target with 1 and with 8 users, three rounds, the order of
 the counts alternating between rounds (1, 8, 8, 1, 1, 8), and ends with a summary: the median
@@ -187,8 +188,8 @@ def main() -> int:
 
 
 def summary(runs: dict[tuple[str, int], list[dict]], rounds: int) -> None:
-    """Medians over the rounds, and each count's aggregate tok/s against 1 user's (the median of
-    the rounds' ratios) where 1 user ran too."""
+    """Medians over the rounds, and where 1 user ran too, each count against 1 user (the median
+    of the rounds' ratios): aggregate completion tok/s, and users x the per-user decode speed."""
     print(f"\nmedians of {rounds} round(s); x 1 user: against 1 user's, the median of the rounds' ratios, of the "
           "aggregate completion tok/s (all) and of users x the per-user decode speed (decode)")
     print(f"{'target':48} {'users':>5} {'wall s':>7} {'TTFT p50':>9} {'TTFT p95':>9} {'tok/s all':>9} "

@@ -127,6 +127,24 @@ def mixed_runs(model, kv: str, seed: int):
     return single, model.forward(Batch.build(parts)), [c[0].offset for c in cs]
 
 
+def on_and_off(monkeypatch, model, kv, seed: int, switch: tuple, counted: str):
+    """``mixed_runs`` with ``switch`` (class, attribute) True, then False, counting the calls of
+    ``kernels._ext.<counted>``: (runs on, runs off, calls while on, calls in all)."""
+    from turnkv import kernels
+
+    calls = []
+    real = getattr(kernels._ext, counted)
+    monkeypatch.setattr(kernels._ext, counted, lambda *a, **k: calls.append(1) or real(*a, **k))
+    owner, attr = switch
+    with torch.inference_mode():
+        monkeypatch.setattr(owner, attr, True)
+        on = mixed_runs(model, kv, seed)
+        used = len(calls)
+        monkeypatch.setattr(owner, attr, False)
+        off = mixed_runs(model, kv, seed)
+    return on, off, used, len(calls)
+
+
 @pytest.mark.parametrize("kv", ["fp16", "int8", "int4"])
 def test_one_call_layer_same_bits_as_three_calls(model, kv, monkeypatch):
     """``FusedBlock.layer`` as one native call (fused_qkv, write_attend, fused_out_mlp in C++)
@@ -134,21 +152,12 @@ def test_one_call_layer_same_bits_as_three_calls(model, kv, monkeypatch):
     prefill chunk beside two decode rows give the same bits. int4 caches are not written by the
     kernel: there the layer must take the three calls (and nothing is reserved twice). The
     layers run one by one here (FusedStack off: the next test compares the stack with this)."""
-    from turnkv import kernels
     from turnkv.models.fused import FusedBlock, FusedStack
 
     monkeypatch.setattr(FusedStack, "enabled", False)
-    calls = []
-    real = kernels._ext.fused_layer
-    monkeypatch.setattr(kernels._ext, "fused_layer", lambda *a, **k: calls.append(1) or real(*a, **k))
-
-    with torch.inference_mode():
-        monkeypatch.setattr(FusedBlock, "one_call", True)
-        one, one_batch, _ = mixed_runs(model, kv, 5)
-        used = len(calls)
-        monkeypatch.setattr(FusedBlock, "one_call", False)
-        three, three_batch, _ = mixed_runs(model, kv, 5)
-    assert len(calls) == used
+    (one, one_batch, _), (three, three_batch, _), used, total = on_and_off(
+        monkeypatch, model, kv, 5, (FusedBlock, "one_call"), "fused_layer")
+    assert total == used
     layers = model.args.num_hidden_layers
     assert used == (0 if kv == "int4" else layers * (3 + 4 + 2 + 1)), used
     assert torch.equal(one, three)
@@ -162,20 +171,11 @@ def test_stack_same_bits_as_one_call_per_layer(model, kv, monkeypatch):
     Python: a chunked prompt, decode steps, and a batch of a prefill chunk beside two decode rows
     give the same bits, with one call per forward. int4 caches are not written by the kernel:
     there the stack does nothing (nothing reserved) and the layers run one by one."""
-    from turnkv import kernels
     from turnkv.models.fused import FusedStack
 
-    calls = []
-    real = kernels._ext.fused_layers
-    monkeypatch.setattr(kernels._ext, "fused_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
-
-    with torch.inference_mode():
-        monkeypatch.setattr(FusedStack, "enabled", True)
-        stack, stack_batch, stack_offsets = mixed_runs(model, kv, 6)
-        used = len(calls)
-        monkeypatch.setattr(FusedStack, "enabled", False)
-        layers, layers_batch, layer_offsets = mixed_runs(model, kv, 6)
-    assert len(calls) == used
+    (stack, stack_batch, stack_offsets), (layers, layers_batch, layer_offsets), used, total = on_and_off(
+        monkeypatch, model, kv, 6, (FusedStack, "enabled"), "fused_layers")
+    assert total == used
     assert used == (0 if kv == "int4" else 3 + 4 + 2 + 1), used
     assert torch.equal(stack, layers)
     assert torch.equal(stack_batch, layers_batch)
