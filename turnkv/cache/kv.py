@@ -158,6 +158,9 @@ class KVCache(LayerCache):
 
     kind: ClassVar[str] = "full"
     snapshot_type: ClassVar[type[KVSnapshot]] = KVSnapshot
+    # whether the rule keeps every position (retain_from and needed_from are KVCache's own): set
+    # per subclass, so one that overrides either never takes reserve's shortcut
+    _keeps_all: ClassVar[bool] = True
 
     def __init__(self, heads: int, head_dim: int, dtype: torch.dtype = torch.float32, device="cpu",
                  mode: str = NATIVE, block_size: int = DEFAULT_BLOCK, pool: BlockPool | None = None):
@@ -256,6 +259,10 @@ class KVCache(LayerCache):
     def _floor_block(self, pos: int) -> int:
         return (pos // self.block_size) * self.block_size
 
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        cls._keeps_all = cls.retain_from is KVCache.retain_from and cls.needed_from is KVCache.needed_from
+
     def reserve(self, T: int) -> tuple[int, int]:
         """Take the rows of ``T`` new tokens (the caller writes their K/V there, through ``table``)
         and return ``(first_pos, q_pos0)``: the position of the first key those queries attend to,
@@ -263,6 +270,13 @@ class KVCache(LayerCache):
         the partial last block is made this cache's own (copy-on-write when shared) and new blocks
         are taken from the pool."""
         B, q0 = self.block_size, self.offset
+        if self._keeps_all and T > 0:
+            # full attention (nothing leaves, every query starts at the floor) inside the last block,
+            # already this cache's own: most decode steps, once per layer and sequence
+            i = q0 // B
+            if q0 % B and (q0 + T - 1) // B == i and self._own[0] == i and self._own[1] == self._ids[i]:
+                self.offset = q0 + T
+                return self.floor, q0
         keep = self._floor_block(self.retain_from(q0))
         if keep > self.floor:
             self._release_from(0, keep // B)

@@ -232,23 +232,34 @@ def _write_layout(cache) -> str | None:
     try:
         return cache.write_layout
     except AttributeError:
-        cache.write_layout = _layout_of(type(cache.store), cache.store.parts_dtype, cache.block_size)
-        return cache.write_layout
+        layout = _layout_of(type(cache.store), cache.store.parts_dtype, cache.block_size)
+        if layout is not None:
+            cache.write_rule = (KINDS[cache.kind], int(cache.span or 0))     # fixed too: kind, window / chunk
+        cache.write_layout = layout
+        return layout
 
 
-def _common_layout(caches: list) -> str | None:
+def _common_layout(caches) -> str | None:
     layout = _write_layout(caches[0])
     if layout is None or any(_write_layout(c) != layout for c in caches[1:]):
         return None
     return layout
 
 
-def _reserve_plan(spans, caches: list, int8: bool) -> tuple:
-    plan = [c.reserve(s.length) for c, s in zip(caches, spans)]
+def _reserve_plan(lens: list[int], caches, int8: bool) -> tuple:
+    if len(caches) == 1:        # one sequence: the lists built directly
+        c = caches[0]
+        first, q0 = c.reserve(lens[0])
+        b = c.store.parts
+        kind, span = c.write_rule
+        return ([b["k"]], [b["v"]], lens, [c.table], [q0], [first], [kind], [span],
+                [b["k_scale"]] if int8 else None, [b["v_scale"]] if int8 else None)
+    plan = [c.reserve(T) for c, T in zip(caches, lens)]
     parts = [c.store.parts for c in caches]     # after every reserve: the pool may have grown
-    return ([b["k"] for b in parts], [b["v"] for b in parts], [s.length for s in spans],
+    rules = [c.write_rule for c in caches]
+    return ([b["k"] for b in parts], [b["v"] for b in parts], lens,
             [c.table for c in caches], [p[1] for p in plan], [p[0] for p in plan],
-            [KINDS[c.kind] for c in caches], [int(c.span or 0) for c in caches],
+            [r[0] for r in rules], [r[1] for r in rules],
             [b["k_scale"] for b in parts] if int8 else None, [b["v_scale"] for b in parts] if int8 else None)
 
 
@@ -263,7 +274,7 @@ def write_plan(batch: Batch, layer: int) -> tuple | None:
     spans = batch.spans
     caches = [s.caches[layer] for s in spans]
     layout = _common_layout(caches)
-    return None if layout is None else _reserve_plan(spans, caches, layout == "int8")
+    return None if layout is None else _reserve_plan([s.length for s in spans], caches, layout == "int8")
 
 
 def write_plans(batch: Batch, layers: int) -> list[tuple] | None:
@@ -271,11 +282,12 @@ def write_plans(batch: Batch, layers: int) -> list[tuple] | None:
     them all in one native call), or None, with nothing reserved, unless every layer's caches
     take ``write_attend``: the layouts are checked for every layer before any layer reserves."""
     spans = batch.spans
-    per_layer = [[s.caches[i] for s in spans] for i in range(layers)]
+    per_layer = list(zip(*[s.caches[:layers] for s in spans]))       # the spans' caches, layer by layer
     layouts = [_common_layout(caches) for caches in per_layer]
-    if None in layouts:
+    if len(per_layer) != layers or None in layouts:
         return None
-    return [_reserve_plan(spans, caches, layout == "int8") for caches, layout in zip(per_layer, layouts)]
+    lens = [s.length for s in spans]
+    return [_reserve_plan(lens, caches, layout == "int8") for caches, layout in zip(per_layer, layouts)]
 
 
 def native_kv(q: torch.Tensor, view: KVView, sinks: torch.Tensor | None = None):
