@@ -185,3 +185,53 @@ def test_a_pool_refuses_caches_of_another_shape():
         KVCache(H, D * 2, block_size=B, pool=pool)
     with pytest.raises(ValueError, match="block pool"):
         KVCache(H, D, mode="int8", block_size=B, pool=pool)
+
+
+
+def test_reserve_short_path_answers_as_the_general_one(monkeypatch):
+    """Full attention's ``reserve`` shortcut (a decode row inside the cache's own last block) gives
+    the same answers, offsets, blocks and K/V as the general path, through appends, a snapshot
+    that seals the owner's block, a restore that shares it and a regenerate below the seal; rules
+    that release blocks (sliding, chunked) never take it."""
+    from turnkv.cache.chunked import ChunkedCache
+
+    assert KVCache._keeps_all and not SlidingWindowCache._keeps_all and not ChunkedCache._keeps_all
+    k, v = kv(60, 11)
+    k2, v2 = kv(60, 12)
+    log: list = []
+    general = [0]
+    reserve, own_rows = KVCache.reserve, KVCache._own_rows
+
+    def logged_reserve(self, T):
+        got = reserve(self, T)
+        log.append((got, self.offset, self.block_ids()))
+        return got
+
+    def counted_own_rows(self, T):
+        general[0] += 1
+        return own_rows(self, T)
+
+    monkeypatch.setattr(KVCache, "reserve", logged_reserve)
+    monkeypatch.setattr(KVCache, "_own_rows", counted_own_rows)
+
+    def script() -> list:
+        log.clear()
+        general[0] = 0
+        pool = BlockPool("native", H, D, torch.float32, "cpu", block=B)
+        a = KVCache(H, D, block_size=B, pool=pool)
+        out = feed(a, k, v, 0, 21, step=1)
+        snap = a.snapshot()
+        out += feed(a, k, v, 21, 27, step=1)          # the owner writes past the seal
+        b = KVCache(H, D, block_size=B, pool=pool)
+        b.restore(snap)
+        out += feed(b, k2, v2, 21, 30, step=1)        # shares the sealed block: copies it first
+        a.restore(snap, 18)                           # regenerate below the seal
+        out += feed(a, k2, v2, 18, 33, step=1)
+        return [list(log), out, a.block_ids(), b.block_ids(), pool.used, general[0]]
+
+    fast = script()
+    monkeypatch.setattr(KVCache, "_keeps_all", False)
+    slow = script()
+    assert fast[-1] < slow[-1], "the shortcut was never taken"
+    assert fast[0] == slow[0] and fast[2:-1] == slow[2:-1]
+    assert same(fast[1], slow[1])
