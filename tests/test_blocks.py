@@ -187,7 +187,6 @@ def test_a_pool_refuses_caches_of_another_shape():
         KVCache(H, D, mode="int8", block_size=B, pool=pool)
 
 
-
 def test_reserve_short_path_answers_as_the_general_one(monkeypatch):
     """Full attention's ``reserve`` shortcut (a decode row inside the cache's own last block) gives
     the same answers, offsets, blocks and K/V as the general path, through appends, a snapshot
