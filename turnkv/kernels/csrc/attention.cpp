@@ -32,11 +32,12 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <immintrin.h>
-#include <cpuid.h>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <cstdint>
+
+#include "cpu_family.h"
 #include <cstdlib>
 #include <limits>
 #include <optional>
@@ -62,18 +63,7 @@ static int g_attn_prefetch = [] {
 // layer against 400-465 spread), spread on Zen 5 (AMD family 0x1A: 8-sequence SmolLM2 decode
 // steps 5% faster, interleaved in one process; with bursts perf put a fifth of the call's samples
 // on V row loads waiting for memory); docs/kernels.md. TURNKV_ATTN_SPREAD=0 / 1 forces either.
-static bool short_rows_spread_default() {
-#if defined(__x86_64__)
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
-    const bool amd = b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163;   // "AuthenticAMD"
-    if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return false;
-    const unsigned base = (a >> 8) & 0xf, family = base == 0xf ? base + ((a >> 20) & 0xff) : base;
-    return family >= 0x1a;
-#else
-    return false;
-#endif
-}
+static bool short_rows_spread_default() { return tkv_cpu::amd_family() >= 0x1a; }
 static int g_attn_spread = [] {
     const char* e = std::getenv("TURNKV_ATTN_SPREAD");
     return e && *e ? (std::atoi(e) != 0 ? 1 : 0) : (short_rows_spread_default() ? 1 : -1);   // -1: by row size

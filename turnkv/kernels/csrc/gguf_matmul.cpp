@@ -9,11 +9,11 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <cpuid.h>
 #include <cstdlib>
 #include <algorithm>
 
 #include "common.h"
+#include "cpu_family.h"
 
 // attention.cpp (the same binary): one layer's K/V writes and attention for a batch of spans
 namespace tkv_attn {
@@ -47,17 +47,9 @@ int g_fused = [] {
 // The fused decode path (2..8 activation rows) pairs the rows in 512-bit vectors (simd_body.inc,
 // fused_pairs): on by default where measured faster (AMD family 0x1A, Zen 5: docs/kernels.md),
 // TURNKV_KERNEL_PAIR=0 / 1 forces it; the same bits either way.
-static int pair_default() {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid(0, &a, &b, &c, &d)) return 0;
-    const bool amd = b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163;  // "AuthenticAMD"
-    if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return 0;
-    const unsigned base = (a >> 8) & 0xf, family = base == 0xf ? base + ((a >> 20) & 0xff) : base;
-    return family >= 0x1a ? 1 : 0;
-}
 int g_pair = [] {
     const char* e = std::getenv("TURNKV_KERNEL_PAIR");
-    return e && *e ? (std::atoi(e) != 0 ? 1 : 0) : pair_default();
+    return e && *e ? (std::atoi(e) != 0 ? 1 : 0) : (tkv_cpu::amd_family() >= 0x1a ? 1 : 0);
 }();
 
 // a call goes parallel only when each thread gets at least this many weight-bytes-equivalent
