@@ -218,3 +218,93 @@ def test_off_for_other_formats_and_when_disabled(monkeypatch):
     assert not fused_available()
     off = load_model(cls, q.config, q.tensors, torch.float32, "gguf", quantized=q.quantized)
     assert fused_blocks(off) == []
+
+
+def test_kept_plan_same_bits_as_a_plan_built_every_step(model, monkeypatch):
+    """``FusedStack`` keeps its native plan from step to step (models/fused.py ``_Kept``): when a
+    step's spans are the last step's caches and each only moved on inside blocks it owns, the
+    plan's query positions move on and nothing else is built or converted. Three sequences on one
+    pool per layer decode across block boundaries; between steps a sequence gets a snapshot
+    restored, one is truncated and decodes over the cut, a step leaves one out, one takes a
+    prefill chunk beside the decode rows, every pool grows (new buffers) between two steps, and a
+    fourth sequence joins with a long prompt. Every logit equals the run whose plan is built at
+    every step; on SmolLM2 (full attention) most steps advance the kept plan and its positions
+    end equal to the caches', Gemma 3 (sliding layers) never keeps one. (Each of ``_Kept``'s three
+    checks, dropped alone, fails this test.)"""
+    from turnkv import kernels
+    from turnkv.models.fused import FusedStack
+
+    real_plan = FusedStack._plan
+
+    def built_every_step(self, batch):
+        self._kept = None
+        return real_plan(self, batch)
+
+    made = []
+    real_sp = kernels._ext.StackPlan
+    monkeypatch.setattr(kernels._ext, "StackPlan", lambda plans: made.append(1) or real_sp(plans))
+
+    def drive() -> tuple[list[torch.Tensor], int]:
+        made.clear()
+        calls = []
+        cs = [caches(model)]
+        pools = [getattr(c, "pool", None) for c in cs[0]]
+        specs = model.cache_specs()
+        cs += [make_caches(specs, dtype=torch.float32, modes=default_modes(specs, "fp16"), pools=pools)
+               for _ in range(2)]
+        outs = [model.step(p, c, logits="last") for p, c in zip((prompt(50, 1), prompt(60, 2), prompt(126, 3)), cs)]
+        logits = []
+
+        def step(which, rows=None):
+            rows = rows or {}
+            parts = [(rows.get(j, torch.tensor([int(outs[j].argmax())])), cs[j], "last") for j in which]
+            calls.append(1)
+            for j, o in zip(which, model.forward(Batch.build(parts))):
+                outs[j] = o
+                logits.append(o)
+
+        for _ in range(12):                        # the third crosses its block boundary at 128
+            step([0, 1, 2])
+        snap = [c.snapshot() for c in cs[0]]
+        for _ in range(6):
+            step([0, 1, 2])
+        for c, s in zip(cs[0], snap):               # back 6 tokens, onto blocks shared with the snapshot
+            c.restore(s)
+        outs[0] = logits[-3 * 7 + 0]
+        for _ in range(4):
+            step([0, 1, 2])
+        for c in cs[1]:
+            c.truncate(c.offset - 3)
+        outs[1] = logits[-3 * 4 + 1]
+        for _ in range(4):
+            step([0, 1, 2])
+        step([0, 2])
+        step([0, 1, 2], rows={2: prompt(10, 4)})
+        step([0, 1, 2])
+        grow = make_caches(specs, dtype=torch.float32, modes=default_modes(specs, "fp16"), pools=pools)
+        for c in grow:                              # between two steps: every pool grows (new buffers)
+            c.reserve(1200)
+        step([0, 1, 2])
+        del grow
+        cs.append(make_caches(specs, dtype=torch.float32, modes=default_modes(specs, "fp16"), pools=pools))
+        outs.append(model.step(prompt(300, 5), cs[3], logits="last"))
+        for _ in range(70):                          # every sequence crosses a boundary
+            step([0, 1, 2, 3])
+        stack = model.__dict__["_fused_stack"][1]
+        if stack._kept is not None:
+            for q in stack._kept.native.query_positions():
+                assert q == [c[0].offset - 1 for c in cs]
+        return logits, len(made), len(calls)
+
+    with torch.inference_mode():
+        kept, built_kept, steps = drive()
+        monkeypatch.setattr(FusedStack, "_plan", built_every_step)
+        fresh, built_fresh, _ = drive()
+    assert len(kept) == len(fresh)
+    for a, b in zip(kept, fresh):
+        assert torch.equal(a, b)
+    assert built_fresh == steps + 4         # and the four prompts' steps
+    if model.family == "gemma3":
+        assert built_kept == built_fresh
+    else:
+        assert built_kept < steps // 4, (built_kept, steps)

@@ -254,7 +254,12 @@ def _reserve_plan(lens: list[int], caches, int8: bool) -> tuple:
         kind, span = c.write_rule
         return ([b["k"]], [b["v"]], lens, [c.table], [q0], [first], [kind], [span],
                 [b["k_scale"]] if int8 else None, [b["v_scale"]] if int8 else None)
-    plan = [c.reserve(T) for c, T in zip(caches, lens)]
+    return plan_of(lens, caches, int8, [c.reserve(T) for c, T in zip(caches, lens)])
+
+
+def plan_of(lens: list[int], caches, int8: bool, plan: list[tuple[int, int]]) -> tuple:
+    """``write_plan``'s tuple for ``caches`` once they have reserved (``plan``: what each
+    ``reserve`` returned, ``(first_pos, q_pos0)``)."""
     parts = [c.store.parts for c in caches]     # after every reserve: the pool may have grown
     rules = [c.write_rule for c in caches]
     return ([b["k"] for b in parts], [b["v"] for b in parts], lens,

@@ -21,6 +21,7 @@ the three calls.
 
 from __future__ import annotations
 
+import operator
 import os
 
 import torch
@@ -28,7 +29,7 @@ import torch
 from .. import kernels
 from ..kernels.attention import attention_isa
 from ..kernels.norm import native_rms_norm
-from .base import attention_spans, write_plan, write_plans
+from .base import attention_spans, plan_of, write_plan, write_plans
 from .weights import GGUFPacked
 
 ACTS = {"silu": 0, "gelu_tanh": 1}
@@ -137,6 +138,40 @@ def fuse_llama_block(block) -> "FusedBlock | None":
                             wdown=m.wdown, post_ff=None)
 
 
+_table_of = operator.attrgetter("_table")
+
+
+def _same_tables(caches, tables) -> bool:
+    """Each cache still holds the block table tensor in ``tables`` (identity, looped in C)."""
+    return all(map(operator.is_, map(_table_of, caches), tables))
+
+
+class _Kept:
+    """A FusedStack's native plan of the last step and what it was built from: the spans'
+    lengths, each layer's block tables (a cache's own tensor, made again whenever its blocks
+    change: the same object means the same cache and the same blocks), what the caches'
+    ``reserve`` returned (the same for every layer: a plan is kept only then), and the pools'
+    stores with the parts they had (a pool that grows gets new parts). It holds no cache, so it
+    keeps no sequence's blocks alive."""
+
+    __slots__ = ("native", "lens", "tables", "reserved", "int8", "stores")
+
+    def __init__(self, native, lens: list[int], plans: list[tuple], reserved: list, per_layer: list[tuple]):
+        self.native, self.lens, self.reserved = native, lens, reserved
+        self.tables = [p[3] for p in plans]
+        self.int8 = [p[8] is not None for p in plans]
+        stores = {id(c.store): c.store for caches in per_layer for c in caches}
+        self.stores = [(st, st.parts) for st in stores.values()]
+
+    def moved_on(self, per_layer: list[tuple], reserved: list[list[tuple[int, int]]], expect: list) -> bool:
+        """After every cache reserved this step's rows: whether each one only moved its query
+        position on by its span's length (``expect``: the same first position, the next query
+        position), still holds the same blocks, and no pool grew, so the plan differs from the
+        last step's by its query positions alone."""
+        return (all(r == expect for r in reserved) and all(map(_same_tables, per_layer, self.tables))
+                and all(st.parts is parts for st, parts in self.stores))
+
+
 class FusedStack:
     """Every layer of a decoder as one native call a step (``fused_layers``): the same
     ``fused_layer`` calls in the same order, looped in C++. What it saves is the Python between
@@ -144,7 +179,12 @@ class FusedStack:
     evict the interpreter's code and data from the caches) and, in the server, the GIL: the engine
     thread takes it once a step instead of once a layer. The layers' cache plans are reserved in
     one pass first (``write_plans``); when any layer's caches do not take ``write_attend``,
-    ``run`` does nothing and the family runs its layers one by one."""
+    ``run`` does nothing and the family runs its layers one by one.
+
+    The plans live in a native ``StackPlan`` kept from step to step: when the step's spans are the
+    last step's caches with the same lengths and every one of them only moved on inside blocks it
+    owns (full-attention caches: most decode steps), the kept plan moves its query positions on and
+    nothing else is built or converted (``_Kept``); any other step builds and keeps a new one."""
 
     enabled = os.environ.get("TURNKV_FUSED_STACK", "1").strip() != "0"   # A/B, tests
 
@@ -156,12 +196,13 @@ class FusedStack:
         self.scales = [float(x) for x in scales]
         self.softcaps = [float(x) if x else 0.0 for x in softcaps]
         self.rope_of = [int(r) for r in rope_of]
+        self._kept: _Kept | None = None
 
     @classmethod
     def of(cls, layers, scales, softcaps, rope_of) -> "FusedStack | None":
         """The stack of ``layers`` (family blocks with ``fused``), or None when it is off, the build
         lacks it, or a block does not run as one native call."""
-        if not (cls.enabled and FusedBlock.one_call and hasattr(kernels._ext, "fused_layers")):
+        if not (cls.enabled and FusedBlock.one_call and hasattr(kernels._ext, "StackPlan")):
             return None
         fused = [getattr(layer, "fused", None) for layer in layers]
         if not fused or any(f is None or f.native is None for f in fused):
@@ -173,12 +214,48 @@ class FusedStack:
         ``i``; False, with nothing done, when ``x`` or some layer's caches do not take it."""
         if not self.first.takes(x):
             return False
-        plans = write_plans(batch, len(self.natives))
-        if plans is None:
+        plan = self._plan(batch)
+        if plan is None:
             return False
         kernels._ext.fused_layers(self.natives, x, [c.contiguous() for c, _ in ropes],
-                                  [s.contiguous() for _, s in ropes], self.rope_of, plans, self.scales, self.softcaps)
+                                  [s.contiguous() for _, s in ropes], self.rope_of, plan, self.scales, self.softcaps)
         return True
+
+    def _plan(self, batch):
+        """The step's native plan, every cache's rows reserved; None, with nothing reserved, when
+        some layer's caches do not take ``write_attend``."""
+        n = len(self.natives)
+        spans = batch.spans
+        lens = [s.length for s in spans]
+        kept = self._kept
+        if kept is not None and kept.lens == lens:
+            per_layer = list(zip(*[s.caches[:n] for s in spans]))
+            if len(per_layer) == n and all(map(_same_tables, per_layer, kept.tables)):
+                # the caches the kept plan was made for (their layouts took write_attend then)
+                expect = [(f, q + T) for (f, q), T in zip(kept.reserved, lens)]
+                reserved = [[c.reserve(T) for c, T in zip(caches, lens)] for caches in per_layer]
+                if kept.moved_on(per_layer, reserved, expect):
+                    kept.native.advance()
+                    kept.reserved = expect
+                    return kept.native
+                plans = [plan_of(lens, caches, int8, r) for caches, int8, r in zip(per_layer, kept.int8, reserved)]
+                return self._keep(plans, lens, per_layer)
+        plans = write_plans(batch, n)
+        if plans is None:
+            self._kept = None
+            return None
+        return self._keep(plans, lens, list(zip(*[s.caches[:n] for s in spans])))
+
+    def _keep(self, plans: list[tuple], lens: list[int], per_layer: list[tuple]):
+        native = kernels._ext.StackPlan(plans)
+        # kept when every layer's caches reserved alike (the usual lockstep of a sequence's layers)
+        # and every cache keeps all its positions (a sliding or chunked cache's first position moves
+        # on with its queries: its plan changes every step)
+        reserved = list(zip(plans[0][5], plans[0][4]))
+        keep = (all(p[5] == plans[0][5] and p[4] == plans[0][4] for p in plans)
+                and all(c._keeps_all for caches in per_layer for c in caches))
+        self._kept = _Kept(native, lens, plans, reserved, per_layer) if keep else None
+        return native
 
 
 def stack_for(model, scales, softcaps, rope_of) -> "FusedStack | None":

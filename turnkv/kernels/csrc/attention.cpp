@@ -876,12 +876,14 @@ static void store_row(const float* src, void* dst, int kv, int64_t n, int64_t is
 // + p % BLK (tables: int32, indexed by absolute block). Its new K/V rows (positions q_pos0[j] ..)
 // are stored there, then its queries attend over the positions [k_pos0[j], q_pos0[j] + lens[j]).
 // Returns [R, Hq * D], each row bit-identical to ``attend`` over the same keys.
-torch::Tensor write_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<torch::Tensor> kbufs,
-                           std::vector<torch::Tensor> vbufs, std::vector<int64_t> lens, std::vector<torch::Tensor> tables,
-                           std::vector<int64_t> q_pos0, std::vector<int64_t> k_pos0, std::vector<int64_t> kind,
-                           std::vector<int64_t> wc, double scale, double softcap, int64_t isa,
-                           std::optional<torch::Tensor> sinks, std::optional<std::vector<torch::Tensor>> kscales,
-                           std::optional<std::vector<torch::Tensor>> vscales) {
+torch::Tensor write_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, const std::vector<torch::Tensor>& kbufs,
+                           const std::vector<torch::Tensor>& vbufs, const std::vector<int64_t>& lens,
+                           const std::vector<torch::Tensor>& tables, const std::vector<int64_t>& q_pos0,
+                           const std::vector<int64_t>& k_pos0, const std::vector<int64_t>& kind,
+                           const std::vector<int64_t>& wc, double scale, double softcap, int64_t isa,
+                           const std::optional<torch::Tensor>& sinks,
+                           const std::optional<std::vector<torch::Tensor>>& kscales,
+                           const std::optional<std::vector<torch::Tensor>>& vscales) {
     const size_t n = kbufs.size();
     TORCH_CHECK(kscales.has_value() == vscales.has_value() && (!kscales.has_value() || (kscales->size() == n && vscales->size() == n)),
                 "write_attend: int8 buffers come with one k and one v scale buffer per span");

@@ -17,12 +17,14 @@
 
 // attention.cpp (the same binary): one layer's K/V writes and attention for a batch of spans
 namespace tkv_attn {
-torch::Tensor write_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<torch::Tensor> kbufs,
-                           std::vector<torch::Tensor> vbufs, std::vector<int64_t> lens, std::vector<torch::Tensor> tables,
-                           std::vector<int64_t> q_pos0, std::vector<int64_t> k_pos0,
-                           std::vector<int64_t> kind, std::vector<int64_t> wc, double scale, double softcap,
-                           int64_t isa, std::optional<torch::Tensor> sinks,
-                           std::optional<std::vector<torch::Tensor>> kscales, std::optional<std::vector<torch::Tensor>> vscales);
+torch::Tensor write_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, const std::vector<torch::Tensor>& kbufs,
+                           const std::vector<torch::Tensor>& vbufs, const std::vector<int64_t>& lens,
+                           const std::vector<torch::Tensor>& tables, const std::vector<int64_t>& q_pos0,
+                           const std::vector<int64_t>& k_pos0, const std::vector<int64_t>& kind,
+                           const std::vector<int64_t>& wc, double scale, double softcap, int64_t isa,
+                           const std::optional<torch::Tensor>& sinks,
+                           const std::optional<std::vector<torch::Tensor>>& kscales,
+                           const std::optional<std::vector<torch::Tensor>>& vscales);
 }
 
 namespace tkv {
