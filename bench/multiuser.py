@@ -7,10 +7,12 @@ distinct per user), streaming, against any OpenAI-compatible server.
 
 Prints, per run: wall time, TTFT p50/p95 over turns 2+, completion tok/s over all users (total
 completion tokens / wall), each user's decode speed (median over the requests of (completion
-tokens - 1) / the time from the first streamed piece to the last) and prompt reuse (cached /
-prompt tokens, where the server reports it). Several ``--engine``/``--url`` targets run one
-after another in one invocation, so their numbers come from the same machine minutes apart; the
-CPU model is printed first.
+tokens - 1) / the time from the first streamed piece to the last), prompt reuse (cached /
+prompt tokens, where the server reports it) and the CPU seconds this process spent meanwhile
+(the clients' own cost: the `openai` client parses every streamed piece, ~0.8 ms of CPU a token,
+on the same cores as a server started here, and more of it a second the more users stream).
+Several ``--engine``/``--url`` targets run one after another in one invocation, so their numbers
+come from the same machine minutes apart; the CPU model is printed first.
 
 ``--users 1,8 --rounds 3`` runs every target with 1 and with 8 users, three rounds, the order of
 the counts alternating between rounds (1, 8, 8, 1, 1, 8), and ends with a summary: the median
@@ -72,13 +74,13 @@ def run_users(url: str, model: str | None, users: int, turns: int, max_tokens: i
         except BaseException as err:  # noqa: BLE001 - reported below
             errors.append(err)
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     threads = [threading.Thread(target=one, args=(u,)) for u in range(users)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
+    wall, client_cpu = time.perf_counter() - t0, time.process_time() - cpu0
     if errors:
         raise errors[0]
     later = sorted(r.ttft_ms for rs in results for r in rs[1:]) or sorted(r.ttft_ms for rs in results for r in rs)
@@ -91,6 +93,7 @@ def run_users(url: str, model: str | None, users: int, turns: int, max_tokens: i
         "tok_s": sum(r.completion_tokens for r in flat) / wall,
         "reuse": (sum(r.cached_tokens for r in known) / max(1, sum(r.prompt_tokens for r in known))) if known else None,
         "decode_per_user": statistics.median([r.decode_tokens_per_s for r in flat if r.decode_tokens_per_s]),
+        "client_cpu_s": client_cpu,
     }
 
 
@@ -155,12 +158,12 @@ def main() -> int:
     print(f"CPU: {cpu_model()}; {args.users} users x {args.turns} turns, {args.max_tokens} tokens a reply"
           + (f", {args.rounds} rounds" if args.rounds > 1 else ""))
     print(f"{'target':48} {'wall s':>7} {'TTFT p50':>9} {'TTFT p95':>9} {'tok/s all':>9} "
-          f"{'tok/s user':>10} {'reuse':>6}")
+          f"{'tok/s user':>10} {'reuse':>6} {'client CPU s':>12}")
 
     def show(name: str, r: dict) -> None:
         reuse = "-" if r["reuse"] is None else f"{100 * r['reuse']:.0f}%"
         print(f"{name[:48]:48} {r['wall_s']:7.1f} {r['ttft_p50']:9.0f} {r['ttft_p95']:9.0f} {r['tok_s']:9.1f} "
-              f"{r['decode_per_user']:10.1f} {reuse:>6}", flush=True)
+              f"{r['decode_per_user']:10.1f} {reuse:>6} {r['client_cpu_s']:12.1f}", flush=True)
 
     runs: dict[tuple[str, int], list[dict]] = {}      # (target, users) -> one result a round
     served = 0                                            # runs so far against the --url servers
