@@ -429,7 +429,10 @@ async def stream_events(job: Job, reply: Reply) -> AsyncIterator[str]:
 
 def create_app(engine, config: ServerConfig | None = None, engine_thread: bool = True) -> FastAPI:
     """``engine_thread=False``: the caller runs the engine loop itself (``app.state.worker.run``),
-    as ``serve`` does on the main thread."""
+    as ``serve`` does on the main thread. The default starts the loop on a thread of its own,
+    which is slower wherever another thread has run OpenMP work (loading the model does): libgomp
+    then manages more threads than cores and stops spinning between parallel regions, and a
+    decode step took 2.5-3x as long (SmolLM2, 2 cores, in-process; see ``serve``)."""
     config = config or ServerConfig()
     config.defaults.validate()
     if config.max_n < 1:
