@@ -244,7 +244,7 @@ def test_kept_plan_same_bits_as_a_plan_built_every_step(model, monkeypatch):
     real_sp = kernels._ext.StackPlan
     monkeypatch.setattr(kernels._ext, "StackPlan", lambda plans: made.append(1) or real_sp(plans))
 
-    def drive() -> tuple[list[torch.Tensor], int]:
+    def drive() -> tuple[list[torch.Tensor], int, int]:
         made.clear()
         calls = []
         cs = [caches(model)]
@@ -291,7 +291,9 @@ def test_kept_plan_same_bits_as_a_plan_built_every_step(model, monkeypatch):
         for _ in range(70):                          # every sequence crosses a boundary
             step([0, 1, 2, 3])
         stack = model.__dict__["_fused_stack"][1]
-        if stack._kept is not None:
+        if model.family == "gemma3":
+            assert stack._kept is None
+        else:                                        # the last step's plan, kept: its query positions
             for q in stack._kept.native.query_positions():
                 assert q == [c[0].offset - 1 for c in cs]
         return logits, len(made), len(calls)
