@@ -38,6 +38,7 @@
 #include <cstdint>
 
 #include "cpu_family.h"
+#include "write_attend.h"
 #include <cstdlib>
 #include <limits>
 #include <optional>

@@ -14,18 +14,7 @@
 
 #include "common.h"
 #include "cpu_family.h"
-
-// attention.cpp (the same binary): one layer's K/V writes and attention for a batch of spans
-namespace tkv_attn {
-torch::Tensor write_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, const std::vector<torch::Tensor>& kbufs,
-                           const std::vector<torch::Tensor>& vbufs, const std::vector<int64_t>& lens,
-                           const std::vector<torch::Tensor>& tables, const std::vector<int64_t>& q_pos0,
-                           const std::vector<int64_t>& k_pos0, const std::vector<int64_t>& kind,
-                           const std::vector<int64_t>& wc, double scale, double softcap, int64_t isa,
-                           const std::optional<torch::Tensor>& sinks,
-                           const std::optional<std::vector<torch::Tensor>>& kscales,
-                           const std::optional<std::vector<torch::Tensor>>& vscales);
-}
+#include "write_attend.h"
 
 namespace tkv {
 
