@@ -84,6 +84,7 @@ class LayerSnapshot:
 
 
 class LayerCache(ABC):
+    __slots__ = ()      # so KVCache's slots mean no per-object __dict__ (cache/kv.py)
     kind: ClassVar[str] = "base"
     snapshot_type: ClassVar[type[LayerSnapshot]] = LayerSnapshot
 
