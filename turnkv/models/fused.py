@@ -27,7 +27,7 @@ import os
 import torch
 
 from .. import kernels
-from ..kernels.attention import attention_isa
+from ..kernels.attention import KINDS, attention_isa
 from ..kernels.norm import native_rms_norm
 from .base import attention_spans, plan_of, write_plan, write_plans
 from .weights import GGUFPacked
@@ -146,29 +146,46 @@ def _same_tables(caches, tables) -> bool:
     return all(map(operator.is_, map(_table_of, caches), tables))
 
 
+_FULL, _SLIDING = KINDS["full"], KINDS["sliding"]
+
+
 class _Kept:
     """A FusedStack's native plan of the last step and what it was built from: the spans'
     lengths, each layer's block tables (a cache's own tensor, made again whenever its blocks
     change: the same object means the same cache and the same blocks), what the caches'
-    ``reserve`` returned (the same for every layer: a plan is kept only then), and the pools'
-    stores with the parts they had (a pool that grows gets new parts). It holds no cache, so it
-    keeps no sequence's blocks alive."""
+    ``reserve`` returned, by rule (``rules``: (kind, window) -> that rule's (first, query)
+    positions per span, the same for every layer of the rule: a plan is kept only then; the
+    index of each layer's rule in ``rule_of``), and the pools' stores with the parts they had (a
+    pool that grows gets new parts). It holds no cache, so it keeps no sequence's blocks alive."""
 
-    __slots__ = ("native", "lens", "tables", "reserved", "int8", "stores")
+    __slots__ = ("native", "lens", "tables", "rules", "rule_of", "int8", "stores")
 
-    def __init__(self, native, lens: list[int], plans: list[tuple], reserved: list, per_layer: list[tuple]):
-        self.native, self.lens, self.reserved = native, lens, reserved
+    def __init__(self, native, lens: list[int], plans: list[tuple], rules: list[list], rule_of: list[int],
+                 per_layer: list[tuple]):
+        self.native, self.lens, self.rules, self.rule_of = native, lens, rules, rule_of
         self.tables = [p[3] for p in plans]
         self.int8 = [p[8] is not None for p in plans]
         stores = {id(c.store): c.store for caches in per_layer for c in caches}
         self.stores = [(st, st.parts) for st in stores.values()]
 
+    def expected(self) -> list[list[tuple[int, int]]]:
+        """Per rule, what each span's ``reserve`` returns this step if its cache only moved on:
+        the query position on by the span's length; the first position the same (full attention)
+        or ``max(first, query - window + 1)`` (sliding: ``StackPlan.advance`` does the same)."""
+        out = []
+        for kind, window, reserved in self.rules:
+            if kind == _FULL:
+                out.append([(f, q + T) for (f, q), T in zip(reserved, self.lens)])
+            else:
+                out.append([(max(f, q + T - window + 1), q + T) for (f, q), T in zip(reserved, self.lens)])
+        return out
+
     def moved_on(self, per_layer: list[tuple], reserved: list[list[tuple[int, int]]], expect: list) -> bool:
-        """After every cache reserved this step's rows: whether each one only moved its query
-        position on by its span's length (``expect``: the same first position, the next query
-        position), still holds the same blocks, and no pool grew, so the plan differs from the
-        last step's by its query positions alone."""
-        return (all(r == expect for r in reserved) and all(map(_same_tables, per_layer, self.tables))
+        """After every cache reserved this step's rows: whether each one returned what its rule
+        expects (``expect``: ``expected()``), still holds the same blocks, and no pool grew, so
+        the plan differs from the last step's by what ``StackPlan.advance`` moves alone."""
+        return (all(r == expect[g] for r, g in zip(reserved, self.rule_of))
+                and all(map(_same_tables, per_layer, self.tables))
                 and all(st.parts is parts for st, parts in self.stores))
 
 
@@ -183,7 +200,8 @@ class FusedStack:
 
     The plans live in a native ``StackPlan`` kept from step to step: when the step's spans are the
     last step's caches with the same lengths and every one of them only moved on inside blocks it
-    owns (full-attention caches: most decode steps), the kept plan moves its query positions on and
+    owns (most decode steps; a sliding-window cache until a block leaves its window), the kept
+    plan moves its query positions on (and a sliding layer's first key positions with them) and
     nothing else is built or converted (``_Kept``); any other step builds and keeps a new one."""
 
     enabled = os.environ.get("TURNKV_FUSED_STACK", "1").strip() != "0"   # A/B, tests
@@ -232,11 +250,12 @@ class FusedStack:
             per_layer = list(zip(*[s.caches[:n] for s in spans]))
             if len(per_layer) == n and all(map(_same_tables, per_layer, kept.tables)):
                 # the caches the kept plan was made for (their layouts took write_attend then)
-                expect = [(f, q + T) for (f, q), T in zip(kept.reserved, lens)]
+                expect = kept.expected()
                 reserved = [[c.reserve(T) for c, T in zip(caches, lens)] for caches in per_layer]
                 if kept.moved_on(per_layer, reserved, expect):
                     kept.native.advance()
-                    kept.reserved = expect
+                    for rule, e in zip(kept.rules, expect):
+                        rule[2] = e
                     return kept.native
                 plans = [plan_of(lens, caches, int8, r) for caches, int8, r in zip(per_layer, kept.int8, reserved)]
                 return self._keep(plans, lens, per_layer)
@@ -248,13 +267,26 @@ class FusedStack:
 
     def _keep(self, plans: list[tuple], lens: list[int], per_layer: list[tuple]):
         native = kernels._ext.StackPlan(plans)
-        # kept when every layer's caches reserved alike (the usual lockstep of a sequence's layers)
-        # and every cache keeps all its positions (a sliding or chunked cache's first position moves
-        # on with its queries: its plan changes every step)
-        reserved = list(zip(plans[0][5], plans[0][4]))
-        keep = (all(p[5] == plans[0][5] and p[4] == plans[0][4] for p in plans)
-                and all(c._keeps_all for caches in per_layer for c in caches))
-        self._kept = _Kept(native, lens, plans, reserved, per_layer) if keep else None
+        # kept when every layer is full attention or sliding-window, one rule for all its spans,
+        # and every layer of a rule reserved alike (the usual lockstep of a sequence's layers); a
+        # chunked layer's plan (no fused family has one) is built every step
+        rules: dict[tuple[int, int], list] = {}
+        rule_of: list[int] = []
+        keep = True
+        for p in plans:
+            kinds, spans = p[6], p[7]
+            rule = (kinds[0], spans[0] if kinds[0] == _SLIDING else 0)
+            reserved = list(zip(p[5], p[4]))
+            if (rule[0] not in (_FULL, _SLIDING) or any(k != kinds[0] for k in kinds)
+                    or (rule[0] == _SLIDING and any(w != spans[0] for w in spans))):
+                keep = False
+                break
+            got = rules.setdefault(rule, [rule[0], rule[1], reserved])
+            if got[2] != reserved:
+                keep = False
+                break
+            rule_of.append(list(rules).index(rule))
+        self._kept = _Kept(native, lens, plans, list(rules.values()), rule_of, per_layer) if keep else None
         return native
 
 
