@@ -392,30 +392,69 @@ static int64_t set_pair(int64_t on) {
     return before;
 }
 
-// Y[:, 0:N] (row stride ldy) = the quantized activations a times W [N, K] (GGUF blocks).
-static void run_weight(const Act& a, const uint8_t* W, int64_t row_bytes, int qt, int64_t N, int isa, float* Y,
-                       int64_t ldy) {
+// One weight of a stacked matmul: W [N, K] in GGUF blocks (tiles of 8 rows), its output columns
+// Y[:, 0:N] (row stride ldy of run_parts).
+struct Part {
+    const uint8_t* W;
+    int64_t row_bytes;
+    int qt;
+    int64_t N;
+    float* Y;
+};
+
+// Y = the quantized activations a times every part, in one parallel region: the parts' output
+// tiles side by side, cut into one contiguous range a thread by their work (a tile's weight bytes
+// times 1 + M/4 for the dot products), so a small part in its own quantization type (Gemma 3's v
+// rows) is shared like the rest instead of running alone on the calling thread. A call goes
+// parallel only when each thread gets at least ~256 KB of that work (TURNKV_KERNEL_PAR_BYTES):
+// small calls stay on the calling thread, where a parallel region's wake-up and barrier would cost
+// more than the work. Which thread computes a tile changes none of its bits.
+static void run_parts(const Act& a, const Part* parts, int np, int isa, int64_t ldy) {
+    constexpr int MAXP = 8;
+    TORCH_CHECK(np >= 1 && np <= MAXP, "run_parts: 1..8 parts");
     const int64_t M = a.M;
-    Args g;
-    g.W = W;
-    g.row_bytes = row_bytes;
-    g.N = (int)N;
-    g.K = a.K;
-    g.M = (int)M;
-    g.qt = qt;
-    g.a = &a;
-    g.Y = Y;
-    g.ldy = ldy;
     const int wide = M >= WIDE_MIN_ROWS ? 1 : 0;
     const int tile = kTile[isa][wide];
-    const int64_t ntiles = (N + tile - 1) / tile;
-    // a thread gets at least ~256 KB of weight-bytes-equivalent work (a tile's bytes, times
-    // 1 + M/4 for the dot products): small calls stay on the calling thread, where a parallel
-    // region's wake-up and barrier would cost more than the work
-    const int64_t tile_work = tile * g.row_bytes * (1 + M / 4);
-    const int64_t grain = std::max<int64_t>(1, g_par_bytes / std::max<int64_t>(1, tile_work));
     const RunFn rf = kRun[isa][wide];
-    at::parallel_for(0, ntiles, grain, [&](int64_t b, int64_t e) { rf(g, b, e); });
+    Args g[MAXP];
+    int64_t ntiles[MAXP], tw[MAXP], w0[MAXP + 1];   // tiles, work a tile, work before part i
+    w0[0] = 0;
+    for (int i = 0; i < np; i++) {
+        g[i].W = parts[i].W;
+        g[i].row_bytes = parts[i].row_bytes;
+        g[i].N = (int)parts[i].N;
+        g[i].K = a.K;
+        g[i].M = (int)M;
+        g[i].qt = parts[i].qt;
+        g[i].a = &a;
+        g[i].Y = parts[i].Y;
+        g[i].ldy = ldy;
+        ntiles[i] = (parts[i].N + tile - 1) / tile;
+        tw[i] = std::max<int64_t>(1, tile * parts[i].row_bytes * (1 + M / 4));
+        w0[i + 1] = w0[i] + ntiles[i] * tw[i];
+    }
+    const int64_t work = w0[np];
+    const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(),
+                                                               (work + g_par_bytes - 1) / std::max<int64_t>(1, g_par_bytes)));
+    // thread t's share: the tiles whose first work unit lies in [work * t / nth, work * (t + 1) / nth)
+    auto share = [&](int64_t t) {
+        const int64_t lo = work * t / nth, hi = work * (t + 1) / nth;
+        for (int i = 0; i < np; i++) {
+            auto first_at = [&](int64_t w) {   // the first tile of part i starting at or after w
+                const int64_t off = w - w0[i];
+                return off <= 0 ? 0 : std::min<int64_t>(ntiles[i], (off + tw[i] - 1) / tw[i]);
+            };
+            const int64_t b = first_at(lo), e = first_at(hi);
+            if (b < e) rf(g[i], b, e);
+        }
+    };
+    if (nth == 1) {
+        share(0);
+        return;
+    }
+    at::parallel_for(0, nth, 1, [&](int64_t b, int64_t e) {
+        for (int64_t t = b; t < e; t++) share(t);
+    });
 }
 
 static torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor w, int64_t qt, int64_t N, int64_t K, int64_t isa) {
@@ -434,7 +473,8 @@ static torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor w, int64_t qt, i
     if (M == 0 || N == 0) return y;
     Act a;
     quantize_act(x.data_ptr<float>(), M, K, (int)isa, a);
-    run_weight(a, w.data_ptr<uint8_t>(), w.size(1), (int)qt, N, (int)isa, y.data_ptr<float>(), N);
+    const Part part{w.data_ptr<uint8_t>(), w.size(1), (int)qt, N, y.data_ptr<float>()};
+    run_parts(a, &part, 1, (int)isa, N);
     return y;
 }
 
