@@ -153,10 +153,11 @@ class _Kept:
     """A FusedStack's native plan of the last step and what it was built from: the spans'
     lengths, each layer's block tables (a cache's own tensor, made again whenever its blocks
     change: the same object means the same cache and the same blocks), what the caches'
-    ``reserve`` returned, by rule (``rules``: (kind, window) -> that rule's (first, query)
-    positions per span, the same for every layer of the rule: a plan is kept only then; the
-    index of each layer's rule in ``rule_of``), and the pools' stores with the parts they had (a
-    pool that grows gets new parts). It holds no cache, so it keeps no sequence's blocks alive."""
+    ``reserve`` returned, by rule (``rules``: one ``[kind, window, reserved]`` per rule, full
+    attention or a sliding window of that size, ``reserved`` the (first, query) positions per span,
+    the same for every layer of the rule: a plan is kept only then; ``rule_of``: each layer's rule),
+    and the pools' stores with the parts they had (a pool that grows gets new parts). It holds no
+    cache, so it keeps no sequence's blocks alive."""
 
     __slots__ = ("native", "lens", "tables", "rules", "rule_of", "int8", "stores")
 
