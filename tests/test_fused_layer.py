@@ -71,6 +71,30 @@ def test_on_for_every_block(model):
     assert any("fused native calls" in n for n in model.weight_notes)
 
 
+def test_switch_reaches_the_stack(model, monkeypatch):
+    """Turning the blocks' fused calls off (``Switch``) takes the model off the one-call stack at
+    the next step and on again after (``stack_for`` follows ``FusedSlot.generation``), so the
+    comparisons below compare the fused path with the unfused one, not the stack with itself."""
+    from turnkv import kernels
+
+    calls = []
+    real = kernels._ext.fused_layers
+    monkeypatch.setattr(kernels._ext, "fused_layers", lambda *a: calls.append(1) or real(*a))
+    switch = Switch(model)
+    with torch.inference_mode():
+        run(model, prompt(20, 0), None, 1)
+        assert calls
+        calls.clear()
+        switch(False)
+        try:
+            run(model, prompt(20, 0), None, 1)
+            assert not calls
+        finally:
+            switch(True)
+        run(model, prompt(20, 0), None, 1)
+        assert calls
+
+
 @pytest.mark.parametrize("kv", ["fp16", "native"])
 def test_same_bits_as_unfused(model, kv):
     switch = Switch(model)

@@ -11,7 +11,7 @@ from torch import nn
 from ..cache import specs
 from ..images import IMAGE_KEY_BASE
 from .batch import Batch, Span, select_rows, spans_apply
-from .fused import FusedBlock, stack_for
+from .fused import FusedBlock, FusedSlot, stack_for
 from .base import (BaseArgs, Model, Rope, apply_rope, attention, attention_spans, embedding, linear, param,
                    rms_norm, take)
 from .rope_config import inv_freq_for, rope_params
@@ -159,7 +159,7 @@ class Block(nn.Module):
         self.attn = Attention(a, t, f"{p}.self_attn", dtype, self.sliding)
         self.mlp = MLP(t, f"{p}.mlp", dtype)
 
-    fused: FusedBlock | None = None
+    fused = FusedSlot()     # its FusedBlock, or None
 
     def fuse(self) -> bool:
         """Run the block as two native calls (models/fused.py) when its weights allow it."""

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..cache import specs
 from .batch import Batch
-from .fused import FusedBlock, fuse_llama_block, stack_for
+from .fused import FusedSlot, fuse_llama_block, stack_for
 from .base import (BaseArgs, Model, Rope, apply_rope, attention_spans, embedding, linear, param, rms_norm,
                    take)
 from .rope_config import inv_freq_for, rope_params
@@ -81,7 +81,7 @@ class Block(nn.Module):
         self.attn = Attention(a, t, f"{p}.self_attn", dtype)
         self.mlp = MLP(a, t, f"{p}.mlp", dtype)
 
-    fused: FusedBlock | None = None
+    fused = FusedSlot()     # its FusedBlock, or None
 
     def fuse(self) -> bool:
         """Run the block as two native calls (models/fused.py) when its weights allow it."""
