@@ -16,7 +16,8 @@ come from the same machine minutes apart; the CPU model is printed first.
 
 With several targets the summary also gives each one's aggregate tok/s, wall time and TTFT p95
 against the first target's at the same count of users (``--engine smollm2-135m --url VLLM_URL
---url LLAMA_SERVER_URL``: turnkv against the peers, run by run).
+--url LLAMA_SERVER_URL``: turnkv against the peers, run by run; a ``--url`` server is taken to
+serve the first target's model, and two ``--engine`` targets of different models are not compared).
 
 ``--users 1,8 --rounds 3`` runs every target with 1 and with 8 users, three rounds, the order of
 the counts alternating between rounds (1, 8, 8, 1, 1, 8), and ends with a summary: the median
@@ -210,17 +211,25 @@ def summary(runs: dict[tuple[str, int], list[dict]], rounds: int) -> None:
                if ones and n != 1 else "-")
         print(f"{name[:48]:48} {n:5d} {med['wall_s']:7.1f} {med['ttft_p50']:9.0f} {med['ttft_p95']:9.0f} "
               f"{med['tok_s']:9.1f} {ratio:>9} {dec:>12}", flush=True)
+    # side by side: the same count of users on every other target against the first, round by
+    # round (a --url server is taken to serve the first target's model; two --engine targets of
+    # different models are not compared)
     targets = list(dict.fromkeys(name for name, _ in runs))
-    if len(targets) < 2:
-        return
-    # side by side: the same count of users on every target against the first, round by round
     first = targets[0]
+
+    def engine_model(name: str) -> str | None:
+        return name.split()[1] if name.startswith("turnkv ") else None
+
+    others = [t for t in targets[1:] if None in (engine_model(t), engine_model(first))
+              or engine_model(t) == engine_model(first)]
+    if not others:
+        return
     print(f"\nagainst {first[:60]} with the same users (median of the rounds' ratios): aggregate tok/s, "
           "wall time, TTFT p95")
     print(f"{'target':48} {'users':>5} {'x tok/s':>8} {'x wall':>7} {'x p95':>7}")
     for (name, n), rs in runs.items():
         base = runs.get((first, n))
-        if name == first or not base:
+        if name not in others or not base:
             continue
         ratios = [statistics.median(a[k] / b[k] for a, b in zip(rs, base) if b[k]) for k in ("tok_s", "wall_s", "ttft_p95")]
         print(f"{name[:48]:48} {n:5d} {ratios[0]:8.2f} {ratios[1]:7.2f} {ratios[2]:7.2f}", flush=True)
