@@ -406,9 +406,10 @@ struct Part {
 // tiles side by side, cut into one contiguous range a thread by their work (a tile's weight bytes
 // times 1 + M/4 for the dot products), so a small part in its own quantization type (Gemma 3's v
 // rows) is shared like the rest instead of running alone on the calling thread. A call goes
-// parallel only when each thread gets at least ~256 KB of that work (TURNKV_KERNEL_PAR_BYTES):
-// small calls stay on the calling thread, where a parallel region's wake-up and barrier would cost
-// more than the work. Which thread computes a tile changes none of its bits.
+// parallel once its work passes ~256 KB (TURNKV_KERNEL_PAR_BYTES), on one thread per started
+// 256 KB (at most the pool's): smaller calls stay on the calling thread, where a parallel region's
+// wake-up and barrier would cost more than the work. Which thread computes a tile changes none of
+// its bits.
 static void run_parts(const Act& a, const Part* parts, int np, int isa, int64_t ldy) {
     constexpr int MAXP = 8;
     TORCH_CHECK(np >= 1 && np <= MAXP, "run_parts: 1..8 parts");
