@@ -230,7 +230,6 @@ class FusedStack:
 
     def __init__(self, fused: list[FusedBlock], scales: list[float], softcaps: list[float | None],
                  rope_of: list[int]):
-        self.fused = fused
         self.first = fused[0]
         self.natives = [f.native for f in fused]
         self.scales = [float(x) for x in scales]

@@ -392,6 +392,9 @@ static int64_t set_pair(int64_t on) {
     return before;
 }
 
+// the most parts (weights stacked along the output rows) one call takes
+constexpr int MAX_PARTS = 8;
+
 // One weight of a stacked matmul: W [N, K] in GGUF blocks (tiles of 8 rows), its output columns
 // Y[:, 0:N] (row stride ldy of run_parts).
 struct Part {
@@ -411,14 +414,13 @@ struct Part {
 // wake-up and barrier would cost more than the work. Which thread computes a tile changes none of
 // its bits.
 static void run_parts(const Act& a, const Part* parts, int np, int isa, int64_t ldy) {
-    constexpr int MAXP = 8;
-    TORCH_CHECK(np >= 1 && np <= MAXP, "run_parts: 1..8 parts");
+    TORCH_CHECK(np >= 1 && np <= MAX_PARTS, "run_parts: 1..", MAX_PARTS, " parts");
     const int64_t M = a.M;
     const int wide = M >= WIDE_MIN_ROWS ? 1 : 0;
     const int tile = kTile[isa][wide];
     const RunFn rf = kRun[isa][wide];
-    Args g[MAXP];
-    int64_t ntiles[MAXP], tw[MAXP], w0[MAXP + 1];   // tiles, work a tile, work before part i
+    Args g[MAX_PARTS];
+    int64_t ntiles[MAX_PARTS], tw[MAX_PARTS], w0[MAX_PARTS + 1];   // tiles, work a tile, work before part i
     w0[0] = 0;
     for (int i = 0; i < np; i++) {
         g[i].W = parts[i].W;
