@@ -211,48 +211,57 @@ def test_batch_invariance(qtype):
     assert torch.equal(w.matmul(x[17:18], native=False)[0], w.matmul(x, native=False)[17])
 
 
+ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 9, 10, 12, 15, 16, 17, 23, 24, 31)
+
+
 @pytest.mark.parametrize("qtype", ALL, ids=lambda q: q.name)
 def test_decode_fast_path_equals_general(qtype):
     """M = 1..8 (decode and decode batches: the fused path of the 32-value block types, weights
-    decoded straight into registers, rows dotted in groups of up to 4) == the same rows inside
-    an M = 13 call (unpack + dot path), on every path; N = 67 (a partial tile) and N = 1000
-    (split across threads)."""
+    decoded straight into registers, rows dotted in groups of up to 4; where rows go in pairs, up
+    to 31 rows in passes of 8 over each tile) == the same rows inside an M = 40 call (unpack + dot
+    path), on every path; N = 67 (a partial tile) and N = 1000 (split across threads)."""
     for n in (N, 1000):
         w = random_weight(qtype, n=n, seed=n)
-        x = _x(13) * 5
+        x = _x(40) * 5
         for isa in ISAS:
             full = w.matmul(x, isa=isa)
-            for m in range(1, 9):
-                for r0 in (0, 13 - m):
+            for m in ROW_COUNTS:
+                for r0 in (0, 40 - m):
                     assert torch.equal(w.matmul(x[r0 : r0 + m], isa=isa), full[r0 : r0 + m]), (isa, n, m, r0)
 
 
 @pytest.mark.parametrize("qtype", ALL, ids=lambda q: q.name)
 def test_paired_rows_same_bits_as_unpaired(qtype):
-    """The AVX-512 paths' paired decode rows (2..8 activation rows, two rows a 512-bit vector:
-    csrc/simd_body.inc fused_pairs, and dot_rows_k_pair for the k-quants) == the 256-bit path
-    one row group at a time == the reference, forced on and off whatever the CPU's default (on
-    for AMD family 0x1A only); N = 67 (a partial tile) and 1000 (split across threads), odd and
-    even M."""
+    """The AVX-512 paths' paired decode rows (2..31 activation rows, two rows a 512-bit vector:
+    csrc/simd_body.inc fused_pairs, and dot_rows_k_pair for the k-quants; past 8 rows in passes
+    of 8) == the 256-bit path one row group at a time (pairs off: the fused path to 8 rows, the
+    unpack + dot path past them) == the paired path held to 8 rows (set_fused_rows) == the
+    reference, forced on and off whatever the CPU's default (on for AMD family 0x1A only); N = 67
+    (a partial tile) and 1000 (split across threads), odd and even M."""
     wide = [isa for isa in ISAS if isa.startswith("avx512")]
     if not wide:
         pytest.skip("no AVX-512 path on this CPU")
-    before = tk._ext.set_pair(1)
+    before, rows_before = tk._ext.set_pair(1), tk._ext.set_fused_rows(31)
     try:
         for n in (N, 1000):
             w = random_weight(qtype, n=n, seed=n + 1)
-            x = _x(8) * 4
+            x = _x(31) * 4
             x[5, 64:96] = 0.0  # an all-zero block in a paired row's partner
+            x[12, 0:32] = 0.0  # and in a later pass's
             ref = w.matmul(x, native=False)
             for isa in wide:
-                for m in range(2, 9):
+                for m in ROW_COUNTS[1:]:
                     tk._ext.set_pair(1)
                     paired = w.matmul(x[:m], isa=isa)
+                    tk._ext.set_fused_rows(8)
+                    assert torch.equal(w.matmul(x[:m], isa=isa), paired), (isa, n, m)
+                    tk._ext.set_fused_rows(31)
                     tk._ext.set_pair(0)
                     assert torch.equal(w.matmul(x[:m], isa=isa), paired), (isa, n, m)
                     assert torch.equal(paired, ref[:m]), (isa, n, m)
     finally:
         tk._ext.set_pair(before)
+        tk._ext.set_fused_rows(rows_before)
 
 
 def _largest_block(qtype: Q) -> np.ndarray:

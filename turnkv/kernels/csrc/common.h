@@ -14,8 +14,16 @@ constexpr int TILE = 8;       // weight rows per tile of the scalar path
 constexpr int TILE_MAX = 16;  // the widest tile (512-bit paths); sizes the scratch
 extern int64_t g_prefetch;  // software prefetch distance in bytes
 extern int64_t g_prefetch_fused;  // per-block prefetch distance of full 8-row tiles (TURNKV_KERNEL_PREFETCH_FUSED)
-extern int g_fused;         // 1: the fused M <= 8 path of the 32-value block types (TURNKV_KERNEL_FUSED=0 turns it off)
+extern int g_fused;         // 1: the fused decode path of the 32-value block types (TURNKV_KERNEL_FUSED=0 turns it off)
 extern int g_pair;          // 1: that path pairs activation rows in 512-bit vectors (AVX-512; TURNKV_KERNEL_PAIR)
+// The most activation rows the fused decode path takes where the rows go in pairs (AVX-512 with
+// g_pair: Zen 5): 9..31 rows run in passes of 8 over each tile, which comes from memory once and
+// from L1 for the later passes. Elsewhere the limit stays 8 (unpaired 256-bit passes measured no
+// gain there: docs/kernels.md). Past the limit, the unpack + dot path (16-row tiles on AVX-512
+// from 16 rows on).
+constexpr int FUSED_MAX_ROWS = 31;
+extern int g_fused_rows;    // the paired limit in force (set_fused_rows, 8..FUSED_MAX_ROWS: tests, A/B)
+inline int fused_rows_for(int isa) { return isa >= 2 && g_pair ? g_fused_rows : 8; }
 
 inline bool is_kquant(int qt) { return qt == Q4_K || qt == Q5_K || qt == Q6_K; }
 inline int block_elems(int qt) { return is_kquant(qt) ? 256 : 32; }
@@ -108,7 +116,7 @@ struct Act {
     float* sx = nullptr;               // [M][K/32] dx * float(bsum32)  (QB == 32 only)
     int32_t* bs16 = nullptr;           // [M][K/16]
     int32_t* bs32 = nullptr;           // [M][K/32]
-    // rows 2p and 2p+1 side by side (the paired path, 2 <= M <= 8; nullptr otherwise):
+    // rows 2p and 2p+1 side by side (the paired path, 2 <= M <= FUSED_MAX_ROWS; nullptr otherwise):
     // q2[(p * K/4 + g) * 2 + i] = row 2p+i's 4-byte group g; d2 / sx2 / b2[(p * nb + b) * 2 + i]
     // (b2: bs32), b16_2[(p * K/16 + j) * 2 + i] (bs16)
     int32_t* q2 = nullptr;

@@ -30,6 +30,17 @@ int64_t g_prefetch_fused = [] {
     return e ? std::atoll(e) : 8192;
 }();
 
+// the paired fused path's row limit (common.h FUSED_MAX_ROWS; TURNKV_KERNEL_FUSED_ROWS=8..31 for A/B)
+int g_fused_rows = [] {
+    const char* e = std::getenv("TURNKV_KERNEL_FUSED_ROWS");
+    return e && *e ? std::max(8, std::min(FUSED_MAX_ROWS, std::atoi(e))) : FUSED_MAX_ROWS;
+}();
+static int64_t set_fused_rows(int64_t n) {
+    const int64_t before = g_fused_rows;
+    g_fused_rows = (int)std::max<int64_t>(8, std::min<int64_t>(FUSED_MAX_ROWS, n));
+    return before;
+}
+
 int g_fused = [] {
     const char* e = std::getenv("TURNKV_KERNEL_FUSED");
     return e ? std::atoi(e) : 1;
@@ -335,7 +346,7 @@ static void quantize_act(const float* X, int64_t M, int64_t K, int isa, Act& a) 
     a.QB = 32;  // 32-value activation blocks for every type (the k-quants too; docs/kernels.md)
     a.nb = (int)(K / 32);
     const size_t nq = (size_t)M * K, n32 = (size_t)M * (K / 32), n16 = (size_t)M * (K / 16);
-    const bool pair = M >= 2 && M <= 8 && isa >= 2 && g_pair;  // the paired path's layout (AVX-512)
+    const bool pair = M >= 2 && M <= fused_rows_for(isa) && isa >= 2 && g_pair;  // the paired path's layout (AVX-512)
     const size_t need = nq + 64 + 2 * (n32 * 4 + 64) + (n16 * 4 + 64) + (n32 * 4 + 64) +
                         (pair ? nq + 64 + 3 * (n32 * 4 + 64) + (n16 * 4 + 64) : 0);
     if (abuf.size() < need) abuf.resize(need);
@@ -416,7 +427,7 @@ struct Part {
 static void run_parts(const Act& a, const Part* parts, int np, int isa, int64_t ldy) {
     TORCH_CHECK(np >= 1 && np <= MAX_PARTS, "run_parts: 1..", MAX_PARTS, " parts");
     const int64_t M = a.M;
-    const int wide = M >= WIDE_MIN_ROWS ? 1 : 0;
+    const int wide = M >= WIDE_MIN_ROWS && M > fused_rows_for(isa) ? 1 : 0;
     const int tile = kTile[isa][wide];
     const RunFn rf = kRun[isa][wide];
     Args g[MAX_PARTS];
@@ -491,6 +502,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("gguf_matmul", &tkv::gguf_matmul, "Y = X @ W^T, W in GGUF blocks", py::arg("x"), py::arg("w"), py::arg("qtype"),
           py::arg("n"), py::arg("k"), py::arg("isa"), py::call_guard<py::gil_scoped_release>());
     m.def("set_pair", &tkv::set_pair, "the fused path's paired 512-bit rows on (1) / off (0); returns the previous", py::arg("on"));
+    m.def("set_fused_rows", &tkv::set_fused_rows, "the fused decode path's row limit (8..31; tests, A/B); returns the previous", py::arg("n"));
     m.def("pair", [] { return (int64_t)tkv::g_pair; }, "1 when the fused path pairs rows in 512-bit vectors");
     m.def("best_isa", &tkv::best_isa, "best ISA path: 0 scalar, 1 avx2, 2 avx512, 3 avx512vnni");
     tkv::register_fused(m);
