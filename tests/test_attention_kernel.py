@@ -330,6 +330,34 @@ def test_decode_rows_split_over_threads_change_no_bit(isa, dtype, heads, D):
 
 @needs_attn
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8])
+@pytest.mark.parametrize("heads,D", [((9, 3), 64), ((4, 1), 256)])
+def test_prefetch_placement_changes_no_bit(isa, dtype, heads, D):
+    """Where the next key block's prefetches go (set_spread: 1 spread over the P.V pass, 0 in
+    bursts with each chunk of scores, -1 by row size; the default differs by CPU kind) moves no
+    bit: decode rows split over threads, a short chunk and a prefill tile, over 900 keys."""
+    Hq, Hk = heads
+    q, k, v = rand_qkv(Hq, Hk, 900, 900, D, seed=11, strided_q=True)
+    k, v, scales = kv_as(k, v, dtype)
+    with threads(2):
+        for kind, span in RULES:
+            for T in (1, 3, 64):
+                q0 = 900 - T
+                call = lambda: A.attend_native(q[:, q0:], k, v, q0, 0, kind, span, 0.2, isa=isa,  # noqa: E731
+                                               scales=scales)
+                with spread(-1):
+                    want = call()
+                for v_ in (0, 1):
+                    with spread(v_):
+                        assert torch.equal(call(), want), (kind, span, T, v_)
+
+
+def spread(v: int):
+    return kernel_setting(torch.ops.turnkv_attn.set_spread, v)
+
+
+@needs_attn
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("D", [64, 72, 256])
 def test_half_kv_read_as_stored_equals_widened_float32(isa, dtype, D):

@@ -236,7 +236,7 @@ def test_paired_rows_same_bits_as_unpaired(qtype):
     csrc/simd_body.inc fused_pairs, and dot_rows_k_pair for the k-quants; past 8 rows in passes
     of 8) == the 256-bit path one row group at a time (pairs off: the fused path to 8 rows, the
     unpack + dot path past them) == the paired path held to 8 rows (set_fused_rows) == the
-    reference, forced on and off whatever the CPU's default (on for AMD family 0x1A only); N = 67
+    reference, forced on and off whatever the CPU's default (on for AMD Zen 4 and 5 only); N = 67
     (a partial tile) and 1000 (split across threads), odd and even M."""
     wide = [isa for isa in ISAS if isa.startswith("avx512")]
     if not wide:

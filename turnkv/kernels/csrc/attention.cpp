@@ -59,16 +59,25 @@ static int g_attn_prefetch = [] {
 }();
 // Where a block's prefetches go: spread over the P.V pass (a row's share at each row) or in bursts
 // with each chunk of scores (W rows at a time). Rows longer than 128 bytes always spread (bursts of
-// Gemma 3's 512-byte rows filled the miss queue). For rows of up to 128 bytes (D = 64 in float16)
-// the measured winner depends on the CPU: bursts on Zen 4 (its 8-sequence SmolLM2 call 328-361 us a
-// layer against 400-465 spread), spread on Zen 5 (AMD family 0x1A: 8-sequence SmolLM2 decode
-// steps 5% faster, interleaved in one process; with bursts perf put a fifth of the call's samples
-// on V row loads waiting for memory); docs/kernels.md. TURNKV_ATTN_SPREAD=0 / 1 forces either.
-static bool short_rows_spread_default() { return tkv_cpu::amd_family() >= 0x1a; }
+// Gemma 3's 512-byte rows filled the miss queue). For rows of up to 128 bytes (D = 64 in float16):
+// spread on Zen 5 (8-sequence SmolLM2 decode steps 5% faster, interleaved in one process; with
+// bursts perf put a fifth of the call's samples on V row loads waiting for memory) and on Zen 4
+// (whole decode steps interleaved in one process, bench/decode_ab.py: 0.87-0.92x at 8 sequences,
+// 0.93x at one; bursts had won there on one layer's call before the later attention changes);
+// bursts elsewhere until measured; docs/kernels.md. TURNKV_ATTN_SPREAD=0 / 1 forces either.
+static bool short_rows_spread_default() { return tkv_cpu::amd_zen4_or_later(); }
 static int g_attn_spread = [] {
     const char* e = std::getenv("TURNKV_ATTN_SPREAD");
     return e && *e ? (std::atoi(e) != 0 ? 1 : 0) : (short_rows_spread_default() ? 1 : -1);   // -1: by row size
 }();
+
+// set_spread (A/B in one process, bench/decode_ab.py): 1 spread, 0 bursts, -1 by row size;
+// returns the previous. Where the prefetches go, never what is computed: the same bits.
+static int64_t set_spread(int64_t v) {
+    const int64_t before = g_attn_spread;
+    g_attn_spread = v > 0 ? 1 : (v == 0 ? 0 : -1);
+    return before;
+}
 
 enum Kind : int { FULL = 0, SLIDING = 1, CHUNKED = 2 };
 enum Isa : int { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
@@ -973,6 +982,7 @@ const bool g_registered = [] {
     lib.def("set_max_group(int g) -> int", &tkv_attn::set_max_group);
     lib.def("set_tile(int n) -> int", &tkv_attn::set_tile);
     lib.def("set_split(int n) -> int", &tkv_attn::set_split);
+    lib.def("set_spread(int n) -> int", &tkv_attn::set_spread);
     lib.def("kv_dtypes() -> int", &tkv_attn::kv_dtypes);
     return true;
 }();

@@ -47,11 +47,11 @@ int g_fused = [] {
 }();
 
 // The fused decode path (2..8 activation rows) pairs the rows in 512-bit vectors (simd_body.inc,
-// fused_pairs): on by default where measured faster (AMD family 0x1A, Zen 5: docs/kernels.md),
-// TURNKV_KERNEL_PAIR=0 / 1 forces it; the same bits either way.
+// fused_pairs): on by default where measured faster (AMD Zen 4 and Zen 5: docs/kernels.md; off on
+// Intel until measured there), TURNKV_KERNEL_PAIR=0 / 1 forces it; the same bits either way.
 int g_pair = [] {
     const char* e = std::getenv("TURNKV_KERNEL_PAIR");
-    return e && *e ? (std::atoi(e) != 0 ? 1 : 0) : (tkv_cpu::amd_family() >= 0x1a ? 1 : 0);
+    return e && *e ? (std::atoi(e) != 0 ? 1 : 0) : (tkv_cpu::amd_zen4_or_later() ? 1 : 0);
 }();
 
 // a call goes parallel only when each thread gets at least this many weight-bytes-equivalent

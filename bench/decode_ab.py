@@ -1,0 +1,111 @@
+"""A/B a native-kernel switch over whole decode steps of a bundled model, in one process.
+
+    python bench/decode_ab.py --model smollm2-135m --seqs 1,8 --switch pair
+    python bench/decode_ab.py --model gemma3-270m --seqs 16 --switch fused_rows --values 8,31
+
+Loads the model as `turnkv serve` does (its default weights: the GGUF's own blocks on the native
+kernels), starts N greedy sequences with distinct prompts of ``--context`` tokens of the bench
+text, steps the engine until every one decodes, then times ``Engine.step`` in blocks of
+``--block`` steps with the switch at A and at B alternating (A B, B A, A B, ...) for ``--rounds``
+rounds. Prints the median step time of each value and the median over rounds of B's time / A's
+(the machine's drift hits both alike); the CPU model first. The switches change how a kernel runs,
+never its bits (tests/test_kernels.py holds them to that), so both values decode the same tokens.
+
+Switches (turnkv.kernels' native module): ``pair`` (the fused decode path pairs activation rows
+in 512-bit vectors, 0/1; TURNKV_KERNEL_PAIR), ``fused_rows`` (the paired path's row limit, 8..31;
+TURNKV_KERNEL_FUSED_ROWS), ``attn_spread`` (decode attention's next-block prefetches for K/V
+rows of up to 128 bytes spread over the P.V pass, 1, or in bursts, 0; -1 by row size;
+TURNKV_ATTN_SPREAD).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # run as a script from anywhere
+from bench.machine import cpu_model  # noqa: E402
+
+# name -> (the setter: returns the previous value, default A,B)
+SWITCHES = {"pair": (lambda: _ext().set_pair, "0,1"), "fused_rows": (lambda: _ext().set_fused_rows, "8,31"),
+            "attn_spread": (lambda: __import__("torch").ops.turnkv_attn.set_spread, "0,1")}
+
+
+def _ext():
+    import turnkv.kernels as tk
+    return tk._ext
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--seqs", default="1,8", help="comma-separated counts of sequences decoding at once")
+    ap.add_argument("--context", type=int, default=800, help="prompt tokens of each sequence")
+    ap.add_argument("--switch", choices=sorted(SWITCHES), default="pair")
+    ap.add_argument("--values", default=None, help="A,B (default: pair 0,1; fused_rows 8,31; attn_spread 0,1)")
+    ap.add_argument("--block", type=int, default=24, help="steps timed per value per round")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+
+    from turnkv.launch import configure_process
+    configure_process(args.threads)
+    from turnkv.engine.engine import Engine, GenerationRequest
+    from turnkv.engine.sampling import SamplingParams
+    if _ext() is None:
+        print("decode_ab: the native kernels are not built (make setup)", file=sys.stderr)
+        return 2
+    setter = SWITCHES[args.switch][0]()
+    a, b = (int(v) for v in (args.values or SWITCHES[args.switch][1]).split(","))
+    counts = [int(n) for n in args.seqs.split(",")]
+    print(f"CPU: {cpu_model()}; {args.model}, switch {args.switch} A={a} B={b}, {args.context}-token "
+          f"prompts, {args.rounds} rounds of {args.block} steps a value")
+
+    eng = Engine.load(args.model, weights=None, progress=False, max_seqs=max(counts),
+                      max_batch_tokens=max(512, args.context))
+    text = (Path(__file__).resolve().parent.parent / "turnkv" / "data" / "coriolanus.txt").read_text()
+    ids = eng.tokenizer.encode(text)
+    need = 2 * args.rounds * args.block + 8
+    for n in counts:
+        sinks = [[] for _ in range(n)]
+        seqs = []
+        for i in range(n):
+            start = (i * 997) % max(1, len(ids) - args.context)
+            prompt = ids[start:start + args.context]
+            params = SamplingParams(max_tokens=need, temperature=0.0, ignore_eos=True)
+            seqs.append(eng.submit(GenerationRequest(prompt, params, [len(prompt)]), sinks[i].append))
+        while not all(len(s) >= 2 for s in sinks):    # every prompt prefilled, one token decoded
+            eng.step()
+        times = {a: [], b: []}
+        ratios = []
+        before = setter(a)
+        for r in range(args.rounds):
+            order = (a, b) if r % 2 == 0 else (b, a)
+            med = {}
+            for v in order:
+                setter(v)
+                ts = []
+                for _ in range(args.block):
+                    t0 = time.perf_counter()
+                    eng.step()
+                    ts.append(time.perf_counter() - t0)
+                med[v] = statistics.median(ts) * 1e3
+                times[v].append(med[v])
+            ratios.append(med[b] / med[a])
+        setter(before)
+        for s in seqs:
+            s.cancel()
+        while eng.step():
+            pass
+        ctx = args.context + need
+        print(f"{n:3d} sequences (context {args.context}-{ctx}): step {statistics.median(times[a]):.2f} ms "
+              f"at {args.switch}={a}, {statistics.median(times[b]):.2f} ms at {args.switch}={b}; "
+              f"B/A {statistics.median(ratios):.3f} (rounds {min(ratios):.3f}-{max(ratios):.3f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
