@@ -3,9 +3,9 @@
     python bench/decode_ab.py --model smollm2-135m --seqs 1,8 --switch pair
     python bench/decode_ab.py --model gemma3-270m --seqs 16 --switch fused_rows --values 8,31
 
-Loads the model as `turnkv serve` does (its default weights: the GGUF's own blocks on the native
-kernels), starts N greedy sequences with distinct prompts of ``--context`` tokens of the bench
-text, steps the engine until every one decodes, then times ``Engine.step`` in blocks of
+Loads the model as `turnkv serve` does (its default weights, the GGUF's own blocks on the native
+kernels, and its default KV mode), starts N greedy sequences with distinct prompts of
+``--context`` tokens of the bench text, steps the engine until every one decodes, then times ``Engine.step`` in blocks of
 ``--block`` steps with the switch at A and at B alternating (A B, B A, A B, ...) for ``--rounds``
 rounds. Prints the median step time of each value and the median over rounds of B's time / A's
 (the machine's drift hits both alike); the CPU model first. The switches change how a kernel runs,
@@ -48,6 +48,8 @@ def main(argv=None) -> int:
     ap.add_argument("--values", default=None, help="A,B (default: pair 0,1; fused_rows 8,31; attn_spread 0,1)")
     ap.add_argument("--block", type=int, default=24, help="steps timed per value per round")
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--kv-cache-mode", default="auto", help="as `turnkv serve`'s (default auto: float16 or "
+                    "bfloat16 K/V on the GGUF path)")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
 
@@ -62,10 +64,12 @@ def main(argv=None) -> int:
     a, b = (int(v) for v in (args.values or SWITCHES[args.switch][1]).split(","))
     counts = [int(n) for n in args.seqs.split(",")]
     print(f"CPU: {cpu_model()}; {args.model}, switch {args.switch} A={a} B={b}, {args.context}-token "
-          f"prompts, {args.rounds} rounds of {args.block} steps a value")
+          f"prompts, {args.rounds} rounds of {args.block} steps a value", flush=True)
 
-    eng = Engine.load(args.model, weights=None, progress=False, max_seqs=max(counts),
+    eng = Engine.load(args.model, weights=None, progress=False, kv_mode=args.kv_cache_mode, max_seqs=max(counts),
                       max_batch_tokens=max(512, args.context))
+    from turnkv.cache.specs import describe_modes
+    print(f"weights {eng.weights}, KV {describe_modes(list(eng.modes), eng.specs)}", flush=True)
     text = (Path(__file__).resolve().parent.parent / "turnkv" / "data" / "coriolanus.txt").read_text()
     ids = eng.tokenizer.encode(text)
     need = 2 * args.rounds * args.block + 8
