@@ -5,11 +5,12 @@
 
 Loads the model as `turnkv serve` does (its default weights, the GGUF's own blocks on the native
 kernels, and its default KV mode), starts N greedy sequences with distinct prompts of
-``--context`` tokens of the bench text, steps the engine until every one decodes, then times ``Engine.step`` in blocks of
-``--block`` steps with the switch at A and at B alternating (A B, B A, A B, ...) for ``--rounds``
-rounds. Prints the median step time of each value and the median over rounds of B's time / A's
-(the machine's drift hits both alike); the CPU model first. The switches change how a kernel runs,
-never its bits (tests/test_kernels.py holds them to that), so both values decode the same tokens.
+``--context`` tokens of the bench text, steps the engine until every one decodes, then times
+``Engine.step`` in blocks of ``--block`` steps with the switch at A and at B alternating (A B,
+B A, A B, ...) for ``--rounds`` rounds. Prints the median step time of each value and the median
+over rounds of B's time / A's (the machine's drift hits both alike); the CPU model first. The
+switches change how a kernel runs, never its bits (tests/test_kernels.py and
+tests/test_attention_kernel.py hold them to that), so both values decode the same tokens.
 
 Switches (turnkv.kernels' native module): ``pair`` (the fused decode path pairs activation rows
 in 512-bit vectors, 0/1; TURNKV_KERNEL_PAIR), ``fused_rows`` (the paired path's row limit, 8..31;

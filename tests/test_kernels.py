@@ -11,6 +11,7 @@ import mmap
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -104,6 +105,39 @@ def test_isa_env_forces_lower_path():
     env = dict(os.environ, TURNKV_KERNEL_ISA="scalar")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "native scalar", out.stderr
+
+
+def _amd_zen4_or_later() -> bool | None:
+    """From /proc/cpuinfo, independently of csrc/cpu_family.h: an AMD family 0x1A+ CPU, or 0x19
+    with AVX-512 (Zen 4; Zen 3 has none); None where /proc/cpuinfo is not there to say."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in text.split("\n\n")[0].splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    if fields.get("vendor_id") != "AuthenticAMD":
+        return False
+    family, flags = int(fields.get("cpu family", "0")), fields.get("flags", "").split()
+    return family >= 0x1A or (family == 0x19 and "avx512f" in flags)
+
+
+def test_paired_rows_default_follows_the_cpu_kind():
+    """The paired 512-bit decode rows are on by default exactly on the CPU kinds they were
+    measured faster on (AMD Zen 4 and Zen 5; docs/kernels.md), where the AVX-512 path runs, and
+    the start-up line says so; TURNKV_KERNEL_PAIR overrides it."""
+    zen4 = _amd_zen4_or_later()
+    if zen4 is None:
+        pytest.skip("no /proc/cpuinfo")
+    code = "import turnkv.kernels as k; print(k.kernel_info())"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNKV_KERNEL_")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    on = "decode rows paired" in out.stdout
+    assert on == (zen4 and tk.best_isa().startswith("avx512")), (out.stdout, out.stderr)
+    if tk.best_isa().startswith("avx512"):
+        forced = subprocess.run([sys.executable, "-c", code], env=dict(env, TURNKV_KERNEL_PAIR="0" if on else "1"),
+                                capture_output=True, text=True, timeout=60)
+        assert ("decode rows paired" in forced.stdout) == (not on), forced.stderr
 
 
 # ------------------------------------------------------------------ (1) layouts

@@ -27,6 +27,7 @@ inline unsigned amd_family() {
 inline bool amd_zen4_or_later() {
     const unsigned f = amd_family();
 #if defined(__x86_64__)
+    __builtin_cpu_init();   // callers run as static initializers, maybe before libgcc's own
     return f >= 0x1a || (f == 0x19 && __builtin_cpu_supports("avx512f"));
 #else
     return false;
