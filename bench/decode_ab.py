@@ -16,7 +16,8 @@ Switches (turnkv.kernels' native module): ``pair`` (the fused decode path pairs 
 in 512-bit vectors, 0/1; TURNKV_KERNEL_PAIR), ``fused_rows`` (the paired path's row limit, 8..31;
 TURNKV_KERNEL_FUSED_ROWS), ``attn_spread`` (decode attention's next-block prefetches for K/V
 rows of up to 128 bytes spread over the P.V pass, 1, or in bursts, 0; -1 by row size;
-TURNKV_ATTN_SPREAD).
+TURNKV_ATTN_SPREAD), ``attn_split`` (decode attention splits a unit's key blocks between the
+threads when the units are fewer than this many a thread; 0 never; TURNKV_ATTN_SPLIT).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from bench.machine import cpu_model  # noqa: E402
 
 # name -> (the setter: returns the previous value, default A,B)
 SWITCHES = {"pair": (lambda: _ext().set_pair, "0,1"), "fused_rows": (lambda: _ext().set_fused_rows, "8,31"),
-            "attn_spread": (lambda: __import__("torch").ops.turnkv_attn.set_spread, "0,1")}
+            "attn_spread": (lambda: __import__("torch").ops.turnkv_attn.set_spread, "0,1"),
+            "attn_split": (lambda: __import__("torch").ops.turnkv_attn.set_split, "2,0")}
 
 
 def _ext():
@@ -46,7 +48,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seqs", default="1,8", help="comma-separated counts of sequences decoding at once")
     ap.add_argument("--context", type=int, default=800, help="prompt tokens of each sequence")
     ap.add_argument("--switch", choices=sorted(SWITCHES), default="pair")
-    ap.add_argument("--values", default=None, help="A,B (default: pair 0,1; fused_rows 8,31; attn_spread 0,1)")
+    ap.add_argument("--values", default=None, help="A,B (default: pair 0,1; fused_rows 8,31; attn_spread 0,1; "
+                    "attn_split 2,0)")
     ap.add_argument("--block", type=int, default=24, help="steps timed per value per round")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--kv-cache-mode", default="auto", help="as `turnkv serve`'s (default auto: float16 or "
