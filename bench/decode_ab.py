@@ -31,10 +31,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # run as a script from anywhere
 from bench.machine import cpu_model  # noqa: E402
 
-# name -> (the setter: returns the previous value, default A,B)
-SWITCHES = {"pair": (lambda: _ext().set_pair, "0,1"), "fused_rows": (lambda: _ext().set_fused_rows, "8,31"),
-            "attn_spread": (lambda: __import__("torch").ops.turnkv_attn.set_spread, "0,1"),
-            "attn_split": (lambda: __import__("torch").ops.turnkv_attn.set_split, "2,0")}
+# name -> (where its setter lives, the setter's name; default A,B). A setter returns the previous value.
+SWITCHES = {"pair": ("gguf", "set_pair", "0,1"), "fused_rows": ("gguf", "set_fused_rows", "8,31"),
+            "attn_spread": ("attn", "set_spread", "0,1"), "attn_split": ("attn", "set_split", "2,0")}
 
 
 def _ext():
@@ -42,13 +41,41 @@ def _ext():
     return tk._ext
 
 
+def setter_for(name: str):
+    where, fn, _ = SWITCHES[name]
+    if where == "gguf":
+        return getattr(_ext(), fn)
+    import torch
+    import turnkv.kernels.attention  # noqa: F401  (loads the build that registers torch.ops.turnkv_attn)
+    return getattr(torch.ops.turnkv_attn, fn)
+
+
+def two_ints(text: str) -> tuple[int, int]:
+    try:
+        a, b = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want two integers A,B, got {text!r}") from None
+    return a, b
+
+
+def counts_of(text: str) -> list[int]:
+    try:
+        counts = [int(v) for v in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"want positive counts like 1,8, got {text!r}")
+    return counts
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--seqs", default="1,8", help="comma-separated counts of sequences decoding at once")
+    ap.add_argument("--seqs", type=counts_of, default=[1, 8],
+                    help="comma-separated counts of sequences decoding at once")
     ap.add_argument("--context", type=int, default=800, help="prompt tokens of each sequence")
     ap.add_argument("--switch", choices=sorted(SWITCHES), default="pair")
-    ap.add_argument("--values", default=None, help="A,B (default: pair 0,1; fused_rows 8,31; attn_spread 0,1; "
+    ap.add_argument("--values", type=two_ints, default=None, help="A,B (default: pair 0,1; fused_rows 8,31; attn_spread 0,1; "
                     "attn_split 2,0)")
     ap.add_argument("--block", type=int, default=24, help="steps timed per value per round")
     ap.add_argument("--rounds", type=int, default=8)
@@ -64,9 +91,9 @@ def main(argv=None) -> int:
     if _ext() is None:
         print("decode_ab: the native kernels are not built (make setup)", file=sys.stderr)
         return 2
-    setter = SWITCHES[args.switch][0]()
-    a, b = (int(v) for v in (args.values or SWITCHES[args.switch][1]).split(","))
-    counts = [int(n) for n in args.seqs.split(",")]
+    setter = setter_for(args.switch)
+    a, b = args.values or two_ints(SWITCHES[args.switch][2])
+    counts = args.seqs
     print(f"CPU: {cpu_model()}; {args.model}, switch {args.switch} A={a} B={b}, {args.context}-token "
           f"prompts, {args.rounds} rounds of {args.block} steps a value", flush=True)
 

@@ -64,8 +64,8 @@ static int g_attn_prefetch = [] {
 // bursts perf put a fifth of the call's samples on V row loads waiting for memory) and on Zen 4
 // (whole SmolLM2 decode steps, float16 K/V, interleaved in one process, bench/decode_ab.py:
 // 0.95-0.97x at 8 sequences, 0.98x at one; bursts had won there on one layer's call before the
-// later attention changes);
-// bursts elsewhere until measured; docs/kernels.md. TURNKV_ATTN_SPREAD=0 / 1 forces either.
+// later attention changes); bursts elsewhere until measured; docs/kernels.md.
+// TURNKV_ATTN_SPREAD=0 / 1 forces either.
 static bool short_rows_spread_default() { return tkv_cpu::amd_zen4_or_later(); }
 static int g_attn_spread = [] {
     const char* e = std::getenv("TURNKV_ATTN_SPREAD");
