@@ -75,8 +75,8 @@ def main(argv=None) -> int:
                     help="comma-separated counts of sequences decoding at once")
     ap.add_argument("--context", type=int, default=800, help="prompt tokens of each sequence")
     ap.add_argument("--switch", choices=sorted(SWITCHES), default="pair")
-    ap.add_argument("--values", type=two_ints, default=None, help="A,B (default: pair 0,1; fused_rows 8,31; attn_spread 0,1; "
-                    "attn_split 2,0)")
+    ap.add_argument("--values", type=two_ints, default=None,
+                    help="A,B (default: pair 0,1; fused_rows 8,31; attn_spread 0,1; attn_split 2,0)")
     ap.add_argument("--block", type=int, default=24, help="steps timed per value per round")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--kv-cache-mode", default="auto", help="as `turnkv serve`'s (default auto: float16 or "

@@ -319,7 +319,8 @@ def print_table(rows: list[tuple], args) -> None:
     for name, key, pf, rpf, dc, rdc, diff, agree, n, load_s, *_ in rows:
         goals = "" if key == "transformers" or args.no_transformers else (
             ("P" if rpf >= PREFILL_GOAL else "-") + ("D" if rdc >= DECODE_GOAL else "-"))
-        same = ("-" if diff != diff else f"{diff:.2e}", "-" if diff != diff else f"{agree}/{n}")  # speed only: no logits
+        speed_only = diff != diff     # llama-server: no logits to compare
+        same = ("-", "-") if speed_only else (f"{diff:.2e}", f"{agree}/{n}")
         print(f"{name:14s} {key:18s} {pf:13.0f} {rpf:6.2f} {dc:12.1f} {rdc:6.2f}  {goals:7s} "
               f"{same[0]:>11s} {same[1]:>10s} {load_s:7.1f}")
     print(f"goals: P = prefill >= {PREFILL_GOAL}x transformers, D = decode >= {DECODE_GOAL}x transformers")
