@@ -708,7 +708,9 @@ static void split_units(std::vector<Params>& P, const std::vector<int64_t>& firs
     for (const Piece& p : units) kFold[isa](P[p.span], p.w.h0, p.w.n, p.w.t0, p.w.nq, pb + p.off, p.nblk);
 }
 
-static torch::Tensor run_many(std::vector<Params>& P, int64_t isa) {
+// ``into``: a float32 [rows, Hq * D] tensor to write the output to (the fused layer's buffer kept
+// between calls), else a new one.
+static torch::Tensor run_many(std::vector<Params>& P, int64_t isa, const torch::Tensor* into = nullptr) {
     const size_t n = P.size();
     std::vector<torch::Tensor> widened;
     for (Params& p : P)
@@ -752,7 +754,15 @@ static torch::Tensor run_many(std::vector<Params>& P, int64_t isa) {
         const int64_t keys = p.kind == FULL ? p.S : std::min<int64_t>(p.S, p.wc);
         cost += keys * (int64_t)Hk * groups * p.T;
     }
-    auto out = torch::empty({first_row[n], Hq * D}, torch::kFloat32);
+    torch::Tensor out;
+    if (into != nullptr) {
+        TORCH_CHECK(into->scalar_type() == torch::kFloat32 && into->is_contiguous() && into->dim() == 2 &&
+                        into->size(0) == first_row[n] && into->size(1) == Hq * D,
+                    "write_attend: the output buffer must be contiguous float32 [rows, Hq * D]");
+        out = *into;
+    } else {
+        out = torch::empty({first_row[n], Hq * D}, torch::kFloat32);
+    }
     const int64_t units = first_unit[n];
     if (units == 0) return out;
     float* base = out.data_ptr<float>();
@@ -887,14 +897,15 @@ static void store_row(const float* src, void* dst, int kv, int64_t n, int64_t is
 // + p % BLK (tables: int32, indexed by absolute block). Its new K/V rows (positions q_pos0[j] ..)
 // are stored there, then its queries attend over the positions [k_pos0[j], q_pos0[j] + lens[j]).
 // Returns [R, Hq * D], each row bit-identical to ``attend`` over the same keys.
-torch::Tensor write_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, const std::vector<torch::Tensor>& kbufs,
-                           const std::vector<torch::Tensor>& vbufs, const std::vector<int64_t>& lens,
-                           const std::vector<torch::Tensor>& tables, const std::vector<int64_t>& q_pos0,
-                           const std::vector<int64_t>& k_pos0, const std::vector<int64_t>& kind,
-                           const std::vector<int64_t>& wc, double scale, double softcap, int64_t isa,
-                           const std::optional<torch::Tensor>& sinks,
-                           const std::optional<std::vector<torch::Tensor>>& kscales,
-                           const std::optional<std::vector<torch::Tensor>>& vscales) {
+torch::Tensor write_attend_into(torch::Tensor q, torch::Tensor k, torch::Tensor v, const std::vector<torch::Tensor>& kbufs,
+                                const std::vector<torch::Tensor>& vbufs, const std::vector<int64_t>& lens,
+                                const std::vector<torch::Tensor>& tables, const std::vector<int64_t>& q_pos0,
+                                const std::vector<int64_t>& k_pos0, const std::vector<int64_t>& kind,
+                                const std::vector<int64_t>& wc, double scale, double softcap, int64_t isa,
+                                const std::optional<torch::Tensor>& sinks,
+                                const std::optional<std::vector<torch::Tensor>>& kscales,
+                                const std::optional<std::vector<torch::Tensor>>& vscales,
+                                     const torch::Tensor* into) {
     const size_t n = kbufs.size();
     TORCH_CHECK(kscales.has_value() == vscales.has_value() && (!kscales.has_value() || (kscales->size() == n && vscales->size() == n)),
                 "write_attend: int8 buffers come with one k and one v scale buffer per span");
@@ -961,7 +972,19 @@ torch::Tensor write_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, co
         r0 += T;
     }
     TORCH_CHECK(r0 == R, "write_attend: the span lengths must add up to the rows of q");
-    return run_many(P, isa);
+    return run_many(P, isa, into);
+}
+
+torch::Tensor write_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, const std::vector<torch::Tensor>& kbufs,
+                           const std::vector<torch::Tensor>& vbufs, const std::vector<int64_t>& lens,
+                           const std::vector<torch::Tensor>& tables, const std::vector<int64_t>& q_pos0,
+                           const std::vector<int64_t>& k_pos0, const std::vector<int64_t>& kind,
+                           const std::vector<int64_t>& wc, double scale, double softcap, int64_t isa,
+                           const std::optional<torch::Tensor>& sinks,
+                           const std::optional<std::vector<torch::Tensor>>& kscales,
+                           const std::optional<std::vector<torch::Tensor>>& vscales) {
+    return write_attend_into(q, k, v, kbufs, vbufs, lens, tables, q_pos0, k_pos0, kind, wc, scale, softcap, isa, sinks,
+                             kscales, vscales, nullptr);
 }
 
 }  // namespace tkv_attn
