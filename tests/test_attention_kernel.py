@@ -244,14 +244,15 @@ def test_query_heads_sharing_kv_loads_change_no_bit(isa, heads, D):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("D", [64, 80, 256])
-def test_queries_walking_key_blocks_together_change_no_bit(isa, dtype, D):
+@pytest.mark.parametrize("heads", [(6, 2), (4, 4), (4, 2)])
+def test_queries_walking_key_blocks_together_change_no_bit(isa, dtype, D, heads):
     """A unit takes up to 16 consecutive queries that walk the key blocks together (each block's
     K/V rows read once from memory for the tile, not once per query); each query's arithmetic is
     its own (two queries that see the same keys of a block also share its P.V pass on AVX-512):
     one query per unit (set_tile(1)) and odd tiles give the same bits, for prefill chunks
     whose queries see different key ranges (causal, a window or chunk boundary inside the tile),
-    softcap, sinks, every K/V type and attend_many."""
-    Hq, Hk = 6, 2
+    softcap, sinks, every K/V type and attend_many; groups of 3, 1 and 2 query heads a kv head."""
+    Hq, Hk = heads
     q, k, v = rand_qkv(Hq, Hk, 300, 300, D, seed=11, strided_q=True)
     k, v, scales = kv_as(k, v, dtype)
     sinks = torch.linspace(-1.0, 2.0, Hq)
