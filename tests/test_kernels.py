@@ -311,18 +311,19 @@ def _largest_block(qtype: Q) -> np.ndarray:
         Q.Q4_K: [one, one, np.full(12, 0x01, np.uint8), ff(128)],           # 6-bit scales / mins 1 or 0
         Q.Q5_K: [one, one, np.full(12, 0x01, np.uint8), ff(32), ff(128)],
         Q.Q6_K: [ff(128), ff(64), np.full(16, 1, np.uint8), one],           # ql, qh, int8 scales, d
+        Q.Q8_0: [one, np.tile(np.array([0x7F, 0x80], np.uint8), 16)],       # +127 and -128 (VNNI: w + 128 = 255, 0)
     }[qtype]
     block = np.concatenate(parts)
     assert block.size == GGML_QUANT_SIZES[qtype][1]
     return block
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0], ids=lambda q: q.name)
 def test_largest_values_stay_exact(qtype):
     """Every weight at its largest quantized value against activations at +127 or -127: the
     largest integer block dots there are. The AVX2 paths add several vpmaddubsw pair sums in
-    int16 before widening; an overflow there would show as a difference from the reference
-    (which computes in float64)."""
+    int16 before widening, and the VNNI paths take Q8_0's weights as w + 128 (0..255); an
+    overflow there would show as a difference from the reference (which computes in float64)."""
     n, k = 24, 256
     block = _largest_block(qtype)
     raw = torch.from_numpy(np.tile(block, (n, k // GGML_QUANT_SIZES[qtype][0])).copy())
