@@ -22,8 +22,8 @@
 // to keep the threads busy (a decode step of one or two sequences), a unit's key blocks: each
 // block's partial is kept and the blocks fold afterwards in the same order with the same
 // arithmetic. The query heads of a group share each K/V load, the queries of a tile each key
-// block's reads, and two queries that see the same keys of a block its value rows' loads in one
-// P.V pass (AVX-512); each keeps its own arithmetic. Each ISA path is invariant on
+// block's reads, and two queries that see the same keys of a block its key and value rows' loads
+// (AVX-512); each keeps its own arithmetic. Each ISA path is invariant on
 // its own; the paths differ from each other by rounding (their exp and FMA use differ).
 // Registered as torch.ops.turnkv_attn.{attend,attend_many,best_isa} (a library fragment, so it shares the
 // extension binary with gguf_matmul.cpp without touching its Python module).
@@ -905,8 +905,7 @@ torch::Tensor write_attend_into(torch::Tensor q, torch::Tensor k, torch::Tensor 
                                 const std::vector<int64_t>& wc, double scale, double softcap, int64_t isa,
                                 const std::optional<torch::Tensor>& sinks,
                                 const std::optional<std::vector<torch::Tensor>>& kscales,
-                                const std::optional<std::vector<torch::Tensor>>& vscales,
-                                     const torch::Tensor* into) {
+                                const std::optional<std::vector<torch::Tensor>>& vscales, const torch::Tensor* into) {
     const size_t n = kbufs.size();
     TORCH_CHECK(kscales.has_value() == vscales.has_value() && (!kscales.has_value() || (kscales->size() == n && vscales->size() == n)),
                 "write_attend: int8 buffers come with one k and one v scale buffer per span");
