@@ -897,15 +897,17 @@ static void store_row(const float* src, void* dst, int kv, int64_t n, int64_t is
 // kbufs[j] / vbufs[j] [Hk, slots, D] (cache/blocks.py), position p at row tables[j][p / BLK] * BLK
 // + p % BLK (tables: int32, indexed by absolute block). Its new K/V rows (positions q_pos0[j] ..)
 // are stored there, then its queries attend over the positions [k_pos0[j], q_pos0[j] + lens[j]).
-// Returns [R, Hq * D], each row bit-identical to ``attend`` over the same keys.
-torch::Tensor write_attend_into(torch::Tensor q, torch::Tensor k, torch::Tensor v, const std::vector<torch::Tensor>& kbufs,
-                                const std::vector<torch::Tensor>& vbufs, const std::vector<int64_t>& lens,
-                                const std::vector<torch::Tensor>& tables, const std::vector<int64_t>& q_pos0,
-                                const std::vector<int64_t>& k_pos0, const std::vector<int64_t>& kind,
-                                const std::vector<int64_t>& wc, double scale, double softcap, int64_t isa,
-                                const std::optional<torch::Tensor>& sinks,
-                                const std::optional<std::vector<torch::Tensor>>& kscales,
-                                const std::optional<std::vector<torch::Tensor>>& vscales, const torch::Tensor* into) {
+// Returns [R, Hq * D] (``out`` when given: contiguous float32 of that shape, the fused layer's kept
+// buffer), each row bit-identical to ``attend`` over the same keys.
+torch::Tensor write_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, const std::vector<torch::Tensor>& kbufs,
+                           const std::vector<torch::Tensor>& vbufs, const std::vector<int64_t>& lens,
+                           const std::vector<torch::Tensor>& tables, const std::vector<int64_t>& q_pos0,
+                           const std::vector<int64_t>& k_pos0, const std::vector<int64_t>& kind,
+                           const std::vector<int64_t>& wc, double scale, double softcap, int64_t isa,
+                           const std::optional<torch::Tensor>& sinks,
+                           const std::optional<std::vector<torch::Tensor>>& kscales,
+                           const std::optional<std::vector<torch::Tensor>>& vscales,
+                           const std::optional<torch::Tensor>& out) {
     const size_t n = kbufs.size();
     TORCH_CHECK(kscales.has_value() == vscales.has_value() && (!kscales.has_value() || (kscales->size() == n && vscales->size() == n)),
                 "write_attend: int8 buffers come with one k and one v scale buffer per span");
@@ -972,19 +974,7 @@ torch::Tensor write_attend_into(torch::Tensor q, torch::Tensor k, torch::Tensor 
         r0 += T;
     }
     TORCH_CHECK(r0 == R, "write_attend: the span lengths must add up to the rows of q");
-    return run_many(P, isa, into);
-}
-
-torch::Tensor write_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, const std::vector<torch::Tensor>& kbufs,
-                           const std::vector<torch::Tensor>& vbufs, const std::vector<int64_t>& lens,
-                           const std::vector<torch::Tensor>& tables, const std::vector<int64_t>& q_pos0,
-                           const std::vector<int64_t>& k_pos0, const std::vector<int64_t>& kind,
-                           const std::vector<int64_t>& wc, double scale, double softcap, int64_t isa,
-                           const std::optional<torch::Tensor>& sinks,
-                           const std::optional<std::vector<torch::Tensor>>& kscales,
-                           const std::optional<std::vector<torch::Tensor>>& vscales) {
-    return write_attend_into(q, k, v, kbufs, vbufs, lens, tables, q_pos0, k_pos0, kind, wc, scale, softcap, isa, sinks,
-                             kscales, vscales, nullptr);
+    return run_many(P, isa, out.has_value() ? &*out : nullptr);
 }
 
 }  // namespace tkv_attn

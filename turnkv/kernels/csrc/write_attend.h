@@ -9,6 +9,7 @@
 #include <vector>
 
 namespace tkv_attn {
+// ``out``: write the result there (contiguous float32 [rows of q, Hq * D]) instead of a new tensor
 torch::Tensor write_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, const std::vector<torch::Tensor>& kbufs,
                            const std::vector<torch::Tensor>& vbufs, const std::vector<int64_t>& lens,
                            const std::vector<torch::Tensor>& tables, const std::vector<int64_t>& q_pos0,
@@ -16,14 +17,6 @@ torch::Tensor write_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, co
                            const std::vector<int64_t>& wc, double scale, double softcap, int64_t isa,
                            const std::optional<torch::Tensor>& sinks,
                            const std::optional<std::vector<torch::Tensor>>& kscales,
-                           const std::optional<std::vector<torch::Tensor>>& vscales);
-// the same, the output written to ``into`` (float32 [rows of q, Hq * D], contiguous) when not null
-torch::Tensor write_attend_into(torch::Tensor q, torch::Tensor k, torch::Tensor v, const std::vector<torch::Tensor>& kbufs,
-                                const std::vector<torch::Tensor>& vbufs, const std::vector<int64_t>& lens,
-                                const std::vector<torch::Tensor>& tables, const std::vector<int64_t>& q_pos0,
-                                const std::vector<int64_t>& k_pos0, const std::vector<int64_t>& kind,
-                                const std::vector<int64_t>& wc, double scale, double softcap, int64_t isa,
-                                const std::optional<torch::Tensor>& sinks,
-                                const std::optional<std::vector<torch::Tensor>>& kscales,
-                                const std::optional<std::vector<torch::Tensor>>& vscales, const torch::Tensor* into);
+                           const std::optional<std::vector<torch::Tensor>>& vscales,
+                           const std::optional<torch::Tensor>& out = std::nullopt);
 }
