@@ -4,7 +4,7 @@
     python bench/decode_ab.py --model gemma3-270m --seqs 16 --switch fused_rows --values 8,31
 
 Loads the model as `turnkv serve` does (its default weights, the GGUF's own blocks on the native
-kernels, and its default KV mode), starts N greedy sequences with distinct prompts of
+kernels, its default KV mode, glibc's heap on huge pages), starts N greedy sequences with distinct prompts of
 ``--context`` tokens of the bench text, steps the engine until every one decodes, then times
 ``Engine.step`` in blocks of ``--block`` steps with the switch at A and at B alternating (A B,
 B A, A B, ...) for ``--rounds`` rounds. Prints the median step time of each value and the median
@@ -84,7 +84,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
 
-    from turnkv.launch import configure_process
+    from turnkv.launch import configure_process, ensure_hugepages, hugepages_state
+    if argv is None:
+        ensure_hugepages()    # as `turnkv serve` runs (turnkv/launch.py)
     configure_process(args.threads)
     from turnkv.engine.engine import Engine, GenerationRequest
     from turnkv.engine.sampling import SamplingParams
@@ -100,7 +102,7 @@ def main(argv=None) -> int:
     eng = Engine.load(args.model, weights=None, progress=False, kv_mode=args.kv_cache_mode, max_seqs=max(counts),
                       max_batch_tokens=max(512, args.context))
     from turnkv.cache.specs import describe_modes
-    print(f"weights {eng.weights}, KV {describe_modes(list(eng.modes), eng.specs)}", flush=True)
+    print(f"weights {eng.weights}, KV {describe_modes(list(eng.modes), eng.specs)}, {hugepages_state()}", flush=True)
     text = (Path(__file__).resolve().parent.parent / "turnkv" / "data" / "coriolanus.txt").read_text()
     ids = eng.tokenizer.encode(text)
     need = 2 * args.rounds * args.block + 8

@@ -17,7 +17,8 @@ each repetition, every engine in turn:
 
 Medians over the repetitions are printed with the ratio to transformers and the goals
 (prefill >= 1.5x, decode >= 3x). Both engines run in this one process under the same thread and
-malloc settings (``turnkv.launch.configure_process``; ``--no-tune`` leaves glibc's defaults).
+malloc settings (``turnkv.launch.configure_process``, and glibc's heap on transparent huge pages as
+``turnkv serve`` runs: ``ensure_hugepages``; ``--no-tune`` leaves glibc's defaults).
 The last two columns compare each format with transformers float32 on the prompt's last-token
 logits (max |diff|) and on the greedy continuation (tokens equal before the first mismatch).
 
@@ -57,7 +58,7 @@ from bench.machine import cpu_model  # noqa: E402
 from turnkv.cache.modes import make_store  # noqa: E402
 from turnkv.cache.specs import CHUNKED, FULL, SLIDING, default_modes, make_caches  # noqa: E402
 from turnkv.engine.sampling import greedy_token  # noqa: E402
-from turnkv.launch import RECOMMENDED_MALLOC, configure_process  # noqa: E402
+from turnkv.launch import RECOMMENDED_MALLOC, configure_process, ensure_hugepages, hugepages_state  # noqa: E402
 from turnkv.loading import load_checkpoint  # noqa: E402
 from turnkv.models import family_class  # noqa: E402
 from turnkv.models.weights import load_model, model_nbytes  # noqa: E402
@@ -375,13 +376,15 @@ def main(argv=None) -> None:
     ap.add_argument("--llama-server", default=None, metavar="PATH",
                     help="llama.cpp's llama-server binary: adds it as a column (../shared/PEERS.md says how to build it)")
     args = ap.parse_args(argv)
+    if argv is None and not args.no_tune:
+        ensure_hugepages()    # as `turnkv serve` runs: glibc's heap on huge pages (turnkv/launch.py)
     if args.formats is None:
         from turnkv.models.weights import native_kernels_built
 
         args.formats = DEFAULT_FORMATS if native_kernels_built() else DEFAULT_FORMATS.replace(",float32:gguf", "")
     settings = configure_process(args.threads, malloc=None if args.no_tune else RECOMMENDED_MALLOC)
     args.bandwidth = read_bandwidth_gbs()
-    print(f"{cpu_model()}: threads={settings.threads} malloc tuned={settings.malloc_applied}; "
+    print(f"{cpu_model()}: threads={settings.threads} malloc tuned={settings.malloc_applied}, {hugepages_state()}; "
           f"read bandwidth {args.bandwidth:.1f} GB/s", flush=True)
     rows = []
     for name in args.models.split(","):

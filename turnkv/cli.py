@@ -227,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None and args.func in (cmd_serve, cmd_chat, cmd_generate):
+        from .launch import ensure_hugepages
+        ensure_hugepages()   # a command that loads a model starts over once with glibc's huge-page heap
     from .errors import user_errors
     try:
         return int(args.func(args) or 0)

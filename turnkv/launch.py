@@ -9,12 +9,16 @@ top padding) turns those faults into reuse of warm pages.
 
 Two ways to apply the same settings:
 
-- ``recommended_env()``: the environment variables (``MALLOC_*_`` + thread variables) for the
-  launcher to put in a child process's environment, or to re-exec with (``reexec_with``); glibc
-  reads ``MALLOC_*_`` only at process start.
+- ``recommended_env()``: the environment variables (``MALLOC_*_``, thread variables and the
+  huge-page tunable below) for the launcher to put in a child process's environment; glibc reads
+  them only at process start.
 - ``configure_process()``: the same malloc settings applied to the running process through
   ``mallopt(3)`` (glibc only; effective for every later allocation) plus ``torch.set_num_threads``.
   This is what ``turnkv serve|chat|generate`` and bench/throughput.py call first thing.
+
+One setting has no live route: glibc's transparent-huge-page heap (``GLIBC_TUNABLES=
+glibc.malloc.hugetlb=1``, read at start only). ``turnkv serve|chat|generate`` (and the speed
+benches) re-exec themselves once with it (``ensure_hugepages``); see the section below.
 
 ``turnkv serve|chat|generate`` call ``configure_process`` before loading. Measured with
 bench/malloc.py (A/B in one process, medians of 4, 2026-11-29): SmolLM2 native prefill 840 ->
@@ -72,7 +76,7 @@ def thread_env(threads: int | None = None) -> dict[str, str]:
 
 def recommended_env(threads: int | None = None, malloc: MallocSettings = RECOMMENDED_MALLOC) -> dict[str, str]:
     """Environment variables a launcher should set for a turnkv process."""
-    return {**malloc.env(), **thread_env(threads)}
+    return {**malloc.env(), **thread_env(threads), **hugepage_env()}
 
 
 def _libc():
@@ -116,13 +120,92 @@ def configure_process(threads: int | None = None, malloc: MallocSettings | None 
 
 
 def reexec_with(env: dict[str, str], marker: str = "TURNKV_LAUNCH_ENV") -> None:
-    """Re-exec the current Python command with ``env`` added, once (``marker`` stops a loop).
-    For settings that must be present at process start (none of the recommended ones need it,
-    since ``configure_process`` applies them live, but a launcher may prefer the env route)."""
+    """Re-exec the current Python command with ``env`` added, once (``marker`` stops a loop):
+    for settings glibc reads only at process start (``ensure_hugepages``)."""
     if os.environ.get(marker) == "1":
         return
     new_env = {**os.environ, **env, marker: "1"}
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], new_env)
+
+
+# --- transparent huge pages for malloc'd memory --------------------------------------------------
+# A decode step streams every weight (~100 MB for SmolLM2, more for larger models) and every
+# sequence's K/V once, through 4 KiB pages by default: a TLB miss every 4 KiB, and the hardware
+# prefetchers stop at each page's end. glibc >= 2.35 backs the memory malloc takes from the system
+# (its heap and its mmap'd chunks) with transparent huge pages when GLIBC_TUNABLES holds
+# glibc.malloc.hugetlb=1 (madvise(MADV_HUGEPAGE): works with the kernel's THP setting "madvise",
+# the common default, as well as "always"). glibc reads it at process start only, so ``turnkv
+# serve|chat|generate`` re-exec themselves once with it (``ensure_hugepages``). Measured on a
+# Zen 4 VM (docs/kernels.md): SmolLM2 decode steps 4.8-5.3 -> 4.4-4.6 ms (one sequence), 15.8 ->
+# 13.6 ms (8 sequences); RSS +25-30 MB. TURNKV_HUGEPAGES=0 turns it off.
+HUGETLB = "glibc.malloc.hugetlb"
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def thp_mode(path: str = THP_ENABLED) -> str | None:
+    """The kernel's transparent huge page mode (always, madvise or never), None where unknown."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else None
+
+
+def glibc_version() -> tuple[int, int] | None:
+    """(major, minor) of the C library when it is glibc, else None."""
+    try:
+        name, version = os.confstr("CS_GNU_LIBC_VERSION").split()
+        major, minor = version.split(".")[:2]
+        return (int(major), int(minor)) if name == "glibc" else None
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def hugepage_env(environ=None, thp: str | None = "probe", glibc: tuple[int, int] | None | str = "probe") -> dict[str, str]:
+    """The GLIBC_TUNABLES that turns glibc's huge-page heap on, added to what ``environ`` holds;
+    {} where it does not apply: TURNKV_HUGEPAGES=0, not glibc >= 2.35, THP "never" or absent,
+    or GLIBC_TUNABLES names the tunable already (the user's choice, on or off, stands)."""
+    environ = os.environ if environ is None else environ
+    thp = thp_mode() if thp == "probe" else thp
+    glibc = glibc_version() if glibc == "probe" else glibc
+    if environ.get("TURNKV_HUGEPAGES", "1").strip() == "0" or glibc is None or glibc < (2, 35):
+        return {}
+    if thp not in ("always", "madvise"):
+        return {}
+    tunables = environ.get("GLIBC_TUNABLES", "")
+    if HUGETLB + "=" in tunables:
+        return {}
+    return {"GLIBC_TUNABLES": f"{tunables}:{HUGETLB}=1" if tunables else f"{HUGETLB}=1"}
+
+
+def ensure_hugepages() -> None:
+    """Re-exec this command once with glibc's huge-page heap on, where ``hugepage_env`` applies
+    (call it first thing: the process starts over)."""
+    env = hugepage_env()
+    if env:
+        reexec_with(env)
+
+
+def hugepages_state(environ=None) -> str:
+    """What the banner says: whether this process runs with glibc's huge-page heap, or why not."""
+    environ = os.environ if environ is None else environ
+    tunables = environ.get("GLIBC_TUNABLES", "").split(":")
+    mode = thp_mode()
+    if f"{HUGETLB}=1" in tunables and mode in ("always", "madvise"):
+        return f"malloc on transparent huge pages ({HUGETLB}=1, THP {mode})"
+    if mode == "always":
+        return "transparent huge pages (THP always)"
+    if environ.get("TURNKV_HUGEPAGES", "1").strip() == "0":
+        why = "TURNKV_HUGEPAGES=0"
+    elif mode != "madvise":
+        why = f"THP {mode or 'unavailable'}"
+    elif (glibc_version() or (0, 0)) < (2, 35):
+        why = f"{HUGETLB} needs glibc >= 2.35"
+    else:
+        why = f"the process did not start with {HUGETLB}=1"
+    return f"4 KiB pages ({why})"
 
 
 # --- engine construction from parsed CLI flags (serve, chat, generate) ---------------------------
@@ -180,7 +263,7 @@ def print_banner(engine, budget_mb: float, enabled: bool) -> None:
     print(f"turnkv: {engine.name} ({engine.family}, {len(engine.specs)} layers: {engine.describe_layers()})",
           file=sys.stderr)
     print(f"turnkv: weights {engine.weights}, compute dtype {str(engine.dtype).removeprefix('torch.')}, "
-          f"{torch.get_num_threads()} threads", file=sys.stderr)
+          f"{torch.get_num_threads()} threads, {hugepages_state()}", file=sys.stderr)
     if engine.weights == "gguf":
         from .kernels import kernel_info
         print(f"turnkv: GGUF kernels {kernel_info()}", file=sys.stderr)

@@ -1,0 +1,67 @@
+"""turnkv.launch's huge-page heap: when the tunable applies, and that a process started through
+``ensure_hugepages`` really gets its malloc'd memory on transparent huge pages."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from turnkv import launch
+
+ON = f"{launch.HUGETLB}=1"
+
+
+def test_hugepage_env_rules():
+    env = launch.hugepage_env
+    assert env({}, thp="madvise", glibc=(2, 36)) == {"GLIBC_TUNABLES": ON}
+    assert env({}, thp="always", glibc=(2, 35)) == {"GLIBC_TUNABLES": ON}
+    # the user's other tunables are kept; the user's own choice of this one stands
+    assert env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, thp="madvise", glibc=(2, 36)) == {
+        "GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{ON}"}
+    assert env({"GLIBC_TUNABLES": f"{launch.HUGETLB}=0"}, thp="madvise", glibc=(2, 36)) == {}
+    # off: asked to, THP never or unknown, glibc too old or not glibc
+    assert env({"TURNKV_HUGEPAGES": "0"}, thp="madvise", glibc=(2, 36)) == {}
+    assert env({}, thp="never", glibc=(2, 36)) == {}
+    assert env({}, thp=None, glibc=(2, 36)) == {}
+    assert env({}, thp="madvise", glibc=(2, 34)) == {}
+    assert env({}, thp="madvise", glibc=None) == {}
+
+
+# A child that starts over through ensure_hugepages, touches 64 MiB of malloc'd memory and
+# prints its tunables and how much of its memory sits on huge pages.
+CHILD = """
+from turnkv.launch import ensure_hugepages
+ensure_hugepages()
+import os, torch
+x = torch.ones(64 << 20, dtype=torch.uint8)
+huge = 0
+with open("/proc/self/smaps_rollup") as f:
+    for line in f:
+        if line.startswith("AnonHugePages:"):
+            huge = int(line.split()[1])
+print(os.environ.get("GLIBC_TUNABLES") or "-", huge, int(x.sum()) >> 20)
+"""
+
+
+def run_child(**env) -> tuple[str, int]:
+    e = {k: v for k, v in os.environ.items() if k not in ("TURNKV_LAUNCH_ENV", "GLIBC_TUNABLES", "TURNKV_HUGEPAGES")}
+    out = subprocess.run([sys.executable, "-c", CHILD], env={**e, **env}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    tunables, huge_kb, mib = out.stdout.split()
+    assert mib == "64"
+    return tunables, int(huge_kb)
+
+
+@pytest.mark.skipif(not launch.hugepage_env({}), reason="no glibc >= 2.35 with THP always/madvise here")
+def test_a_launched_process_gets_its_heap_on_huge_pages():
+    tunables, huge_kb = run_child()
+    assert ON in tunables.split(":")
+    assert huge_kb >= 32 << 10            # most of the 64 MiB (2 MiB pages, the edges may not be)
+    assert launch.hugepages_state({"GLIBC_TUNABLES": tunables}).startswith("malloc on transparent huge pages")
+    if launch.thp_mode() == "madvise":   # off: 4 KiB pages (THP "always" would give huge pages anyway)
+        tunables, huge_kb = run_child(TURNKV_HUGEPAGES="0")
+        assert ON not in tunables.split(":") and huge_kb < 4 << 10
+        assert launch.hugepages_state({"TURNKV_HUGEPAGES": "0"}) == "4 KiB pages (TURNKV_HUGEPAGES=0)"
