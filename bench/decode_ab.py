@@ -4,9 +4,9 @@
     python bench/decode_ab.py --model gemma3-270m --seqs 16 --switch fused_rows --values 8,31
 
 Loads the model as `turnkv serve` does (its default weights, the GGUF's own blocks on the native
-kernels, its default KV mode, glibc's heap on huge pages), starts N greedy sequences with distinct prompts of
-``--context`` tokens of the bench text, steps the engine until every one decodes, then times
-``Engine.step`` in blocks of ``--block`` steps with the switch at A and at B alternating (A B,
+kernels, its default KV mode, glibc's heap on huge pages), starts N greedy sequences with
+distinct prompts of ``--context`` tokens of the bench text, steps the engine until every one
+decodes, then times ``Engine.step`` in blocks of ``--block`` steps with the switch at A and at B alternating (A B,
 B A, A B, ...) for ``--rounds`` rounds. Prints the median step time of each value and the median
 over rounds of B's time / A's (the machine's drift hits both alike); the CPU model first. The
 switches change how a kernel runs, never its bits (tests/test_kernels.py and

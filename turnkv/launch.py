@@ -163,6 +163,11 @@ def glibc_version() -> tuple[int, int] | None:
         return None
 
 
+def _hugepages_refused(environ) -> bool:
+    """TURNKV_HUGEPAGES=0: the user keeps 4 KiB pages."""
+    return environ.get("TURNKV_HUGEPAGES", "1").strip() == "0"
+
+
 def hugepage_env(environ=None, thp: str | None = "probe", glibc: tuple[int, int] | None | str = "probe") -> dict[str, str]:
     """The GLIBC_TUNABLES that turns glibc's huge-page heap on, added to what ``environ`` holds;
     {} where it does not apply: TURNKV_HUGEPAGES=0, not glibc >= 2.35, THP "never" or absent,
@@ -170,7 +175,7 @@ def hugepage_env(environ=None, thp: str | None = "probe", glibc: tuple[int, int]
     environ = os.environ if environ is None else environ
     thp = thp_mode() if thp == "probe" else thp
     glibc = glibc_version() if glibc == "probe" else glibc
-    if environ.get("TURNKV_HUGEPAGES", "1").strip() == "0" or glibc is None or glibc < (2, 35):
+    if _hugepages_refused(environ) or glibc is None or glibc < (2, 35):
         return {}
     if thp not in ("always", "madvise"):
         return {}
@@ -197,7 +202,7 @@ def hugepages_state(environ=None) -> str:
         return f"malloc on transparent huge pages ({HUGETLB}=1, THP {mode})"
     if mode == "always":
         return "transparent huge pages (THP always)"
-    if environ.get("TURNKV_HUGEPAGES", "1").strip() == "0":
+    if _hugepages_refused(environ):
         why = "TURNKV_HUGEPAGES=0"
     elif mode != "madvise":
         why = f"THP {mode or 'unavailable'}"
