@@ -234,3 +234,79 @@ def test_reserve_short_path_answers_as_the_general_one(monkeypatch):
     assert fast[-1] < slow[-1], "the shortcut was never taken"
     assert fast[0] == slow[0] and fast[2:-1] == slow[2:-1]
     assert same(fast[1], slow[1])
+
+
+def _pointers(pool: BlockPool) -> dict[str, int]:
+    return {name: t.data_ptr() for name, t in pool.store.parts.items()}
+
+
+@pytest.mark.parametrize("mode", ["native", "fp16", "int8", "int4"])
+def test_a_reserved_pool_opens_blocks_without_copying(mode):
+    """Inside its reserve a pool hands out blocks from the store it was given at the start (no
+    reallocation, no copy), counts only the blocks opened in ``nbytes``; past the reserve it
+    reallocates as an unreserved pool does, and the blocks written before read the same after."""
+    k, v = kv(80, 7)
+    pool = BlockPool(mode, H, D, torch.float32, "cpu", block=B, reserve=24)
+    assert pool.reserved == 24 and pool.blocks == 0 and pool.nbytes == 0
+    start = _pointers(pool)
+    first = KVCache(H, D, mode=mode, block_size=B, pool=pool)
+    feed(first, k, v, 0, 64)
+    assert pool.blocks == 16 and pool.nbytes == 16 * pool.block_bytes < pool.store.nbytes
+    snap = first.snapshot()
+    before = [{n: t.clone() for n, t in p.tensors.items()} for p in snap.parts()]
+    second = KVCache(H, D, mode=mode, block_size=B, pool=pool)
+    feed(second, k, v, 0, 80)               # 8 + 10 blocks: more than the first 16 opened
+    assert 16 < pool.blocks <= 24
+    assert _pointers(pool) == start         # the same store: nothing was copied
+    assert pool.nbytes == pool.blocks * pool.block_bytes
+    third = KVCache(H, D, mode=mode, block_size=B, pool=pool)
+    feed(third, k, v, 0, 80)                # 10 more: past the reserve
+    assert pool.blocks > 24 and pool.reserved >= pool.blocks
+    assert _pointers(pool) != start         # reallocated once it had to be
+    for p, was in zip(snap.parts(), before):
+        assert all(torch.equal(t, was[n]) for n, t in p.tensors.items())
+    assert same(feed(first, k, v, 64, 80), cold(k, v, 64, 80, make=lambda: KVCache(H, D, mode=mode, block_size=B)))
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="madvise and smaps are Linux's")
+def test_a_reserve_is_kept_on_small_pages():
+    """The reserve's pages are advised MADV_NOHUGEPAGE (the kernel's VmFlags say ``nh`` for the
+    mapping that holds it), so memory follows the blocks written even on transparent huge pages."""
+    pool = BlockPool("fp16", 4, 64, torch.float32, "cpu", reserve=256)       # 8 MiB a part
+    t = pool.store.parts["k"]
+    inside = (t.data_ptr() + 2 * 4096) & ~4095
+    flags = None
+    with open("/proc/self/smaps") as f:
+        span = None
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                span = lo <= inside < hi
+            elif span and line.startswith("VmFlags:"):
+                flags = line.split()[1:]
+                break
+    assert flags is not None, "no mapping holds the reserve"
+    assert "nh" in flags, flags
+
+
+def test_reserve_plan_follows_what_each_layer_keeps():
+    """Full attention reserves its sequences' whole context, a sliding layer its window plus a
+    prefill chunk and the slack; both add the prompt cache's budget as whole blocks of every
+    layer; the total is scaled down to the limit, and no limit means no reserve."""
+    from turnkv.cache.pool import reserve_plan
+    from turnkv.cache.specs import full, sliding
+
+    specs = [full(H, D), sliding(H, D, 100), full(H, D)]
+    pools = [BlockPool("native", H, D, torch.float32, "cpu", block=B) for _ in specs]
+    row = sum(p.block_bytes for p in pools)
+    whole = reserve_plan(specs, pools, 3, 1000, 32, 16, cache_bytes=10 * row, limit=1 << 40)
+    per_seq_full, per_seq_sliding = -(-1000 // B) + 1, -(-(100 + 32 + 16) // B) + 1
+    assert whole == [3 * per_seq_full + 10, 3 * per_seq_sliding + 10, 3 * per_seq_full + 10]
+    short = reserve_plan(specs, pools, 3, 40, 32, 16, cache_bytes=0, limit=1 << 40)
+    assert short[0] == short[1] == 3 * (-(-40 // B) + 1)       # a context shorter than the window
+    total = sum(n * p.block_bytes for n, p in zip(whole, pools))
+    half = reserve_plan(specs, pools, 3, 1000, 32, 16, cache_bytes=10 * row, limit=total // 2)
+    assert sum(n * p.block_bytes for n, p in zip(half, pools)) <= total // 2
+    assert all(abs(h - w / 2) <= 1 for h, w in zip(half, whole))
+    assert reserve_plan(specs, pools, 3, 1000, 32, 16, cache_bytes=0, limit=0) == [0, 0, 0]

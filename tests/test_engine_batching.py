@@ -102,6 +102,33 @@ def test_reuse_from_a_sequence_still_running(models, family):
     assert_same(sinks[0].result, alone(model, other))
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_many_users_run_in_the_reserved_pools(models, family):
+    """The engine's block pools are reserved for --max-seqs sequences of its context (cache/pool.py
+    ``reserve_plan``): four users through three turns each (restores, shared prefixes, copy-on-
+    write) open blocks inside the stores the engine started with, never reallocating one, and each
+    user's turns equal their cold runs (reuse happened)."""
+    model, rng = models[family], random.Random(21)
+    eng = engine(model, max_seqs=4, max_batch_tokens=48)
+    pools = [p for p in eng.pool.block_pools if p is not None]
+    start = [{n: t.data_ptr() for n, t in p.store.parts.items()} for p in pools]
+    assert all(p.reserved >= 4 * (4096 // p.block) for p in pools if p.reserved)
+    assert any(p.reserved for p in pools)
+    system = rand_tokens(rng, 70)
+    history = [[system, rand_tokens(rng, 12 + u)] for u in range(4)]
+    cached = 0
+    for turn in range(3):
+        reqs = [request(h, 6) for h in history]
+        sinks, _ = run_all(eng, reqs)
+        for req, h, sink in zip(reqs, history, sinks):
+            assert_same(sink.result, alone(model, req))
+            cached += sink.result.usage.cached_tokens
+            h += [sink.result.token_ids[:-1], rand_tokens(rng, 9)]
+    assert cached > 0
+    assert all(p.blocks > 0 for p in pools)
+    assert [{n: t.data_ptr() for n, t in p.store.parts.items()} for p in pools] == start
+
+
 def test_cancel_mid_prefill_takes_effect_within_one_step(models):
     model, rng = models["llama"], random.Random(5)
     eng = engine(model, max_seqs=2, max_batch_tokens=16, chunk=16)

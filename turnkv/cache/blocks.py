@@ -20,7 +20,9 @@ from whatever thread drops it, hence the lock).
 
 from __future__ import annotations
 
+import ctypes
 import itertools
+import sys
 import threading
 
 import torch
@@ -31,6 +33,26 @@ from .modes import KVStore, make_store
 BLOCK = 64            # positions per block: the snapshot block size and the attention kernel's key block
 
 _cache_ids = itertools.count(1)
+MADV_NOHUGEPAGE = 15          # linux/mman.h
+
+
+def small_pages(t: torch.Tensor) -> bool:
+    """Ask Linux to back ``t``'s pages (its page-aligned inside) with 4 KiB pages, not transparent
+    huge pages: a reserve written from the start of each head's region would otherwise fault in 2
+    MiB per region at its first write (SmolLM2: 180 regions, 360+ MB for one short chat), and K/V
+    rows read no faster from huge pages (measured, docs/batching.md). False where not applied."""
+    if not sys.platform.startswith("linux"):
+        return False
+    start = t.data_ptr()
+    lo, hi = (start + 4095) & ~4095, (start + t.numel() * t.element_size()) & ~4095
+    if hi <= lo:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc.madvise(lo, hi - lo, MADV_NOHUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def new_cache_id() -> int:
@@ -40,10 +62,16 @@ def new_cache_id() -> int:
 
 class BlockPool:
     """One layer's blocks: a ``KVStore`` whose slots ``[b * block, (b + 1) * block)`` are block ``b``,
-    grown geometrically (existing ids stay valid), with per-block references, seal and owner."""
+    grown geometrically (existing ids stay valid), with per-block references, seal and owner.
+
+    ``reserve`` (blocks) sizes the store up front: address space only, since a CPU tensor's pages
+    are faulted in on first write, so growing within it opens blocks without reallocating or
+    copying the store; past it the store is reallocated and copied, geometrically. A reserved
+    store is kept on 4 KiB pages, so its memory follows the blocks written (docs/batching.md,
+    "The pool's address space")."""
 
     def __init__(self, mode: str, heads: int, head_dim: int, dtype: torch.dtype, device, block: int = BLOCK,
-                 blocks: int = 0):
+                 blocks: int = 0, reserve: int = 0):
         if block < 1:
             raise ValueError(f"KV block size {block} out of range")
         self.mode, self.heads, self.head_dim, self.dtype, self.block = mode, heads, head_dim, dtype, block
@@ -55,6 +83,7 @@ class BlockPool:
         self.free: list[int] = []
         self.lock = threading.RLock()
         self.block_bytes = self.store.bytes_per_token() * block
+        self.reserve(reserve)
         if blocks:
             self._grow(blocks)
 
@@ -71,13 +100,29 @@ class BlockPool:
 
     @property
     def nbytes(self) -> int:
-        return self.store.nbytes
+        """Bytes of the blocks opened so far (live, stored and free); a reserve's untouched rest is
+        address space, not memory."""
+        return len(self.refs) * self.block_bytes
+
+    @property
+    def reserved(self) -> int:
+        """Blocks the store has room for without being reallocated."""
+        return self.store.capacity // self.block
+
+    def reserve(self, blocks: int) -> None:
+        """Room for ``blocks`` blocks in the store (a reallocation now, none later below it)."""
+        with self.lock:
+            if blocks > self.reserved:
+                self.store.grow(blocks * self.block, keep=len(self.refs) * self.block)
+                if self.store.device.type == "cpu":
+                    for t in self.store.parts.values():
+                        small_pages(t)
 
     def _grow(self, blocks: int) -> None:
         n = len(self.refs)
         if blocks <= n:
             return
-        self.store.grow(blocks * self.block, keep=n * self.block)
+        self.store.grow(blocks * self.block, keep=n * self.block)    # a no-op inside the reserve
         grown = blocks - n
         self.refs += [0] * grown
         self.sealed += [0] * grown
@@ -89,7 +134,9 @@ class BlockPool:
         """A free block (the pool grows when none is), owned by ``owner``, with one reference."""
         with self.lock:
             if not self.free:
-                self._grow(max(16, 2 * len(self.refs)))
+                n = len(self.refs)
+                # double; but first fill the reserve, whose blocks cost no copy
+                self._grow(min(max(16, 2 * n), self.reserved) if n < self.reserved else max(16, 2 * n))
             b = self.free.pop()
             self.refs[b], self.sealed[b], self.owner[b], self.uids[b] = 1, 0, owner, new_uid()
             return b

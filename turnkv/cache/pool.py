@@ -18,9 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from .base import LayerCache
+from .blocks import BlockPool
 from .kv import KVCache
 from .snapshot import ModelSnapshot, restore_snapshot, take_snapshot
-from .specs import CacheSpec, make_caches, make_pools
+from .specs import CHUNKED, SLIDING, CacheSpec, make_caches, make_pools
+
 
 
 @dataclass(frozen=True)
@@ -75,16 +77,68 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
+def reservable_bytes() -> int:
+    """Address space the block pools may reserve in all: the machine's memory where the kernel
+    overcommits (``vm.overcommit_memory`` 0 or 1: untouched pages cost nothing), else 0 (strict
+    accounting would charge the whole reserve; unknown systems alike)."""
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as f:
+            if int(f.read()) not in (0, 1):
+                return 0
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def reserve_plan(specs: list[CacheSpec], pools: list[BlockPool | None], seqs: int, max_context: int,
+                 chunk: int, slack: int, cache_bytes: int, limit: int) -> list[int]:
+    """Blocks to reserve per layer: ``seqs`` sequences at the most a layer keeps of a context of
+    ``max_context`` (sliding and chunked layers: their window plus a prefill chunk and the slack),
+    plus the prompt cache's budget as whole blocks of every layer; scaled down to ``limit`` bytes
+    in all."""
+    row = sum(p.block_bytes for p in pools if p is not None)
+    if not row or limit <= 0:
+        return [0] * len(pools)
+    stored = cache_bytes // row
+    plan = []
+    for spec, pool in zip(specs, pools, strict=True):
+        if pool is None:
+            plan.append(0)
+            continue
+        span = max_context
+        if spec.kind == SLIDING:
+            span = min(span, spec.window + chunk + slack)
+        elif spec.kind == CHUNKED:
+            span = min(span, spec.chunk + chunk + slack)
+        plan.append(seqs * (-(-span // pool.block) + 1) + stored)
+    total = sum(n * p.block_bytes for n, p in zip(plan, pools) if p is not None)
+    if total > limit:
+        plan = [n * limit // total for n in plan]
+    return plan
+
+
 class StatePool:
-    """Up to ``size`` slots, created on first use."""
+    """Up to ``size`` slots, created on first use. With ``max_context`` (CPU only) the layers' block
+    pools reserve the address space ``reserve_plan`` gives (docs/batching.md, "The pool's address
+    space"), so the pools grow without copying."""
 
     def __init__(self, specs: list[CacheSpec], identity: StateIdentity, dtype: torch.dtype, device,
-                 slack: int, size: int):
+                 slack: int, size: int, max_context: int = 0, chunk: int = 0, cache_bytes: int = 0):
         if size < 1:
             raise ValueError(f"the state pool needs at least one slot, got {size}")
         self.specs, self.identity, self.dtype, self.device, self.slack = specs, identity, dtype, device, slack
         self.size = size
         self.block_pools = make_pools(specs, dtype, device, list(identity.modes))
+        if max_context > 0 and torch.device(device).type == "cpu":
+            plan = reserve_plan(specs, self.block_pools, size, max_context, chunk, slack, cache_bytes,
+                                reservable_bytes())
+            for pool, blocks in zip(self.block_pools, plan):
+                if pool is not None:
+                    pool.reserve(blocks)
         self.slots: list[SeqState] = []
         self.free: list[SeqState] = []
 
@@ -129,5 +183,6 @@ class StatePool:
 
     @property
     def pool_bytes(self) -> int:
-        """Bytes the KV block pools have allocated (live, stored and free blocks)."""
+        """Bytes of the blocks the KV block pools have opened (live, stored and free ones; not the
+        address space reserved beyond them)."""
         return sum(p.nbytes for p in self.block_pools if p is not None)

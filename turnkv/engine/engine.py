@@ -87,7 +87,7 @@ class Engine:
         self.prompt_cache = prompt_cache
         self.weights = weights    # the weight format the model was loaded in (models/weights.py)
         self.identity = StateIdentity(self.family, self.fingerprint, self.modes)
-        self.pool = StatePool(self.specs, self.identity, self.dtype, self.device, slack, max_seqs)
+        self.pool = self._state_pool(max_seqs)
         self.reuse = ReusePolicy(prompt_cache, self.specs, self.dtype, slack, self.identity)
         self.scheduler = Scheduler(max_seqs, max_batch_tokens, max_queue, self.prefill_chunk,
                                    getattr(model, "bidirectional_images", False))
@@ -95,6 +95,13 @@ class Engine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self.steps = 0
+
+    def _state_pool(self, max_seqs: int) -> StatePool:
+        """The live state's slots, their block pools' address space sized for ``max_seqs``
+        sequences of ``max_context`` tokens and the prompt cache's budget (cache/pool.py)."""
+        budget = self.prompt_cache.budget_bytes if self.prompt_cache is not None else 0
+        return StatePool(self.specs, self.identity, self.dtype, self.device, self.slack, max_seqs,
+                         max_context=self.max_context, chunk=self.prefill_chunk, cache_bytes=budget)
 
     # --- construction -----------------------------------------------------------------------
     @classmethod
@@ -563,7 +570,7 @@ class Engine:
         old = self.scheduler
         self.scheduler = Scheduler(old.max_seqs, old.max_batch_tokens, old.max_queue, self.prefill_chunk,
                                    old.whole_images)
-        self.pool = StatePool(self.specs, self.identity, self.dtype, self.device, self.slack, old.max_seqs)
+        self.pool = self._state_pool(old.max_seqs)
         for seq in seqs:
             seq.state = None
             seq.status = FINISHED

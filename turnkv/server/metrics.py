@@ -51,7 +51,7 @@ class ServerMetrics:
         self.queue.set_function(pending)
         if memory is not None:
             for key, help_text in (("live_state_bytes", "Bytes of KV blocks and state live sequences hold"),
-                                   ("kv_pool_bytes", "Bytes the KV block pools have allocated"),
+                                   ("kv_pool_bytes", "Bytes of the blocks the KV block pools have opened"),
                                    ("rss_bytes", "Resident set size of the server process")):
                 Gauge(f"turnkv_{key}", help_text, registry=self.registry).set_function(
                     lambda key=key: float(memory().get(key, 0)))
