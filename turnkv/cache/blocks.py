@@ -40,7 +40,9 @@ def small_pages(t: torch.Tensor) -> bool:
     """Ask Linux to back ``t``'s pages (its page-aligned inside) with 4 KiB pages, not transparent
     huge pages: a reserve written from the start of each head's region would otherwise fault in 2
     MiB per region at its first write (SmolLM2: 180 regions, 360+ MB for one short chat), and K/V
-    rows read no faster from huge pages (measured, docs/batching.md). False where not applied."""
+    rows read no faster from huge pages (measured, docs/batching.md). The advice stays on those
+    addresses after ``t`` is freed (a later allocation there gets 4 KiB pages too; pools live as
+    long as their engine). False where not applied."""
     if not sys.platform.startswith("linux"):
         return False
     start = t.data_ptr()

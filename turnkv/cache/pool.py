@@ -24,7 +24,6 @@ from .snapshot import ModelSnapshot, restore_snapshot, take_snapshot
 from .specs import CHUNKED, SLIDING, CacheSpec, make_caches, make_pools
 
 
-
 @dataclass(frozen=True)
 class StateIdentity:
     """What a snapshot must share with the live state to be restored into it."""
