@@ -310,3 +310,31 @@ def test_reserve_plan_follows_what_each_layer_keeps():
     assert sum(n * p.block_bytes for n, p in zip(half, pools)) <= total // 2
     assert all(abs(h - w / 2) <= 1 for h, w in zip(half, whole))
     assert reserve_plan(specs, pools, 3, 1000, 32, 16, cache_bytes=0, limit=0) == [0, 0, 0]
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux's")
+def test_a_refused_reserve_leaves_a_working_pool():
+    """Under an address-space limit (``ulimit -v``) the plan shrinks to half of what is left, and a
+    reserve the kernel refuses returns False with the store as it was; the pool then works as an
+    unreserved one (a server under such a limit failed to start before this)."""
+    import subprocess
+    import sys
+    code = """
+import resource, torch
+from turnkv.cache.blocks import BlockPool
+from turnkv.cache.kv import KVCache
+from turnkv.cache.pool import reservable_bytes
+vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
+left = reservable_bytes()
+assert 0 < left <= 128 << 20, left
+pool = BlockPool("fp16", 2, 64, torch.float32, "cpu", block=8)
+assert pool.reserve((1 << 30) // pool.block_bytes) is False and pool.reserved == 0
+cache = KVCache(2, 64, mode="fp16", block_size=8, pool=pool)
+k = torch.randn(2, 40, 64)
+view = cache.update_and_fetch(k, k)
+assert pool.blocks >= 5 and torch.equal(view.keys, k.half().float())
+print("ok")
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr

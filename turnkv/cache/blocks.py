@@ -111,14 +111,20 @@ class BlockPool:
         """Blocks the store has room for without being reallocated."""
         return self.store.capacity // self.block
 
-    def reserve(self, blocks: int) -> None:
-        """Room for ``blocks`` blocks in the store (a reallocation now, none later below it)."""
+    def reserve(self, blocks: int) -> bool:
+        """Room for ``blocks`` blocks in the store (a reallocation now, none later below it). False,
+        the store as it was, when the address space is refused (an address-space limit, say): the
+        pool then grows by reallocating, as it would past any reserve."""
         with self.lock:
             if blocks > self.reserved:
-                self.store.grow(blocks * self.block, keep=len(self.refs) * self.block)
+                try:
+                    self.store.grow(blocks * self.block, keep=len(self.refs) * self.block)
+                except RuntimeError:       # torch's "can't allocate memory"; the parts were not replaced
+                    return False
                 if self.store.device.type == "cpu":
                     for t in self.store.parts.values():
                         small_pages(t)
+            return True
 
     def _grow(self, blocks: int) -> None:
         n = len(self.refs)

@@ -76,21 +76,32 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
+def _proc_kib(path: str, key: str) -> int | None:
+    with open(path) as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    return None
+
+
 def reservable_bytes() -> int:
     """Address space the block pools may reserve in all: the machine's memory where the kernel
-    overcommits (``vm.overcommit_memory`` 0 or 1: untouched pages cost nothing), else 0 (strict
-    accounting would charge the whole reserve; unknown systems alike)."""
+    overcommits (``vm.overcommit_memory`` 0 or 1: untouched pages cost nothing), and at most half
+    of what an address-space limit (``ulimit -v``) leaves the process; else 0 (strict accounting
+    would charge the whole reserve; unknown systems alike)."""
     try:
         with open("/proc/sys/vm/overcommit_memory") as f:
             if int(f.read()) not in (0, 1):
                 return 0
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return 0
+        total = _proc_kib("/proc/meminfo", "MemTotal:") or 0
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY:
+            used = _proc_kib("/proc/self/status", "VmSize:") or soft
+            total = min(total, max(0, soft - used) // 2)
+        return total
+    except (OSError, ValueError, ImportError):
+        return 0
 
 
 def reserve_plan(specs: list[CacheSpec], pools: list[BlockPool | None], seqs: int, max_context: int,
