@@ -129,15 +129,16 @@ def reexec_with(env: dict[str, str], marker: str = "TURNKV_LAUNCH_ENV") -> None:
 
 
 # --- transparent huge pages for malloc'd memory --------------------------------------------------
-# A decode step streams every weight (~100 MB for SmolLM2, more for larger models) and every
-# sequence's K/V once, through 4 KiB pages by default: a TLB miss every 4 KiB, and the hardware
-# prefetchers stop at each page's end. glibc >= 2.35 backs the memory malloc takes from the system
+# A decode step streams every weight (~100 MB for SmolLM2, more for larger models) once, through
+# 4 KiB pages by default: a TLB miss every 4 KiB, and the hardware prefetchers stop at each page's
+# end. glibc >= 2.35 backs the memory malloc takes from the system
 # (its heap and its mmap'd chunks) with transparent huge pages when GLIBC_TUNABLES holds
 # glibc.malloc.hugetlb=1 (madvise(MADV_HUGEPAGE): works with the kernel's THP setting "madvise",
 # the common default, as well as "always"). glibc reads it at process start only, so ``turnkv
 # serve|chat|generate`` re-exec themselves once with it (``ensure_hugepages``). Measured on a
 # Zen 4 VM (docs/kernels.md): SmolLM2 decode steps 4.8-5.3 -> 4.4-4.6 ms (one sequence), 15.8 ->
-# 13.6 ms (8 sequences); RSS +25-30 MB. TURNKV_HUGEPAGES=0 turns it off.
+# 13.6 ms (8 sequences); RSS +25-30 MB. TURNKV_HUGEPAGES=0 turns it off. (The K/V pools' reserved
+# stores opt out, MADV_NOHUGEPAGE: cache/blocks.py ``small_pages``.)
 HUGETLB = "glibc.malloc.hugetlb"
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
