@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from turnkv.cache.kv import KVCache  # noqa: E402
-from turnkv.cache.modes import MODES, NATIVE  # noqa: E402
+from turnkv.cache.storage import MODES, NATIVE  # noqa: E402
 from turnkv.cache.specs import default_modes, describe_modes, make_caches  # noqa: E402
 from turnkv.loading import load_checkpoint  # noqa: E402
 from turnkv.models import family_class  # noqa: E402

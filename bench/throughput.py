@@ -55,7 +55,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.machine import cpu_model  # noqa: E402
 
-from turnkv.cache.modes import make_store  # noqa: E402
+from turnkv.cache.storage import make_store  # noqa: E402
 from turnkv.cache.specs import CHUNKED, FULL, SLIDING, default_modes, make_caches  # noqa: E402
 from turnkv.engine.sampling import greedy_token  # noqa: E402
 from turnkv.launch import RECOMMENDED_MALLOC, configure_process, ensure_hugepages, hugepages_state  # noqa: E402

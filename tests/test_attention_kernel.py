@@ -28,7 +28,7 @@ import torch
 from turnkv.cache.blocks import BlockPool
 from turnkv.cache.kv import KVCache
 from turnkv.cache.chunked import ChunkedCache
-from turnkv.cache.rotating import SlidingWindowCache
+from turnkv.cache.sliding import SlidingWindowCache
 from turnkv.kernels import attention as A
 
 ATOL = 2e-5   # |native - reference| on N(0, 1) inputs, D <= 256: measured <= 3e-6
@@ -188,7 +188,7 @@ def kv_as(k, v, dtype):
     """K/V stored as ``dtype`` (int8: quantized with row scales, K spread wider) -> (k, v, scales)."""
     if dtype != torch.int8:
         return k.to(dtype), v.to(dtype), None
-    from turnkv.cache.modes import quantize_int8
+    from turnkv.cache.storage import quantize_int8
 
     (k, ks), (v, vs) = quantize_int8(k * 3), quantize_int8(v)
     return k, v, (ks, vs)
@@ -409,7 +409,7 @@ def test_int8_kv_read_as_stored_equals_the_dequantized_copy(isa, kind, span, hea
     multiplies them on load (exact in float32), so every row is bit-identical to the kernel on a
     dequantized float32 copy: decode, a prefill chunk, softcap, one query or several. The scalar
     path, which reads float32 only, gets the same values widened in Python (``_widen``)."""
-    from turnkv.cache.modes import dequantize_int8, quantize_int8
+    from turnkv.cache.storage import dequantize_int8, quantize_int8
 
     if not A.native_ok(torch.zeros(1, 1, 8), torch.zeros(1, 1, 8, dtype=torch.int8),
                        torch.zeros(1, 1, 8, dtype=torch.int8), None, True):
@@ -435,7 +435,7 @@ def test_int8_kv_read_as_stored_equals_the_dequantized_copy(isa, kind, span, hea
 def test_int8_kv_cache_hands_the_kernel_its_storage():
     """An int8 KV cache's view carries the int8 values and their scales (no float32 copy per call)
     and dequantizes only when a reader asks for ``keys`` / ``values``."""
-    from turnkv.cache.modes import dequantize_int8
+    from turnkv.cache.storage import dequantize_int8
 
     cache = KVCache(2, 64, torch.float32, "cpu", mode="int8")
     k, v = torch.randn(2, 10, 64), torch.randn(2, 10, 64)
@@ -563,9 +563,9 @@ def test_write_attend_rounds_like_copy(dtype):
 
 @needs_attn
 def test_write_attend_quantizes_int8_like_quantize_int8():
-    """The kernel's int8 stores equal cache.modes.quantize_int8 on rows with exact .5 quotients,
+    """The kernel's int8 stores equal cache.storage.quantize_int8 on rows with exact .5 quotients,
     all-zero rows (the scale's lower clamp), huge rows (its upper clamp) and tiny ones."""
-    from turnkv.cache.modes import quantize_int8
+    from turnkv.cache.storage import quantize_int8
 
     if not A.write_buffers_ok([torch.int8]):
         pytest.skip("this build has no int8 write_attend")
@@ -607,7 +607,7 @@ def test_write_attend_through_scrambled_tables_equals_attend_on_every_path(kind,
             vb = torch.zeros_like(kb)
             ks = vs = None
             if int8:
-                from turnkv.cache.modes import quantize_int8
+                from turnkv.cache.storage import quantize_int8
                 ks, vs = (torch.zeros(2, (blocks + 2) * B, 1, dtype=torch.float16) for _ in range(2))
                 (kq, sk), (vq, sv) = quantize_int8(keys[:, :old]), quantize_int8(vals[:, :old])
                 kb[:, rows], vb[:, rows], ks[:, rows], vs[:, rows] = kq, vq, sk, sv

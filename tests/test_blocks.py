@@ -13,7 +13,7 @@ import torch
 
 from turnkv.cache.blocks import BlockPool
 from turnkv.cache.kv import KVCache
-from turnkv.cache.rotating import SlidingWindowCache
+from turnkv.cache.sliding import SlidingWindowCache
 
 H, D, B = 2, 16, 8          # small blocks, so a few dozen tokens span several
 
@@ -294,7 +294,7 @@ def test_reserve_plan_follows_what_each_layer_keeps():
     """Full attention reserves its sequences' whole context, a sliding layer its window plus a
     prefill chunk and the slack; both add the prompt cache's budget as whole blocks of every
     layer; the total is scaled down to the limit, and no limit means no reserve."""
-    from turnkv.cache.pool import reserve_plan
+    from turnkv.cache.slots import reserve_plan
     from turnkv.cache.specs import full, sliding
 
     specs = [full(H, D), sliding(H, D, 100), full(H, D)]
@@ -323,7 +323,7 @@ def test_a_refused_reserve_leaves_a_working_pool():
 import resource, torch
 from turnkv.cache.blocks import BlockPool
 from turnkv.cache.kv import KVCache
-from turnkv.cache.pool import reservable_bytes
+from turnkv.cache.slots import reservable_bytes
 vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize:"))
 resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
 left = reservable_bytes()

@@ -26,7 +26,7 @@ from turnkv.cache.base import (
 from turnkv.cache.chunked import ChunkedCache
 from turnkv.cache.kv import KVCache
 from turnkv.cache.recurrent import StateCache
-from turnkv.cache.rotating import SlidingWindowCache
+from turnkv.cache.sliding import SlidingWindowCache
 from turnkv.cache.specs import FULL, SLIDING, make_caches
 from turnkv.cache.snapshot import (
     FINGERPRINT_MISMATCH,

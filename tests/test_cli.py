@@ -137,4 +137,4 @@ def test_no_import_circles_between_cli_server_and_launch():
     assert not any(m.endswith("cli") for m in imports(root / "server" / "app.py"))
     assert not any(m.endswith("cli") or m.startswith("server") for m in imports(root / "launch.py"))
     assert not any("bundled" in m for m in imports(root / "registry.py"))
-    assert not any(m.endswith("specs") for m in imports(root / "cache" / "modes.py"))
+    assert not any(m.endswith("specs") for m in imports(root / "cache" / "storage.py"))

@@ -104,7 +104,7 @@ def test_reuse_from_a_sequence_still_running(models, family):
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_many_users_run_in_the_reserved_pools(models, family):
-    """The engine's block pools are reserved for --max-seqs sequences of its context (cache/pool.py
+    """The engine's block pools are reserved for --max-seqs sequences of its context (cache/slots.py
     ``reserve_plan``): four users through three turns each (restores, shared prefixes, copy-on-
     write) open blocks inside the stores the engine started with, never reallocating one, and each
     user's turns equal their cold runs (reuse happened)."""

@@ -17,7 +17,7 @@ from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 from ssm_family_checks import check_parity, greedy, hf_greedy, perturb_vectors, save_and_load, single_thread
 from tiny import random_mxfp4_experts
 from turnkv.cache.kv import KVCache
-from turnkv.cache.rotating import SlidingWindowCache
+from turnkv.cache.sliding import SlidingWindowCache
 from turnkv.cache.specs import FULL, SLIDING
 from turnkv.models import ARCHITECTURES, family_class
 from turnkv.models.base import attention

@@ -8,7 +8,7 @@ import torch
 from turnkv.cache.base import KV_MODE_MISMATCH, SnapshotMismatch
 from turnkv.cache.chunked import ChunkedCache
 from turnkv.cache.kv import KVCache
-from turnkv.cache.modes import (
+from turnkv.cache.storage import (
     MODES,
     NATIVE,
     STORES,
@@ -24,7 +24,7 @@ from turnkv.cache.modes import (
     rotation,
     rotation_size,
 )
-from turnkv.cache.rotating import SlidingWindowCache
+from turnkv.cache.sliding import SlidingWindowCache
 from turnkv.cache.specs import describe_modes, full, make_caches, recurrent
 
 QUANTIZED = ("int8", "int4")

@@ -28,7 +28,7 @@ import threading
 import torch
 
 from .base import new_uid
-from .modes import KVStore, make_store
+from .storage import KVStore, make_store
 
 BLOCK = 64            # positions per block: the snapshot block size and the attention kernel's key block
 

@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 
 from .kv import DEFAULT_BLOCK, ChunkedSnapshot, KVCache
-from .modes import NATIVE
+from .storage import NATIVE
 
 
 class ChunkedCache(KVCache):

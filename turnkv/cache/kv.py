@@ -24,7 +24,7 @@ import torch
 
 from .base import LayerCache, LayerSnapshot, StoredPart
 from .blocks import BLOCK, BlockPart, BlockPool, new_cache_id
-from .modes import NATIVE, dequantize_int8, payload_len, slice_payload
+from .storage import NATIVE, dequantize_int8, payload_len, slice_payload
 
 DEFAULT_BLOCK = BLOCK
 

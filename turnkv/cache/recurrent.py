@@ -10,7 +10,7 @@ from typing import ClassVar
 import torch
 
 from .base import LayerCache, LayerSnapshot, StoredPart
-from .modes import NATIVE
+from .storage import NATIVE
 
 
 @dataclass(frozen=True, eq=False)

@@ -10,9 +10,9 @@ from .base import LayerCache
 from .blocks import BlockPool
 from .chunked import ChunkedCache
 from .kv import KVCache
-from .modes import MODES, NATIVE, layer_modes
+from .storage import MODES, NATIVE, layer_modes
 from .recurrent import StateCache
-from .rotating import DEFAULT_SLACK, SlidingWindowCache
+from .sliding import DEFAULT_SLACK, SlidingWindowCache
 
 FULL, SLIDING, CHUNKED, RECURRENT = "full", "sliding", "chunked", "recurrent"
 ATTENTION_KINDS = (FULL, SLIDING, CHUNKED)

@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ..cache.modes import NATIVE
-from ..cache.pool import StateIdentity, StatePool, common_prefix
-from ..cache.rotating import DEFAULT_SLACK
+from ..cache.storage import NATIVE
+from ..cache.slots import StateIdentity, StatePool, common_prefix
+from ..cache.sliding import DEFAULT_SLACK
 from ..cache.specs import CacheSpec, default_modes
 from ..images import (DEFAULT_IMAGE_CACHE_MB, DEFAULT_MAX_IMAGE_PIXELS, EncoderCache, decode_image, image_ids_in,
                       is_key, last_image_end, parse_data_url, split_key,
@@ -98,7 +98,7 @@ class Engine:
 
     def _state_pool(self, max_seqs: int) -> StatePool:
         """The live state's slots, their block pools' address space sized for ``max_seqs``
-        sequences of ``max_context`` tokens and the prompt cache's budget (cache/pool.py)."""
+        sequences of ``max_context`` tokens and the prompt cache's budget (cache/slots.py)."""
         budget = self.prompt_cache.budget_bytes if self.prompt_cache is not None else 0
         return StatePool(self.specs, self.identity, self.dtype, self.device, self.slack, max_seqs,
                          max_context=self.max_context, chunk=self.prefill_chunk, cache_bytes=budget)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache.pool import SeqState
+from ..cache.slots import SeqState
 from ..images import model_ids
 from ..prompt_cache.store import Namespace
 from .sampling import Sampler, SamplingParams, TokenLogprob, token_logprob

@@ -169,7 +169,7 @@ def native_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Te
 
 def _widen(t: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """float32 K or V for the scalar path: int8 times its float16 row scales (exact, the values
-    the SIMD paths read on load and ``cache.modes.dequantize_int8`` gives), else a plain cast."""
+    the SIMD paths read on load and ``cache.storage.dequantize_int8`` gives), else a plain cast."""
     return t if t.dtype == torch.float32 else (torch.mul(t, scale.float()) if scale is not None else t.float())
 
 
@@ -240,7 +240,7 @@ def write_attend(q, k, v, kbufs, vbufs, lens, tables, q_pos0s, k_pos0s, kinds, s
     [Hq, R, D] at ``q_pos0s[j] ..`` attend over the positions ``k_pos0s[j] ..`` up to its last new
     one. K/V live in block pools ``kbufs[j]`` / ``vbufs[j]`` [Hk, slots, D] (float16 / bfloat16
     rounded as ``copy_`` rounds; int8 ones come with float16 scale buffers ``kscales[j]`` /
-    ``vscales[j]`` [Hk, slots, 1] and are quantized as ``cache.modes.quantize_int8`` does): position
+    ``vscales[j]`` [Hk, slots, 1] and are quantized as ``cache.storage.quantize_int8`` does): position
     ``p`` sits at slot ``tables[j][p // KERNEL_BLOCK] * KERNEL_BLOCK + p % KERNEL_BLOCK`` (int32
     block tables indexed by absolute block). Returns [R, Hq * D]; each row bit-identical to
     ``attend_native`` over the same keys (``write_attend_ok`` and ``write_buffers_ok`` must hold)."""

@@ -8,7 +8,6 @@ still works then, on the PyTorch reference).
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import os
 import shutil
@@ -37,11 +36,6 @@ def _stamp() -> str:
     h.update(torch.__version__.encode())
     h.update(sys.version.encode())
     return h.hexdigest()
-
-
-def built_path() -> str | None:
-    paths = sorted(glob.glob(str(BUILD_DIR / f"{EXT_NAME}*.so")))
-    return paths[0] if paths else None
 
 
 def _compile(out_dir: Path, verbose: bool) -> None:

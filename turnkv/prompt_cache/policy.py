@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.base import SnapshotMismatch
-from ..cache.pool import SeqState
+from ..cache.slots import SeqState
 from ..cache.specs import CacheSpec, all_trimmable
 from .store import Namespace, PromptCache
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..cache.kv import DEFAULT_BLOCK
-from ..cache.pool import common_prefix
+from ..cache.slots import common_prefix
 from ..cache.serialize import (
     BLOCK_MAGIC,
     CORRUPT,

@@ -45,7 +45,7 @@ from .. import web
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .schemas import (AUTHENTICATION, NOT_FOUND, RATE_LIMIT, SERVER_ERROR, ChatCompletionRequest, CompletionRequest,
                       RequestError, content_chars, error_body)
-from .protocol import GuardedH11
+from .slow_client_guard import GuardedH11
 from .tenants import KeyRing, Principal, tenant_key
 from .worker import ChoiceEnd, EngineWorker, Failed, Finished, Job, WorkerDown
 

@@ -864,7 +864,7 @@ __attribute__((target("avx2,fma,f16c"))) static void to_f16(const float* src, ui
 }
 }  // namespace avx2
 
-// int8 with a float16 scale, as cache/modes.quantize_int8 computes them: scale = fp16(clamp(max|x| /
+// int8 with a float16 scale, as cache/storage.quantize_int8 computes them: scale = fp16(clamp(max|x| /
 // 127, 2^-24, 65504)), q = clamp(round_half_even(x / scale), -127, 127) (float32 division)
 static void store_row_i8(const float* src, int8_t* dst, uint16_t* scale, int64_t n) {
     float amax = 0.f;

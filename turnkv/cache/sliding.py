@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 
 from .kv import DEFAULT_BLOCK, KVCache, SlidingSnapshot
-from .modes import NATIVE
+from .storage import NATIVE
 
 DEFAULT_SLACK = 256
 

@@ -38,13 +38,6 @@ _SCALE_MIN = 2.0 ** -24
 _SCALE_MAX = 65504.0
 
 
-def grown_capacity(needed: int, current: int, minimum: int = 256) -> int:
-    cap = max(current, minimum)
-    while cap < needed:
-        cap *= 2
-    return cap
-
-
 # --- codecs (pure functions over [heads, T, head_dim]) ---------------------------------------------
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
