@@ -91,10 +91,13 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
     return img.convert("RGB")
 
 
-def content_digest(img) -> bytes:
-    """BLAKE2b-128 of the decoded pixels (mode, size, bytes): the image's identity."""
+def content_digest(img, settings: bytes = b"") -> bytes:
+    """BLAKE2b-128 of the decoded pixels (mode, size, bytes) and of the family's preprocessing
+    ``settings`` (models/vision_settings.salt): the image's identity, hence its encoder cache entry
+    and its image keys. Two settings make two tensors of one picture, so they never share either."""
     rgb = img.convert("RGB")
-    h = hashlib.blake2b(b"turnkv-image1" + f"{rgb.mode}:{rgb.size[0]}x{rgb.size[1]}".encode(), digest_size=16)
+    h = hashlib.blake2b(b"turnkv-image2" + f"{rgb.mode}:{rgb.size[0]}x{rgb.size[1]}".encode(), digest_size=16)
+    h.update(len(settings).to_bytes(2, "little") + settings)
     h.update(rgb.tobytes())
     return h.digest()
 
@@ -107,7 +110,7 @@ def image_id_of(digest: bytes) -> int:
 class ImageInput:
     """One preprocessed image of a request (the family's ``prepare_image`` builds it)."""
 
-    digest: bytes                 # content hash (encoder cache key)
+    digest: bytes                 # content + preprocessing hash (encoder cache key)
     image_id: int                 # 46 bits of it (image keys)
     pixel_values: torch.Tensor    # family-specific, e.g. [tiles, 3, H, W]
     pixel_mask: torch.Tensor | None

@@ -12,7 +12,6 @@ accepts only whole images (images.whole_images).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -24,9 +23,8 @@ from .base import Model, embedding, param, take
 from .gemma3 import Gemma3Model, image_blocks
 from .gemma3 import ModelArgs as TextArgs
 from .idefics3 import VisionArgs, VisionLayer
+from .vision_settings import expect, read_settings, salt, transformers_processor
 
-PROCESSOR_KEYS = ("size", "image_mean", "image_std", "do_resize", "do_rescale", "rescale_factor", "do_normalize",
-                  "resample", "do_convert_rgb")
 
 
 def _prefix(tensors: dict, candidates: tuple[str, ...], probe: str) -> str:
@@ -106,24 +104,30 @@ class Gemma3VisionModel(Model):
 
     # --- images --------------------------------------------------------------------------------
     def load_processor(self, folder: str | Path | None = None) -> None:
-        """transformers' Pillow image processor (resize to the tower's size, rescale, normalize), from
-        the folder's ``preprocessor_config.json`` when there is one. Pan-and-scan is not used."""
+        """transformers' Pillow image processor (resize to the tower's size, rescale, normalize) from
+        the folder's saved settings (models/vision_settings.py). Pan-and-scan crops, another image
+        size or another ``image_seq_length`` than the tower's are refused."""
         from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-        path = Path(folder) / "preprocessor_config.json" if folder is not None else None
-        if path is not None and path.is_file():
-            raw = json.loads(path.read_text(encoding="utf-8"))
-            kw = {k: raw[k] for k in PROCESSOR_KEYS if k in raw}
-        else:
-            side = self.vision_args.image_size
-            kw = {"size": {"height": side, "width": side}, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
-        self.processor = Gemma3ImageProcessorPil(**kw, do_pan_and_scan=False)
+        settings = read_settings(folder)
+        side = self.vision_args.image_size
+        proc = transformers_processor(Gemma3ImageProcessorPil, settings,
+                                      {"size": {"height": side, "width": side}, "image_mean": [0.5] * 3,
+                                       "image_std": [0.5] * 3})
+        if proc.do_pan_and_scan:
+            raise settings.refuse("gemma3", "do_pan_and_scan", proc.do_pan_and_scan,
+                                  "turnkv encodes one crop per image")
+        expect(settings, "gemma3", "size", dict(proc.size or {}), {"height": side, "width": side},
+               "the learned positions fit one image size")
+        expect(settings, "gemma3", "image_seq_length", settings.processor.get("image_seq_length"), self.mm_tokens,
+               "the image tokens must be the config's mm_tokens_per_image")
+        self.processor, self.image_salt = proc, salt("gemma3", proc.to_dict())
 
     def prepare_image(self, img) -> ImageInput:
         if self.processor is None:
             self.load_processor()
         pixels = self.processor(images=[img], return_tensors="pt")["pixel_values"]     # [1, 3, H, W]
-        digest = content_digest(img)
+        digest = content_digest(img, self.image_salt)
         return ImageInput(digest, image_id_of(digest), pixels, None, self.mm_tokens, (0, 0), self.image_token_id)
 
     def image_prompt(self, image: ImageInput) -> str:

@@ -8,7 +8,6 @@ rows. Encoding is per image (``encode_image``), called by the engine through its
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from ..images import ImageInput, content_digest, image_id_of, merge_embeddings
 from .base import BaseArgs, Model, embedding, param, take
 from .llama import LlamaModel
 from .llama import ModelArgs as LlamaArgs
+from .vision_settings import expect, read_settings, salt, transformers_processor
 
 
 @dataclass
@@ -155,23 +155,23 @@ class Idefics3Model(Model):
 
     # --- images --------------------------------------------------------------------------------
     def load_processor(self, folder: str | Path | None = None) -> None:
-        """transformers' Pillow image processor for this family, from the folder's
-        ``preprocessor_config.json`` when there is one (else the defaults sized to the tower)."""
+        """transformers' Pillow image processor for this family from the folder's saved settings
+        (models/vision_settings.py), else the defaults sized to the tower. A tile size or an
+        ``image_seq_len`` other than the tower's is refused: the rows would not match the tokens."""
         if self.model_type == "smolvlm":
             from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil as cls
         else:
             from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil as cls
-        kw = {}
-        path = Path(folder) / "preprocessor_config.json" if folder is not None else None
-        if path is not None and path.is_file():
-            raw = json.loads(path.read_text(encoding="utf-8"))
-            kw = {k: raw[k] for k in ("size", "max_image_size", "do_image_splitting", "image_mean", "image_std",
-                                      "do_resize", "do_rescale", "rescale_factor", "do_normalize", "do_pad",
-                                      "resample", "do_convert_rgb") if k in raw}
-        else:
-            tile = self.vision_args.image_size
-            kw = {"size": {"longest_edge": 4 * tile}, "max_image_size": {"longest_edge": tile}}
-        self.processor = cls(**kw)
+        settings = read_settings(folder)
+        tile = self.vision_args.image_size
+        proc = transformers_processor(cls, settings, {"size": {"longest_edge": 4 * tile},
+                                                      "max_image_size": {"longest_edge": tile}})
+        family = self.model_type
+        expect(settings, family, "max_image_size.longest_edge", (proc.max_image_size or {}).get("longest_edge"), tile,
+               "each tile must be the vision tower's image_size")
+        expect(settings, family, "image_seq_len", settings.processor.get("image_seq_len"), self.tile_rows,
+               "the <image> tokens per tile must be the rows the connector makes")
+        self.processor, self.image_salt = proc, salt(family, proc.to_dict())
 
     def prepare_image(self, img) -> ImageInput:
         """A decoded PIL image -> its ImageInput (tiles as the processor makes them)."""
@@ -179,7 +179,7 @@ class Idefics3Model(Model):
             self.load_processor()
         out = self.processor(images=[[img]], return_row_col_info=True, return_tensors="pt")
         pixels, mask = out["pixel_values"][0], out["pixel_attention_mask"][0]
-        digest = content_digest(img)
+        digest = content_digest(img, self.image_salt)
         rows, cols = int(out["rows"][0][0]), int(out["cols"][0][0])
         return ImageInput(digest, image_id_of(digest), pixels, mask, pixels.shape[0] * self.tile_rows,
                           (rows, cols), self.image_token_id)

@@ -12,10 +12,9 @@ call torchvision makes (bilinear, antialias, uint8 on CPUs with AVX2 / AVX-512).
 
 from __future__ import annotations
 
-import json
 import math
 import platform
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -27,8 +26,16 @@ from .base import Model, embedding, param, take
 from .idefics3 import VisionArgs, VisionLayer, _act
 from .lfm2 import Lfm2Model
 from .lfm2 import ModelArgs as TextArgs
+from .vision_settings import VisionSettings, expect, read_settings, salt
 
 IMAGENET_STANDARD = [0.5, 0.5, 0.5]
+# saved keys that do not change the pixels (bookkeeping, or outputs turnkv computes itself)
+_INERT = {"image_processor_type", "processor_class", "auto_map", "_processor_class", "return_row_col_info",
+          "return_tensors", "device", "disable_grouping", "data_format", "input_data_format", "size",
+          "max_num_patches", "default_to_square", "crop_size", "pad_size"}
+# settings of the base class whose value here is the one the ported path implements
+_NO_OP = {"do_resize": True, "do_rescale": True, "do_normalize": True, "do_pad": True, "do_convert_rgb": True,
+          "do_center_crop": False, "resample": 2}
 
 
 def _prefix(tensors: dict, candidates: tuple[str, ...], probe: str) -> str:
@@ -57,14 +64,19 @@ class Preprocessing:
     image_std: tuple = tuple(IMAGENET_STANDARD)
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "Preprocessing":
-        out = cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
-        for flag in ("do_resize", "do_rescale", "do_normalize", "do_pad"):
-            if raw.get(flag) is False:
-                raise ValueError(f"LFM2-VL preprocessing with {flag}=false is not supported")
-        if raw.get("resample", 2) != 2:
-            raise ValueError("LFM2-VL preprocessing: only bilinear resampling (resample=2) is supported")
-        return out
+    def from_settings(cls, settings: VisionSettings) -> "Preprocessing":
+        """The saved settings; any other setting than the ones ported here (or an inert one at
+        its no-op value) is refused by name."""
+        raw = settings.image
+        for key, value in raw.items():
+            if key in cls.__dataclass_fields__ or key in _INERT or value is None:
+                continue
+            if _NO_OP.get(key, object()) != value:
+                raise settings.refuse("lfm2_vl", key, value, "turnkv ports transformers' default path only")
+        for key in ("image_mean", "image_std"):
+            if isinstance(raw.get(key), (int, float)):
+                raw = {**raw, key: [raw[key]] * 3}
+        return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if raw.get(k) is not None})
 
     @property
     def max_num_patches(self) -> int:
@@ -231,8 +243,8 @@ class Lfm2VlModel(Model):
         self.b2 = param(take(tensors, f"{mp}.linear_2.bias"), dtype) if bias else None
         self.act = _act(config.get("projector_hidden_act", "gelu"))
         self.image_token_id = int(config.get("image_token_id", 396))
-        self.prep = Preprocessing(downsample_factor=self.factor, encoder_patch_size=self.vision_args.patch_size)
         self.image_marker = "<image>"
+        self.load_processor()
 
     @classmethod
     def from_checkpoint(cls, config, tensors, dtype):
@@ -243,20 +255,26 @@ class Lfm2VlModel(Model):
 
     # --- images --------------------------------------------------------------------------------
     def load_processor(self, folder: str | Path | None = None) -> None:
-        """The folder's image processor settings (preprocessor_config.json, or the ``image_processor``
-        part of processor_config.json); else transformers' defaults with the tower's patch size."""
-        for name in ("preprocessor_config.json", "processor_config.json"):
-            path = Path(folder) / name if folder is not None else None
-            if path is not None and path.is_file():
-                raw = json.loads(path.read_text(encoding="utf-8"))
-                self.prep = Preprocessing.from_dict(raw.get("image_processor", raw))
-                return
+        """The folder's saved settings (models/vision_settings.py), else transformers' defaults with
+        the tower's patch size. A patch size or downsample factor other than the model's, or images
+        without their special tokens, are refused."""
+        settings = read_settings(folder)
+        prep = Preprocessing(downsample_factor=self.factor, encoder_patch_size=self.vision_args.patch_size)
+        if settings.image:
+            prep = Preprocessing.from_settings(settings)
+        expect(settings, "lfm2_vl", "downsample_factor", prep.downsample_factor, self.factor,
+               "it must be the config's downsample_factor")
+        expect(settings, "lfm2_vl", "encoder_patch_size", prep.encoder_patch_size, self.vision_args.patch_size,
+               "it must be the vision tower's patch_size")
+        expect(settings, "lfm2_vl", "use_image_special_tokens", settings.processor.get("use_image_special_tokens"),
+               True, "turnkv delimits every image with its special tokens")
+        self.prep, self.image_salt = prep, salt("lfm2_vl", asdict(prep))
 
     def prepare_image(self, img) -> ImageInput:
         pixels, mask, shapes, rows, cols, size = preprocess(img, self.prep)
         f = self.factor
         n = int(sum((h // f) * (w // f) for h, w in shapes.tolist()))
-        digest = content_digest(img)
+        digest = content_digest(img, self.image_salt)
         return ImageInput(digest, image_id_of(digest), pixels, mask, n, (rows, cols), self.image_token_id,
                           {"spatial_shapes": shapes, "resized": size})
 

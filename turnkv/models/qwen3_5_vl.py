@@ -17,14 +17,13 @@ length. Within a step, an image row's position needs the image's merged grid wid
 records ``image_id -> (lh, lw)`` (a pure function of the pixels) in ``self.grids``.
 
 Preprocessing is transformers' ``Qwen2VLImageProcessorPil`` (the Pillow backend the auto class
-picks for ``qwen3_5`` without torchvision), configured from the folder's ``preprocessor_config.json``.
+picks for ``qwen3_5`` without torchvision), configured from the folder's saved settings (models/vision_settings.py).
 The chat template renders an image as ``<|vision_start|><|image_pad|><|vision_end|>``; the
 ``<|image_pad|>`` marker expands to one ``<|image_pad|>`` per merged patch, as Qwen3VLProcessor does.
 A folder without vision weights loads as the text model (models/qwen3_5.py)."""
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from pathlib import Path
 
@@ -38,11 +37,9 @@ from .base import linear, param, rms_norm, take
 from .batch import Batch, select_rows
 from .qwen3_5 import Qwen3_5Model
 from .qwen3_next import LINEAR
+from .vision_settings import expect, read_settings, salt, transformers_processor
 
 VISUAL = "model.visual."
-PROCESSOR_KEYS = ("size", "min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size",
-                  "image_mean", "image_std", "do_resize", "do_rescale", "rescale_factor", "do_normalize",
-                  "do_convert_rgb", "resample")
 MAX_GRIDS = 1 << 16                # image grids remembered (a few bytes each)
 DIGIT, DIGITS = 128, 4          # -delta in base 128 (each digit exact in bfloat16 / float16 / float32)
 
@@ -195,26 +192,26 @@ class Qwen3_5VlModel(Qwen3_5Model):
 
     # --- images --------------------------------------------------------------------------------
     def load_processor(self, folder: str | Path | None = None) -> None:
-        """transformers' Qwen2VLImageProcessorPil from the folder's preprocessor_config.json (else the
-        vision config's patch / merge sizes and the class defaults)."""
+        """transformers' Qwen2VLImageProcessorPil from the folder's saved settings
+        (models/vision_settings.py), else the vision config's patch / merge sizes and the class
+        defaults. Patch, merge or temporal sizes other than the tower's are refused."""
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        path = Path(folder) / "preprocessor_config.json" if folder is not None else None
-        if path is not None and path.is_file():
-            raw = json.loads(path.read_text(encoding="utf-8"))
-            kw = {k: raw[k] for k in PROCESSOR_KEYS if k in raw}
-        else:
-            v = self.vision_cfg
-            kw = {"patch_size": int(v.get("patch_size", 16)), "merge_size": self.merge,
-                  "temporal_patch_size": int(v.get("temporal_patch_size", 2))}
-        self.processor = Qwen2VLImageProcessorPil(**kw)
+        settings = read_settings(folder)
+        v = self.vision_cfg
+        tower = {"patch_size": int(v.get("patch_size", 16)), "merge_size": self.merge,
+                 "temporal_patch_size": int(v.get("temporal_patch_size", 2))}
+        proc = transformers_processor(Qwen2VLImageProcessorPil, settings, tower)
+        for key, want in tower.items():
+            expect(settings, "qwen3_5_vl", key, getattr(proc, key), want, "it must match the vision tower")
+        self.processor, self.image_salt = proc, salt("qwen3_5_vl", proc.to_dict())
 
     def prepare_image(self, img) -> ImageInput:
         if self.processor is None:
             self.load_processor()
         out = self.processor(images=[img], return_tensors="pt")
         t, h, w = (int(v) for v in out["image_grid_thw"][0].tolist())
-        digest = content_digest(img)
+        digest = content_digest(img, self.image_salt)
         image_id = image_id_of(digest)
         self.grids[image_id] = (h // self.merge, w // self.merge)
         self.grids.move_to_end(image_id)
