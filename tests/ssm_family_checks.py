@@ -4,7 +4,6 @@ with transformers logit for logit, and snapshot/restore exactness at model level
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import pytest
@@ -17,18 +16,6 @@ from turnkv.models import family_class
 
 PARITY_TOL = 1e-4
 REUSE_TOL = 1e-5
-
-
-@contextlib.contextmanager
-def single_thread():
-    """Tiny models are op-overhead bound; on a loaded 2-core machine OpenMP worker threads make
-    every small op 10-50x slower, so these tests run their module single-threaded."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def perturb_vectors(model: torch.nn.Module, seed: int = 1, scale: float = 0.1) -> None:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ssm_family_checks import fresh, perturb_vectors, save_and_load, single_thread
+from ssm_family_checks import fresh, perturb_vectors, save_and_load
 from test_family_reuse import BUILDERS
 from tiny import VOCAB, tiny_gemma3, tiny_llama
 from turnkv.models import llama as llama_module
@@ -45,24 +45,17 @@ def models(tmp_path_factory):
 
     def get(name: str):
         if name not in built:
-            with single_thread():
-                if name == "llama":
-                    built[name] = tiny_llama(seed=3)[0]
-                elif name == "gemma3":
-                    built[name] = tiny_gemma3(seed=3)[0]
-                else:
-                    torch.manual_seed(0)
-                    hf = BUILDERS[name]().eval()
-                    perturb_vectors(hf)
-                    built[name] = save_and_load(hf, tmp_path_factory.mktemp(name))
+            if name == "llama":
+                built[name] = tiny_llama(seed=3)[0]
+            elif name == "gemma3":
+                built[name] = tiny_gemma3(seed=3)[0]
+            else:
+                torch.manual_seed(0)
+                hf = BUILDERS[name]().eval()
+                perturb_vectors(hf)
+                built[name] = save_and_load(hf, tmp_path_factory.mktemp(name))
         return built[name]
     return get
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    with single_thread():
-        yield
 
 
 # ------------------------------------------------------------------------------------ running

@@ -41,16 +41,6 @@ KINDS = ["full", "sliding", "chunked", "recurrent"]
 ATTENTION = ["full", "sliding", "chunked"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Every tensor here is tiny: with 2 OpenMP threads on a busy 2-core machine each op waits
-    # ~10 ms for a thread wake-up, so these tests run single-threaded (restored afterwards).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def make_cache(kind: str, block_size: int = BLOCK, **over):
     if kind == "full":
         return KVCache(over.get("heads", H), over.get("head_dim", D), block_size=block_size,

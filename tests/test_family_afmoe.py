@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import AfmoeConfig, AfmoeForCausalLM
 
-from ssm_family_checks import check_parity, greedy, hf_greedy, perturb_vectors, save_and_load, single_thread
+from ssm_family_checks import check_parity, greedy, hf_greedy, perturb_vectors, save_and_load
+from tiny import prompt
 from turnkv.cache.specs import FULL, SLIDING
 from turnkv.models import ARCHITECTURES, family_class
 from turnkv.models.afmoe import AfmoeModel
@@ -40,20 +41,10 @@ def build_hf(seed=0, **overrides):
     return hf
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with single_thread():
-        yield
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     hf = build_hf()
     return save_and_load(hf, tmp_path_factory.mktemp("afmoe")), hf
-
-
-def prompt(n, seed=3):
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def test_registered():

@@ -10,7 +10,8 @@ import torch
 from transformers import BailingHybridConfig, BailingHybridForCausalLM
 
 from ssm_family_checks import (PARITY_TOL, REUSE_TOL, check_parity, check_reuse, fresh, greedy, hf_greedy,
-                               perturb_vectors, run_chunks, save_and_load, single_thread)
+                               perturb_vectors, run_chunks, save_and_load)
+from tiny import prompt
 from turnkv.cache.base import DIVERGED_UNTRIMMABLE, SnapshotMismatch
 from turnkv.cache.specs import FULL, RECURRENT, make_caches
 from turnkv.models import ARCHITECTURES, family_class
@@ -51,19 +52,9 @@ def tiny(tmp_path, seed=0, **overrides):
     return save_and_load(hf, tmp_path), hf
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with single_thread():
-        yield
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     return tiny(tmp_path_factory.mktemp("bailing_hybrid"))
-
-
-def prompt(n, seed=3):
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def test_registered():

@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import Exaone4Config, Exaone4ForCausalLM
 
-from ssm_family_checks import check_parity, greedy, hf_greedy, perturb_vectors, save_and_load, single_thread
+from ssm_family_checks import check_parity, greedy, hf_greedy, perturb_vectors, save_and_load
+from tiny import prompt
 from turnkv.cache.specs import FULL, SLIDING
 from turnkv.models import ARCHITECTURES, family_class
 from turnkv.models.exaone4 import Exaone4Model
@@ -30,19 +31,9 @@ def tiny(tmp_path, seed=0, **overrides):
     return save_and_load(hf, tmp_path), hf
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with single_thread():
-        yield
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     return tiny(tmp_path_factory.mktemp("exaone4"))
-
-
-def prompt(n, seed=3):
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def test_registered():

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-from ssm_family_checks import (check_parity, fresh, greedy, hf_greedy, perturb_vectors, run_chunks, save_and_load,
-                               single_thread)
+from ssm_family_checks import check_parity, fresh, greedy, hf_greedy, perturb_vectors, run_chunks, save_and_load
+from tiny import prompt
 from turnkv.cache.snapshot import restore_snapshot, take_snapshot
 from turnkv.cache.specs import FULL, SLIDING
 from turnkv.models import ARCHITECTURES, family_class
@@ -50,19 +50,9 @@ def tiny(tmp_path, seed=0, **overrides):
     return save_and_load(hf, tmp_path), hf
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with single_thread():
-        yield
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     return tiny(tmp_path_factory.mktemp("gemma4"))
-
-
-def prompt(n, seed=3):
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def test_registered():

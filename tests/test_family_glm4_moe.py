@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
-from ssm_family_checks import (check_parity, fresh, greedy, hf_greedy, perturb_vectors, run_chunks, save_and_load,
-                               single_thread)
+from ssm_family_checks import check_parity, fresh, greedy, hf_greedy, perturb_vectors, run_chunks, save_and_load
+from tiny import prompt
 from turnkv.cache.specs import FULL
 from turnkv.models import ARCHITECTURES, family_class
 from turnkv.models.glm4_moe import Glm4MoeModel
@@ -39,20 +39,10 @@ def build_hf(seed=0, **overrides):
     return hf
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with single_thread():
-        yield
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     hf = build_hf()
     return save_and_load(hf, tmp_path_factory.mktemp("glm4_moe")), hf
-
-
-def prompt(n, seed=3):
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def test_registered():

@@ -14,8 +14,8 @@ from transformers import GptOssConfig, GptOssForCausalLM
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
-from ssm_family_checks import check_parity, greedy, hf_greedy, perturb_vectors, save_and_load, single_thread
-from tiny import random_mxfp4_experts
+from ssm_family_checks import check_parity, greedy, hf_greedy, perturb_vectors, save_and_load
+from tiny import prompt, random_mxfp4_experts
 from turnkv.cache.kv import KVCache
 from turnkv.cache.sliding import SlidingWindowCache
 from turnkv.cache.specs import FULL, SLIDING
@@ -44,19 +44,9 @@ def tiny(tmp_path, seed=0, **overrides):
     return save_and_load(hf, tmp_path), hf
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with single_thread():
-        yield
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     return tiny(tmp_path_factory.mktemp("gpt_oss"))
-
-
-def prompt(n, seed=3):
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def test_registered():

@@ -6,6 +6,7 @@ import torch
 from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
 from ssm_family_checks import check_parity, check_reuse, fresh, greedy, hf_greedy, perturb_vectors, save_and_load
+from tiny import prompt
 from turnkv.cache.specs import FULL, RECURRENT
 from turnkv.loading import load_checkpoint
 from turnkv.models import ARCHITECTURES, family_class
@@ -34,10 +35,6 @@ def tiny(tmp_path, seed=0, **overrides):
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     return tiny(tmp_path_factory.mktemp("granite"))
-
-
-def prompt(n, seed=3):
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def test_registered():

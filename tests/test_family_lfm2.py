@@ -5,6 +5,7 @@ import torch
 from transformers import Lfm2Config, Lfm2ForCausalLM
 
 from ssm_family_checks import check_parity, check_reuse, greedy, hf_greedy, perturb_vectors, save_and_load
+from tiny import prompt
 from turnkv.cache.specs import FULL, RECURRENT
 from turnkv.models import ARCHITECTURES, family_class
 from turnkv.models.lfm2 import Lfm2Model
@@ -23,10 +24,6 @@ def pair(tmp_path_factory):
     perturb_vectors(hf)
     model = save_and_load(hf, tmp_path_factory.mktemp("lfm2"))
     return model, hf
-
-
-def prompt(n, seed=3):
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def test_registered():

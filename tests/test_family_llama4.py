@@ -7,6 +7,7 @@ from transformers import Llama4ForCausalLM, Llama4TextConfig
 
 from ssm_family_checks import (PARITY_TOL, REUSE_TOL, check_parity, fresh, greedy, hf_greedy, perturb_vectors,
                                run_chunks, save_and_load)
+from tiny import prompt
 from turnkv.cache.base import DIVERGED_UNTRIMMABLE, SnapshotMismatch, check_all_restorable
 from turnkv.cache.specs import CHUNKED, FULL
 from turnkv.models import ARCHITECTURES, family_class
@@ -33,10 +34,6 @@ def tiny(tmp_path, seed=0, **overrides):
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     return tiny(tmp_path_factory.mktemp("llama4"))
-
-
-def prompt(n, seed=3):
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def test_registered():

@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import Mamba2Config, Mamba2ForCausalLM
 
-from ssm_family_checks import (check_parity, check_reuse, greedy, hf_greedy, perturb_vectors, save_and_load,
-                               single_thread)
+from ssm_family_checks import check_parity, check_reuse, greedy, hf_greedy, perturb_vectors, save_and_load
+from tiny import prompt
 from turnkv.cache.specs import RECURRENT
 from turnkv.models import ARCHITECTURES, family_class
 from turnkv.models.mamba2 import Mamba2Model
@@ -15,8 +15,7 @@ CHUNK = 32  # SSD chunk: the 80-token prompt spans three chunks, the last one pa
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    with single_thread():
-        yield _build(tmp_path_factory)
+    return _build(tmp_path_factory)
 
 
 def _build(tmp_path_factory):
@@ -28,10 +27,6 @@ def _build(tmp_path_factory):
     perturb_vectors(hf)
     model = save_and_load(hf, tmp_path_factory.mktemp("mamba2"))
     return model, hf
-
-
-def prompt(n, seed=3):
-    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def test_registered():

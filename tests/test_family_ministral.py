@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import Ministral3Config, Ministral3ForCausalLM, MinistralConfig, MinistralForCausalLM
 
-from ssm_family_checks import check_parity, greedy, hf_greedy, perturb_vectors, save_and_load, single_thread
+from ssm_family_checks import check_parity, greedy, hf_greedy, perturb_vectors, save_and_load
+from tiny import prompt
 from turnkv.cache.specs import FULL, SLIDING
 from turnkv.models import ARCHITECTURES, family_class
 from turnkv.models.ministral import MinistralModel
@@ -46,12 +47,6 @@ def tiny1(tmp_path, seed=0):
     return save_and_load(hf, tmp_path), hf
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with single_thread():
-        yield
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     return tiny3(tmp_path_factory.mktemp("ministral3"))
@@ -60,10 +55,6 @@ def pair(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pair1(tmp_path_factory):
     return tiny1(tmp_path_factory.mktemp("ministral"))
-
-
-def prompt(n, seed=3):
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def test_registered():

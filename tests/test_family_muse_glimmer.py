@@ -5,12 +5,14 @@ norms, the normed embeddings and the scaled, soft-capped logits. (The 8-turn cha
 cold, edits, regenerate and three conversations at once: tests/test_family_reuse.py; batched ==
 alone: tests/test_batching.py.)"""
 
+from functools import partial
+
 import pytest
 import torch
 from transformers import MuseGlimmerConfig, MuseGlimmerForConditionalGeneration
 
-from ssm_family_checks import (check_parity, fresh, greedy, hf_greedy, hf_logits, perturb_vectors, save_and_load,
-                               single_thread)
+from ssm_family_checks import check_parity, fresh, greedy, hf_greedy, hf_logits, perturb_vectors, save_and_load
+from tiny import prompt as random_tokens
 from turnkv.cache.specs import FULL, SLIDING
 from turnkv.models import ARCHITECTURES, family_class
 from turnkv.models.muse_glimmer import MuseGlimmerModel
@@ -20,6 +22,7 @@ from window_family_checks import (KV_MODES, WEIGHT_SPECS, check_kv_mode_reuse, c
 VOCAB = 256
 WINDOW = 16
 IMAGE_TOKEN = 250
+prompt = partial(random_tokens, vocab=IMAGE_TOKEN)
 
 
 def build(text=None, **outer):
@@ -43,19 +46,9 @@ def tiny(tmp_path, seed=0, outer=None, **text):
     return save_and_load(hf, tmp_path), hf
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with single_thread():
-        yield
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     return tiny(tmp_path_factory.mktemp("muse_glimmer"))
-
-
-def prompt(n, seed=3):
-    return torch.randint(3, IMAGE_TOKEN, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def test_registered():

@@ -4,20 +4,23 @@ partial (M-)RoPE, dense MLP or shared-expert MoE on every layer; and the text de
 vision-language folder (Qwen3_5ForConditionalGeneration, the released layout). (8-turn chat reuse
 == cold, edits, regenerate: tests/test_family_reuse.py; batched == alone: tests/test_batching.py.)"""
 
+from functools import partial
+
 import pytest
 import torch
 from transformers import (Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
                           Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeTextConfig,
                           Qwen3_5TextConfig)
 
-from ssm_family_checks import (check_parity, check_reuse, fresh, greedy, hf_greedy, perturb_vectors, save_and_load,
-                               single_thread)
+from ssm_family_checks import check_parity, check_reuse, fresh, greedy, hf_greedy, perturb_vectors, save_and_load
+from tiny import prompt as random_tokens
 from turnkv.cache.specs import FULL, RECURRENT
 from turnkv.models import ARCHITECTURES, family_class
 from turnkv.models.qwen3_5 import Qwen3_5Model
 from window_family_checks import KV_MODES, WEIGHT_SPECS, check_kv_mode_reuse, check_long_prompt, check_weight_format
 
 VOCAB = 256
+prompt = partial(random_tokens, low=0)
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=8,
               linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=1024,
@@ -31,12 +34,6 @@ def dense_config():
 def moe_config():
     return Qwen3_5MoeTextConfig(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
                                 shared_expert_intermediate_size=48, **COMMON)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with single_thread():
-        yield
 
 
 def _pair(cls, config, path):
@@ -54,10 +51,6 @@ def dense(tmp_path_factory):
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
     return _pair(Qwen3_5MoeForCausalLM, moe_config(), tmp_path_factory.mktemp("qwen3_5_moe"))
-
-
-def prompt(n, seed=3):
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def test_registered():

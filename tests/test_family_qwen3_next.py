@@ -1,23 +1,26 @@
 """Qwen3-Next (gated delta-net + gated full attention + shared-expert MoE) against transformers'
 Qwen3NextForCausalLM on a tiny random config."""
 
+from functools import partial
+
 import pytest
 import torch
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
 from ssm_family_checks import (check_parity, check_reuse, fresh, greedy, hf_greedy, perturb_vectors, run_chunks,
-                               save_and_load, single_thread)
+                               save_and_load)
+from tiny import prompt as random_tokens
 from turnkv.cache.specs import FULL, RECURRENT
 from turnkv.models import ARCHITECTURES, family_class
 from turnkv.models.qwen3_next import Qwen3NextModel
 
 VOCAB = 256
+prompt = partial(random_tokens, low=0)
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    with single_thread():
-        yield _build(tmp_path_factory)
+    return _build(tmp_path_factory)
 
 
 def _build(tmp_path_factory):
@@ -32,10 +35,6 @@ def _build(tmp_path_factory):
     perturb_vectors(hf)
     model = save_and_load(hf, tmp_path_factory.mktemp("qwen3_next"))
     return model, hf
-
-
-def prompt(n, seed=3):
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def test_registered():

@@ -6,7 +6,8 @@ import torch
 from transformers import RecurrentGemmaConfig, RecurrentGemmaForCausalLM
 
 from ssm_family_checks import (check_parity, check_reuse, fresh, greedy, hf_greedy, perturb_vectors, run_chunks,
-                               save_and_load, single_thread)
+                               save_and_load)
+from tiny import prompt
 from turnkv.cache.specs import RECURRENT, SLIDING
 from turnkv.models import ARCHITECTURES, family_class
 from turnkv.models.recurrent_gemma import RecurrentGemmaModel
@@ -17,8 +18,7 @@ WINDOW = 16  # far shorter than the prompts, so the local attention window reall
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    with single_thread():
-        yield _build(tmp_path_factory)
+    return _build(tmp_path_factory)
 
 
 # hidden 80: sqrt(80) is not exact in bfloat16, so the embedding scale rounding is tested
@@ -32,10 +32,6 @@ def _build(tmp_path_factory):
     perturb_vectors(hf)
     model = save_and_load(hf, tmp_path_factory.mktemp("recurrent_gemma"))
     return model, hf
-
-
-def prompt(n, seed=3):
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def test_registered():

@@ -32,7 +32,7 @@ import httpx
 import pytest
 import torch
 
-from ssm_family_checks import perturb_vectors, save_and_load, single_thread
+from ssm_family_checks import perturb_vectors, save_and_load
 from tiny import engine, request
 from turnkv.cache.specs import FULL
 from turnkv.models import ARCHITECTURES
@@ -283,13 +283,7 @@ def boundary_before(history: list[list[int]], index: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def single_threaded():
-    with single_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def played(tmp_path_factory, single_threaded):
+def played(tmp_path_factory):
     done: dict[str, Played] = {}
 
     def get(model_type: str) -> Played:

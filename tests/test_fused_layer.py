@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import tiny
 from turnkv.cache.specs import default_modes, make_caches
 from turnkv.loading import load_checkpoint
 from turnkv.models import family_class
@@ -51,7 +52,7 @@ def caches(model, kv="fp16"):
 
 
 def prompt(n: int, seed: int, vocab: int = 32000) -> torch.Tensor:
-    return torch.randint(min(100, vocab // 4), vocab, (n,), generator=torch.Generator().manual_seed(seed))
+    return tiny.prompt(n, seed, vocab, low=min(100, vocab // 4))   # no special or byte tokens
 
 
 def run(model, ids, chunk: int | None, steps: int, kv: str = "fp16") -> torch.Tensor:

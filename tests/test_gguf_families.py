@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ssm_family_checks import single_thread
+from tiny import prompt
 from turnkv.cache.specs import make_caches
 from turnkv.loading import load_checkpoint
 from turnkv.models import family_class
@@ -30,12 +30,6 @@ FAMILIES = sorted(p.name for p in FIXTURES.iterdir() if (p / "hf").is_dir() and 
 F32_TOL = 1e-5
 Q8_TOL = 0.1  # relative to max |logit|: int8 weights and int8 activations
 TEXT = "the quick brown fox restores what it computed before"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with single_thread():
-        yield
 
 
 def build(spec, weights="native"):
@@ -61,10 +55,6 @@ def greedy(model, prompt: torch.Tensor, n: int) -> list[int]:
     return out
 
 
-def prompt(vocab: int, n: int = 300) -> torch.Tensor:
-    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(5))
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request):
     name = request.param
@@ -80,7 +70,7 @@ def test_f32_gguf_equals_hf_folder(family):
     name, hf_ckpt, hf_model = family
     ckpt, model = build(FIXTURES / name / f"{name}-f32.gguf")
     assert ckpt.kind == "gguf" and ckpt.architecture == hf_ckpt.architecture
-    tokens = prompt(hf_ckpt.config.get("vocab_size") or hf_ckpt.config["text_config"]["vocab_size"])
+    tokens = prompt(300, 5, hf_ckpt.config.get("vocab_size") or hf_ckpt.config["text_config"]["vocab_size"])
     want, got = logits(hf_model, tokens), logits(model, tokens)
     assert got.shape == want.shape
     assert (got - want).abs().max().item() <= F32_TOL
@@ -94,7 +84,7 @@ def test_q8_gguf_on_its_own_blocks(family):
         pytest.skip(f"no Q8_0 fixture for {name}")
     ckpt, model = build(path, weights="gguf")
     assert ckpt.quantized, "the Q8_0 file's matrices should stay quantized"
-    tokens = prompt(hf_ckpt.config.get("vocab_size") or hf_ckpt.config["text_config"]["vocab_size"], 64)
+    tokens = prompt(64, 5, hf_ckpt.config.get("vocab_size") or hf_ckpt.config["text_config"]["vocab_size"])
     want, got = logits(hf_model, tokens)[-1], logits(model, tokens)[-1]
     assert (got - want).abs().max().item() <= Q8_TOL * want.abs().max().item()
     assert int(got.argmax()) == int(want.argmax())

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-from ssm_family_checks import single_thread
 from turnkv.loading import ModelLoadError, load_checkpoint
 from turnkv.loading.gguf import read_header
 from turnkv.loading.gguf_archs import bailing_hybrid as gguf_bailing
@@ -25,12 +24,6 @@ from turnkv.models import family_class
 
 FIXTURES = Path(__file__).resolve().parent / "gguf_fixtures"
 NAMES = ["kimi_linear", "bailing_hybrid", "muse_glimmer"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with single_thread():
-        yield
 
 
 def built(spec):

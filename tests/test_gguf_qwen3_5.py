@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from ssm_family_checks import single_thread
 from turnkv.loading import gguf, load_checkpoint
 from turnkv.loading.errors import ModelLoadError
 from turnkv.models import family_class
@@ -23,12 +22,6 @@ from test_gguf_families import build, greedy, logits
 
 FIXTURES = Path(__file__).resolve().parent / "gguf_fixtures"
 VARIANTS = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with single_thread():
-        yield
 
 
 def f32_file(name: str) -> Path:

@@ -30,15 +30,6 @@ LOGITS = 8
 BIG = 1 << 30
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny tensors: OpenMP thread wake-ups would dominate on a busy 2-core machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 CACHES = {
     "full": lambda: [KVCache(1, 4, block_size=4)],
     # window 2, slack 1, 1-token blocks: restorable to [L - 1, L] once L >= 3

@@ -37,6 +37,11 @@ def tiny_gemma3(seed: int = 0, window: int = 16):
     return Gemma3Model.from_checkpoint(cfg.to_dict(), hf.state_dict(), torch.float32), hf
 
 
+def prompt(n: int, seed: int = 3, vocab: int = VOCAB, low: int = 3) -> torch.Tensor:
+    """``n`` random token ids in ``[low, vocab)``, the same for the same seed."""
+    return torch.randint(low, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
 def engine(model, budget: int = 1 << 30, slack: int = 8, chunk: int = 32, **kw) -> Engine:
     return Engine(model, None, fingerprint=f"tiny-{model.family}", prompt_cache=PromptCache(budget),
                   slack=slack, prefill_chunk=chunk, max_context=4096, **kw)
