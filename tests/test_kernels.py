@@ -26,7 +26,9 @@ from turnkv.loading.bundled import find_bundled, locate_bundled
 
 QUANTIZABLE = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]  # gguf.quants can quantize these
 KQUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]  # built as random valid blocks
-ALL = QUANTIZABLE + KQUANTS
+IQ4 = [Q.IQ4_NL, Q.IQ4_XS]  # random valid blocks too (every byte pattern is one)
+SUPER = KQUANTS + [Q.IQ4_XS]  # 256-value super-blocks
+ALL = QUANTIZABLE + KQUANTS + IQ4
 N, K = 67, 512  # N not a multiple of the 8-row tile; K = 16 blocks of 32 / 2 of 256
 ISAS = tk.available_isas()
 
@@ -43,7 +45,9 @@ def random_weight(qtype: Q, n: int = N, k: int = K, seed: int = 0) -> GGUFWeight
         return GGUFWeight.from_raw(gguf.quants.quantize(w, qtype), qtype, (n, k))
     block, size = GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
-    if qtype in (Q.Q4_K, Q.Q5_K):
+    if qtype in IQ4:
+        blocks[..., 0:2] = _f16_bytes(rng, (n, k // block), 1e-4, 2e-3)  # d (IQ4_XS: its scales follow)
+    elif qtype in (Q.Q4_K, Q.Q5_K):
         blocks[..., 0:2] = _f16_bytes(rng, (n, k // block), 1e-4, 2e-3)  # d
         blocks[..., 2:4] = _f16_bytes(rng, (n, k // block), 1e-4, 2e-3)  # dmin
     else:  # Q6_K: d last
@@ -150,7 +154,7 @@ def test_dequantize_exact_and_unpack_layout(qtype):
     assert torch.equal(w.dequantize(), ref)
     # the integer unpacking that both matmul paths use decodes the same values
     u = reference.unpack(w.rows(), qtype, K)
-    if qtype in KQUANTS:
+    if qtype in SUPER:
         val = u["d"].double().unsqueeze(-1) * u["w"].double()
         if u["mn"] is not None:
             val = val - u["dmin"].double().unsqueeze(-1) * u["mn"].double()
@@ -160,7 +164,7 @@ def test_dequantize_exact_and_unpack_layout(qtype):
             val = val + u["m"].double().unsqueeze(-1)
     val = val.reshape(N, K)
     assert (val - ref.double()).abs().max() <= 1e-6 * ref.abs().max()
-    if qtype not in KQUANTS:  # same float32 formula as gguf: bit-exact
+    if qtype not in SUPER:  # same float32 formula as gguf: bit-exact
         assert torch.equal(val.float(), ref)
 
 
@@ -179,7 +183,7 @@ def test_tiles_of_8_rows(qtype, n):
     assert (tk.untile_rows(tiles, qtype, npad)[n:] == 0).all()       # zero rows pad the last tile
     # GGUF's block fields (ggml-common.h): 2-byte scales, then 4-byte pieces; Q6_K's d comes last
     head = {Q.Q4_0: (2,), Q.Q4_1: (2, 2), Q.Q5_0: (2, 4), Q.Q5_1: (2, 2, 4), Q.Q8_0: (2,),
-            Q.Q4_K: (2, 2), Q.Q5_K: (2, 2), Q.Q6_K: ()}[qtype]
+            Q.Q4_K: (2, 2), Q.Q5_K: (2, 2), Q.Q6_K: (), Q.IQ4_NL: (2,), Q.IQ4_XS: (2, 2)}[qtype]
     tail = (2,) if qtype == Q.Q6_K else ()
     widths = head + (4,) * ((bb - sum(head) - sum(tail)) // 4) + tail
     flat = tiles.view(-1)
@@ -300,7 +304,7 @@ def test_paired_rows_same_bits_as_unpaired(qtype):
 
 def _largest_block(qtype: Q) -> np.ndarray:
     """One GGUF block whose quantized values are all the type's largest (4-bit 15, 5-bit 31,
-    6-bit 63), scales 1."""
+    6-bit 63; IQ4 index 0 = -127, IQ4_XS sub-block scales -32), scales 1."""
     one = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
     ff = lambda n: np.full(n, 0xFF, np.uint8)   # noqa: E731  every nibble / high bit set
     parts = {
@@ -312,13 +316,15 @@ def _largest_block(qtype: Q) -> np.ndarray:
         Q.Q5_K: [one, one, np.full(12, 0x01, np.uint8), ff(32), ff(128)],
         Q.Q6_K: [ff(128), ff(64), np.full(16, 1, np.uint8), one],           # ql, qh, int8 scales, d
         Q.Q8_0: [one, np.tile(np.array([0x7F, 0x80], np.uint8), 16)],       # +127 and -128 (VNNI: w + 128 = 255, 0)
+        Q.IQ4_NL: [one, np.zeros(16, np.uint8)],                            # -127 (VNNI: w + 128 = 1)
+        Q.IQ4_XS: [one, np.zeros(6, np.uint8), np.zeros(128, np.uint8)],    # -127 x scale -32
     }[qtype]
     block = np.concatenate(parts)
     assert block.size == GGML_QUANT_SIZES[qtype][1]
     return block
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", ALL, ids=lambda q: q.name)
 def test_largest_values_stay_exact(qtype):
     """Every weight at its largest quantized value against activations at +127 or -127: the
     largest integer block dots there are. The AVX2 paths add several vpmaddubsw pair sums in
@@ -384,7 +390,7 @@ def test_error_bound_vs_float(qtype):
 # ------------------------------------------------------------------ (5) row operations, dtypes
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS], ids=lambda q: q.name)
 def test_take_rows_cat_lookup(qtype):
     w = random_weight(qtype)
     x = _x(4)
@@ -405,7 +411,7 @@ def test_take_rows_cat_lookup(qtype):
     with pytest.raises(ValueError):
         GGUFWeight.cat([w, random_weight(Q.Q5_0 if qtype != Q.Q5_0 else Q.Q4_0)])
     with pytest.raises(ValueError):
-        GGUFWeight.cat([w, random_weight(qtype, k=256 if qtype in KQUANTS else 64)])
+        GGUFWeight.cat([w, random_weight(qtype, k=256 if qtype in SUPER else 64)])
 
     ids = torch.tensor([[3, 0], [66, 3]])
     emb = w.lookup(ids, torch.bfloat16)

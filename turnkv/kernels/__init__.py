@@ -124,6 +124,8 @@ _FIELDS = {
     _Q.Q4_K: (2, 2) + (4,) * 3 + (4,) * 32,                   # d, dmin, scales, qs
     _Q.Q5_K: (2, 2) + (4,) * 3 + (4,) * 8 + (4,) * 32,        # d, dmin, scales, qh, qs
     _Q.Q6_K: (4,) * 32 + (4,) * 16 + (4,) * 4 + (2,),         # ql, qh, scales, d
+    _Q.IQ4_NL: (2,) + (4,) * 4,                               # d, qs
+    _Q.IQ4_XS: (2, 2, 4) + (4,) * 32,                         # d, scales_h, scales_l, qs
 }
 
 

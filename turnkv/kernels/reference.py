@@ -9,10 +9,13 @@ The math, which the native kernels reproduce bit for bit (docs/kernels.md):
   same integer), then one fixed float32 formula gives the block's term ``t_b`` (k-quants: d,
   dmin are the block's superblock scales, sc/m its sub-block scales, bsum sums of xq):
 
-  - Q4_0 / Q5_0 / Q8_0: ``t = (dw * dx) * float(isum)``, isum = sum (q - offset) * xq
+  - Q4_0 / Q5_0 / Q8_0 / IQ4_NL: ``t = (dw * dx) * float(isum)``, isum = sum (q - offset) * xq
+    (IQ4_NL: q = the table value kvalues_iq4nl[index], offset 0)
   - Q4_1 / Q5_1:        ``t = (dw * dx) * float(isum) + mw * (dx * float(sum xq))``
   - Q4_K / Q5_K:        ``t = (d * dx) * float(sc * dot) - (dmin * dx) * float(m * bsum)``
   - Q6_K:               ``t = (d * dx) * float(sum_{two 16-value halves i} sc_i (dot_i - 32 bsum_i))``
+  - IQ4_XS:             ``t = (d * dx) * float(sc * dot)``, sc = the sub-block's 6-bit scale - 32,
+                        dot over the table values
 
 * The output is ``((t_0 + t_1) + t_2) + ...``: blocks added in order, one float32 accumulator per
   output element. Nothing depends on M, on the other rows, or on the thread count.
@@ -25,8 +28,11 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 import gguf.quants
 
-SUPPORTED = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+SUPPORTED = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
+# 256-value super-blocks with per-32 integer scales (IQ4_XS is laid out and computed like them)
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)
+# IQ4_NL / IQ4_XS: 4-bit indices into this table (ggml's kvalues_iq4nl)
+IQ4_VALUES = torch.tensor(gguf.quants.IQ4_NL.kvalues, dtype=torch.int32)
 # bound on M * N * blocks elements per reference chunk (memory of the fallback path)
 _CHUNK = 1 << 22
 
@@ -93,6 +99,15 @@ def unpack(raw: torch.Tensor, qtype: Q, k: int) -> dict:
         return {"w": b[..., 2:].contiguous().view(torch.int8).to(torch.int32), "d": _f16(b[..., 0:2]), "m": None}
     if qtype == Q.Q4_0:
         return {"w": _nibbles(b[..., 2:]) - 8, "d": _f16(b[..., 0:2]), "m": None}
+    if qtype == Q.IQ4_NL:
+        return {"w": IQ4_VALUES.to(raw.device)[_nibbles(b[..., 2:])], "d": _f16(b[..., 0:2]), "m": None}
+    if qtype == Q.IQ4_XS:
+        sh = b[..., 2].to(torch.int32) | (b[..., 3].to(torch.int32) << 8)          # [N, nsb]
+        sl = b[..., 4:8].to(torch.int32).repeat_interleave(2, -1)                 # [N, nsb, 8]
+        j = torch.arange(8, dtype=torch.int32, device=raw.device)
+        sc = (((sl >> (4 * (j % 2))) & 0xF) | (((sh.unsqueeze(-1) >> (2 * j)) & 3) << 4)) - 32
+        q = IQ4_VALUES.to(raw.device)[_nibbles(b[..., 8:].reshape(n, -1, 8, 16))]  # [N, nsb, 8, 32]
+        return {"w": (q * sc.unsqueeze(-1)).reshape(n, -1, 256), "mn": None, "d": _f16(b[..., 0:2]), "dmin": None}
     if qtype == Q.Q4_1:
         return {"w": _nibbles(b[..., 4:]), "d": _f16(b[..., 0:2]), "m": _f16(b[..., 2:4])}
     if qtype == Q.Q5_0:

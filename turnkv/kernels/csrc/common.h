@@ -8,7 +8,10 @@
 namespace tkv {
 
 // ggml type ids
-enum QType : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum QType : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23 };
+
+// IQ4_NL / IQ4_XS: a 4-bit index into this non-linear table of int8 values (ggml's kvalues_iq4nl)
+alignas(16) static const int8_t kIQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 constexpr int TILE = 8;       // weight rows per tile of the scalar path
 constexpr int TILE_MAX = 16;  // the widest tile (512-bit paths); sizes the scratch
@@ -26,11 +29,16 @@ extern int g_fused_rows;    // the paired limit in force (set_fused_rows, 8..FUS
 inline int fused_rows_for(int isa) { return isa >= 2 && g_pair ? g_fused_rows : 8; }
 
 inline bool is_kquant(int qt) { return qt == Q4_K || qt == Q5_K || qt == Q6_K; }
-inline int block_elems(int qt) { return is_kquant(qt) ? 256 : 32; }
+// 256-value super-blocks with 32-value sub-block scales: the k-quants and IQ4_XS
+inline bool is_super(int qt) { return is_kquant(qt) || qt == IQ4_XS; }
+// weights signed as decoded (int8): Q8_0 as stored, the IQ4 types' table values
+inline constexpr bool signed_w(int qt) { return qt == Q8_0 || qt == IQ4_NL || qt == IQ4_XS; }
+inline int block_elems(int qt) { return is_super(qt) ? 256 : 32; }
 inline int block_bytes(int qt) {
     switch (qt) {
         case Q4_0: return 18; case Q4_1: return 20; case Q5_0: return 22; case Q5_1: return 24;
         case Q8_0: return 34; case Q4_K: return 144; case Q5_K: return 176; case Q6_K: return 210;
+        case IQ4_NL: return 18; case IQ4_XS: return 136;
     }
     return 0;
 }
@@ -56,6 +64,8 @@ inline int block_fields(int qt, int* w) {
         case Q4_K: add(2, 2); add(4, 3); add(4, 32); break;            // d, dmin, scales, qs
         case Q5_K: add(2, 2); add(4, 3); add(4, 8); add(4, 32); break; // d, dmin, scales, qh, qs
         case Q6_K: add(4, 32); add(4, 16); add(4, 4); add(2, 1); break; // ql, qh, scales, d
+        case IQ4_NL: add(2, 1); add(4, 4); break;                      // d, qs (Q4_0's layout)
+        case IQ4_XS: add(2, 2); add(4, 1); add(4, 32); break;          // d, scales_h, scales_l, qs
     }
     return n;
 }
@@ -108,6 +118,12 @@ inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
     }
 }
 
+// IQ4_XS: the signed 6-bit scale (ls - 32) of sub-block j from its block's scales_h / scales_l
+inline int iq4xs_scale(int j, const uint8_t* blk) {
+    const int sh = blk[2] | (blk[3] << 8), sl = blk[4 + j / 2];
+    return (((sl >> (4 * (j % 2))) & 0xF) | (((sh >> (2 * j)) & 3) << 4)) - 32;
+}
+
 // Quantized activations of one call (computed once, read by every thread).
 struct Act {
     int M = 0, K = 0, QB = 0, nb = 0;  // nb = K / QB
@@ -138,12 +154,12 @@ struct Args {
 // Per-thread tile scratch: a tile's weights unpacked to one byte per value plus its scales.
 struct Scratch {
     std::vector<uint8_t> buf;
-    uint8_t* w;        // [TILE][K] u8 values (Q8_0: int8)
+    uint8_t* w;        // [TILE][K] u8 values (Q8_0, IQ4_NL, IQ4_XS: int8)
     float* d;          // [nblocks][TILE]
     float* m;          // [nblocks][TILE]   (Q4_1/Q5_1 min, k-quant dmin)
     int16_t* lsc;      // k-quants: [TILE][K/32][8] per-lane integer scale
     int32_t* rsc;      // Q4_K/Q5_K: [nsb][8][TILE] mins; Q6_K: [nsb][16][TILE] scales
-    int32_t* csc;      // SIMD Q4_K/Q5_K: [nsb][8][TILE] scales
+    int32_t* csc;      // SIMD Q4_K/Q5_K/IQ4_XS: [nsb][8][TILE] scales
     uint16_t* hd;      // SIMD: [nblocks][TILE] the blocks' float16 scale d, as stored
     uint16_t* hm;      // SIMD: [nblocks][TILE] float16 min m / dmin, as stored
     uint8_t* zero;     // a tile of 8 zero rows (valid blocks with scale 0): a 16-row tile's missing half
