@@ -59,6 +59,12 @@ def test_models_lists_both_bundled():
     proc = turnkv("models")
     assert proc.returncode == 0, proc.stderr
     assert "smollm2-135m" in proc.stdout and "gemma3-270m" in proc.stdout
+    # an installed model's GGUF types, each with the kernel that runs it
+    lines = proc.stdout.splitlines()
+    for i, line in enumerate(lines):
+        if line.split()[1:2] == ["yes"]:
+            nxt = lines[i + 1]
+            assert nxt.split()[:2] == ["GGUF", "types:"] and (": native" in nxt or ": reference" in nxt), proc.stdout
 
 
 def test_chat_keeps_history_and_reuses_state():

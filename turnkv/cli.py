@@ -93,6 +93,9 @@ def cmd_models(args) -> int:
     print(f"{'name':<16} {'installed':<10} {'package':<28} path")
     for r in rows:
         print(f"{r['name']:<16} {'yes' if r['installed'] else 'no':<10} {r['package']:<28} {r.get('path') or ''}")
+        if r["installed"] and r.get("path"):    # which kernel runs each GGUF type, or a float copy
+            from .loading import gguf_type_summary
+            print(f"{'':<16} GGUF types: {gguf_type_summary(r['path'])}")
     return 0
 
 

@@ -270,9 +270,9 @@ def print_banner(engine, budget_mb: float, enabled: bool) -> None:
           file=sys.stderr)
     print(f"turnkv: weights {engine.weights}, compute dtype {str(engine.dtype).removeprefix('torch.')}, "
           f"{torch.get_num_threads()} threads, {hugepages_state()}", file=sys.stderr)
-    if engine.weights == "gguf":
+    if engine.weights == "gguf":    # per type: the kernel that runs it, or that it is a float copy
         from .kernels import kernel_info
-        print(f"turnkv: GGUF kernels {kernel_info()}", file=sys.stderr)
+        print(f"turnkv: GGUF kernels: {getattr(engine.model, 'gguf_types', None) or kernel_info()}", file=sys.stderr)
     for note in getattr(engine.model, "weight_notes", []):
         print(f"turnkv: weights: {note}", file=sys.stderr)
     print(f"turnkv: KV mode {describe_modes(list(engine.modes), engine.specs)}; prompt cache "

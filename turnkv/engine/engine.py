@@ -113,7 +113,7 @@ class Engine:
         family with packable weights when the native kernels are built, else ``native``
         (``models.weights.default_format``)."""
         from ..kernels.attention import numerics_tag
-        from ..loading import gguf_runs_quantized, load_checkpoint, source_kind
+        from ..loading import gguf_runs_quantized, gguf_type_summary, load_checkpoint, source_kind
         from ..models import family_class
         from ..models.weights import GGUF_FORMAT, check_format, default_format, load_model
 
@@ -128,6 +128,8 @@ class Engine:
         net = load_model(family_class(ckpt.architecture), ckpt.config, ckpt.tensors, dtype, weights,
                          progress=progress, quantized=ckpt.quantized)
         net.eval()
+        if weights == GGUF_FORMAT:      # the banner's per-type kernel line (launch.py)
+            net.gguf_types = gguf_type_summary(model, ckpt.quantized)
         if hasattr(net, "load_processor"):     # vision families: the folder's image preprocessing
             net.load_processor(ckpt.source)
         if kw.get("max_context") is None:

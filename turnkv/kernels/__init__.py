@@ -26,7 +26,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from . import reference
 
-__all__ = ["GGUFWeight", "kernel_info", "native_available", "ISAS", "SUPPORTED", "tile_rows", "untile_rows"]
+__all__ = ["GGUFWeight", "describe_types", "kernel_info", "native_available", "ISAS", "SUPPORTED", "tile_rows", "untile_rows"]
 
 SUPPORTED = reference.SUPPORTED
 ISAS = ("scalar", "avx2", "avx512", "avx512vnni")
@@ -99,6 +99,34 @@ def kernel_info() -> str:
         return f"reference ({_ext_error})"
     paired = ", decode rows paired in 512-bit vectors" if _isa >= 2 and int(_ext.pair()) else ""
     return f"native {ISAS[_isa]}{paired}"
+
+
+def describe_types(tensors, kept: dict | None = None) -> str:
+    """Which kernel runs each type of a GGUF's tensors, for the start-up banner and `turnkv
+    models`: ``tensors`` are (GGMLQuantizationType, shape) pairs, ``kept`` the loaded model's
+    count of GGUFWeights per type (None: every 2-D tensor of a type these kernels take). A type's
+    other tensors (F16 / BF16, a quantization without a kernel, 3-D expert stacks, a tensor the
+    loader had to transform) are named as float32 copies. 1-D tensors (norms) are left out."""
+    total: dict = {}
+    two_d: dict = {}
+    for qtype, shape in tensors:
+        if len(shape) >= 2:
+            q = GGMLQuantizationType(qtype)
+            total[q] = total.get(q, 0) + 1
+            two_d[q] = two_d.get(q, 0) + (len(shape) == 2)
+    if kept is None:
+        kept = {q: n for q, n in two_d.items() if q in SUPPORTED}
+    fmt = lambda c: ", ".join(f"{q.name} x {n}" for q, n in sorted(c.items(), key=lambda e: e[0].value))  # noqa: E731
+    native = {q: kept[q] for q in total if kept.get(q)}
+    floats = {q: n - kept.get(q, 0) for q, n in total.items() if q != _Q.F32 and n > kept.get(q, 0)}
+    out = []
+    if native:
+        out.append(f"{fmt(native)}: {kernel_info()}")
+    if floats:
+        out.append(f"{fmt(floats)}: float32 copies (no kernel for the type or the layout)")
+    if _Q.F32 in total:
+        out.append(f"{fmt({_Q.F32: total[_Q.F32]})}: float32 as stored")
+    return "; ".join(out) if out else "no 2-D tensors"
 
 
 # ------------------------------------------------------------------ tiles of 8 rows

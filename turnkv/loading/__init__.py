@@ -23,6 +23,7 @@ __all__ = [
     "SUPPORTED_GGUF_ARCHITECTURES",
     "Tokenizer",
     "gguf_runs_quantized",
+    "gguf_type_summary",
     "load_checkpoint",
     "source_kind",
     "load_tokenizer",
@@ -118,6 +119,25 @@ def gguf_runs_quantized(model: str | os.PathLike) -> bool:
     header = gguf.read_header(src.path)
     return any(len(t.shape) == 2 and t.qtype not in gguf.FLOAT_TYPES and gguf.gguf_kernel_supports(t.qtype)
                for t in header.tensors.values())
+
+
+def gguf_type_summary(model: str | os.PathLike, quantized: dict | None = None) -> str | None:
+    """Per quantization type of a bundled name or .gguf file, which kernel runs its tensors and
+    which are float32 copies (``turnkv.kernels.describe_types``); ``quantized``: a loaded
+    ``Checkpoint.quantized``, to count what the load really kept. None for an HF folder."""
+    src = _resolve(model)
+    if src.kind != "gguf":
+        return None
+    from ..kernels import describe_types
+    from . import gguf
+
+    kept = None
+    if quantized is not None:
+        kept = {}
+        for w in quantized.values():
+            kept[w.qtype] = kept.get(w.qtype, 0) + 1
+    header = gguf.read_header(src.path)
+    return describe_types([(t.qtype, t.shape) for t in header.tensors.values()], kept)
 
 
 def load_checkpoint(model: str | os.PathLike, dtype: torch.dtype = torch.float32, progress: bool = True,
