@@ -13,8 +13,8 @@ import torch
 
 from turnkv.loading import ModelLoadError, load_checkpoint
 from turnkv.loading.gguf import architecture_of, read_header
-from turnkv.loading.gguf_archs import exaone4 as gguf_exaone4
-from turnkv.loading.gguf_archs.rope_freqs import freq_factors, llama3_rope
+from turnkv.loading.gguf.archs import exaone4 as gguf_exaone4
+from turnkv.loading.gguf.archs.rope_freqs import freq_factors, llama3_rope
 from turnkv.models.rope_config import inv_freq_for
 
 FIXTURES = Path(__file__).resolve().parent / "gguf_fixtures"

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import turnkv.loading.gguf as gguf
+import turnkv.loading.gguf.reader as gguf
 from turnkv.loading import load_checkpoint
 from turnkv.loading.errors import ModelLoadError
 from turnkv.loading.gguf import read_header
-from turnkv.loading.gguf_archs import afmoe, gemma4
-from turnkv.loading.gguf_archs.common import token_ids_of
+from turnkv.loading.gguf.archs import afmoe, gemma4
+from turnkv.loading.gguf.archs.common import token_ids_of
 from turnkv.models import family_class
 from turnkv.models.weights import load_model
 

@@ -21,8 +21,8 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from turnkv.loading import load_checkpoint
 from turnkv.loading.gguf import read_header
-from turnkv.loading.gguf_archs.common import stop_ids, swa_layers, token_ids_of
-from turnkv.loading.gguf_archs.gpt_oss import build_config
+from turnkv.loading.gguf.archs.common import stop_ids, swa_layers, token_ids_of
+from turnkv.loading.gguf.archs.gpt_oss import build_config
 
 FIXTURES = Path(__file__).resolve().parent / "gguf_fixtures"
 GPT_OSS = FIXTURES / "gpt_oss" / "gpt_oss-f32.gguf"

@@ -17,9 +17,9 @@ import torch
 
 from turnkv.loading import ModelLoadError, load_checkpoint
 from turnkv.loading.gguf import read_header
-from turnkv.loading.gguf_archs import bailing_hybrid as gguf_bailing
-from turnkv.loading.gguf_archs import kimi_linear as gguf_kimi
-from turnkv.loading.gguf_archs import muse_glimmer as gguf_muse
+from turnkv.loading.gguf.archs import bailing_hybrid as gguf_bailing
+from turnkv.loading.gguf.archs import kimi_linear as gguf_kimi
+from turnkv.loading.gguf.archs import muse_glimmer as gguf_muse
 from turnkv.models import family_class
 
 FIXTURES = Path(__file__).resolve().parent / "gguf_fixtures"

@@ -1,4 +1,4 @@
-"""Qwen 3.5's GGUF layouts (``qwen35`` / ``qwen35moe``, turnkv/loading/gguf_archs/qwen3_5.py) beyond
+"""Qwen 3.5's GGUF layouts (``qwen35`` / ``qwen35moe``, turnkv/loading/gguf/archs/qwen3_5.py) beyond
 tests/test_gguf_families.py's logits: on the converter-made fixtures (tests/gguf_fixtures/qwen3_5*),
 the model built from the F32 file holds exactly the HF folder's weights, the file layout the loader
 undoes is really there (value heads reordered, an MTP block counted in block_count), llama.cpp's

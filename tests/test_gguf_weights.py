@@ -137,7 +137,7 @@ def pair(request):
 @pytest.mark.real
 def test_loader_blocks_dequantize_to_the_float_loader(pair):
     from turnkv.loading import load_checkpoint
-    from turnkv.loading.gguf import _dequantize_rows as dequantize_rows
+    from turnkv.loading.gguf import dequantize_rows
 
     name, ref, _, _ = pair
     got = load_checkpoint(name, progress=False, keep_quantized=True)

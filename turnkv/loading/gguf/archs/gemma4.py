@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import gguf
-from ..errors import ModelLoadError
-from ..gguf import GGUFArchitecture, GGUFHeader, _scalar, _token_ids, _vocab_size
+from ...errors import ModelLoadError
+from ..architecture import GGUFArchitecture
+from ..metadata import scalar, token_ids, vocab_size
+from ..reader import GGUFHeader
 from .common import f32, fuse_gate_up, global_names, per_layer, stop_ids
 from .rope_freqs import freq_factors
 
@@ -59,66 +60,91 @@ def _rope_freqs(h: GGUFHeader, head_dim: int) -> float:
     return 2 * rotated / head_dim
 
 
-def build_config(h: GGUFHeader) -> dict:
-    a = ARCH
-    n = _scalar(h, f"{a}.block_count")
-    heads = set(per_layer(h, f"{a}.attention.head_count", n))
-    if len(heads) != 1:
-        raise ModelLoadError(f"{h.path}: Gemma 4 with a per-layer query head count is not supported")
+def _layer_types(h: GGUFHeader, a: str, n: int) -> list[str]:
     pattern = h.get(f"{a}.attention.sliding_window_pattern")
     if not isinstance(pattern, list) or len(pattern) != n:
         raise ModelLoadError(f"{h.path}: '{a}.attention.sliding_window_pattern' must list one bool per layer")
     types = [SLIDING if swa else FULL for swa in pattern]
     if types[-1] != FULL:
         raise ModelLoadError(f"{h.path}: the last Gemma 4 layer is sliding here; transformers and turnkv make it full")
-    head_full = _scalar(h, f"{a}.attention.key_length")
-    head_swa = _scalar(h, f"{a}.attention.key_length_swa")
-    if (_scalar(h, f"{a}.attention.value_length", head_full), _scalar(h, f"{a}.attention.value_length_swa", head_swa)) \
+    return types
+
+
+def _head_sizes(h: GGUFHeader, a: str) -> tuple[int, int]:
+    """(full, sliding) head size; refuses what llama.cpp's Gemma 4 graph does not run."""
+    head_full = scalar(h, f"{a}.attention.key_length")
+    head_swa = scalar(h, f"{a}.attention.key_length_swa")
+    if (scalar(h, f"{a}.attention.value_length", head_full), scalar(h, f"{a}.attention.value_length_swa", head_swa)) \
             != (head_full, head_swa):
         raise ModelLoadError(f"{h.path}: Gemma 4 needs key and value head sizes equal (llama.cpp does too)")
-    if _scalar(h, f"{a}.rope.dimension_count_swa", head_swa) != head_swa:
+    if scalar(h, f"{a}.rope.dimension_count_swa", head_swa) != head_swa:
         raise ModelLoadError(f"{h.path}: partial RoPE on Gemma 4's sliding layers is not supported")
-    if _scalar(h, f"{a}.rope.dimension_count", head_full) != head_full:
+    if scalar(h, f"{a}.rope.dimension_count", head_full) != head_full:
         raise ModelLoadError(f"{h.path}: Gemma 4's full-layer RoPE spans the whole head (rope_freqs mark the rest)")
     if h.metadata.get(f"{a}.rope.scaling.type", "none") != "none":
         raise ModelLoadError(f"{h.path}: rope scaling on Gemma 4 is not supported")
-    kv = per_layer(h, f"{a}.attention.head_count_kv", n)
-    ff = per_layer(h, f"{a}.feed_forward_length", n)
-    head_dims = [head_swa if t == SLIDING else head_full for t in types]
+    return head_full, head_swa
 
-    shared = _scalar(h, f"{a}.attention.shared_kv_layers", 0)
+
+def _check_shared_kv(h: GGUFHeader, types: list[str], shared: int) -> None:
+    """Refuses a layout where llama.cpp's shared-KV source layer differs from transformers'."""
+    n = len(types)
     first_shared = n - shared
-    if shared:
-        if first_shared < 2:
-            raise ModelLoadError(f"{h.path}: {shared} shared-KV layers of {n}: llama.cpp needs two owning layers")
-        for i in range(first_shared, n):
-            ours = max(j for j in range(first_shared) if types[j] == types[i]) \
-                if types[i] in types[:first_shared] else None
-            theirs = first_shared - (2 if types[i] == SLIDING else 1)
-            if ours != theirs:
-                raise ModelLoadError(
-                    f"{h.path}: shared-KV layer {i} ({types[i]}) reads layer {theirs}'s K/V in llama.cpp but "
-                    f"{ours}'s in transformers (the last earlier {types[i]} layer); this layout is not supported"
-                )
+    if not shared:
+        return
+    if first_shared < 2:
+        raise ModelLoadError(f"{h.path}: {shared} shared-KV layers of {n}: llama.cpp needs two owning layers")
+    for i in range(first_shared, n):
+        ours = max(j for j in range(first_shared) if types[j] == types[i]) \
+            if types[i] in types[:first_shared] else None
+        theirs = first_shared - (2 if types[i] == SLIDING else 1)
+        if ours != theirs:
+            raise ModelLoadError(
+                f"{h.path}: shared-KV layer {i} ({types[i]}) reads layer {theirs}'s K/V in llama.cpp but "
+                f"{ours}'s in transformers (the last earlier {types[i]} layer); this layout is not supported"
+            )
 
-    # k = v: a full owning layer without attn_v (llama.cpp takes V = K); turnkv does it per kind
+
+def _k_eq_v(h: GGUFHeader, types: list[str], first_shared: int) -> bool:
+    """k = v: a full owning layer without attn_v (llama.cpp takes V = K); turnkv does it per kind."""
     no_v = {types[i] for i in range(first_shared) if f"blk.{i}.attn_v.weight" not in h.tensors}
     if SLIDING in no_v:
         raise ModelLoadError(f"{h.path}: a sliding Gemma 4 layer without attn_v (k = v) is not supported")
     k_eq_v = FULL in no_v
     if k_eq_v and any(f"blk.{i}.attn_v.weight" in h.tensors for i in range(first_shared) if types[i] == FULL):
         raise ModelLoadError(f"{h.path}: some full Gemma 4 layers have attn_v and others not")
+    return k_eq_v
 
+
+def _has_moe(h: GGUFHeader, n: int) -> bool:
     moe = [f"blk.{i}.ffn_gate_inp.weight" in h.tensors for i in range(n)]
     if any(moe) and not all(moe):
         raise ModelLoadError(f"{h.path}: Gemma 4 with the MoE block on some layers only is not supported")
-    ple = _scalar(h, f"{a}.embedding_length_per_layer_input", 0)
-    vocab = _vocab_size(h, a)
+    return any(moe)
+
+
+def build_config(h: GGUFHeader) -> dict:
+    a = ARCH
+    n = scalar(h, f"{a}.block_count")
+    heads = set(per_layer(h, f"{a}.attention.head_count", n))
+    if len(heads) != 1:
+        raise ModelLoadError(f"{h.path}: Gemma 4 with a per-layer query head count is not supported")
+    types = _layer_types(h, a, n)
+    head_full, head_swa = _head_sizes(h, a)
+    kv = per_layer(h, f"{a}.attention.head_count_kv", n)
+    ff = per_layer(h, f"{a}.feed_forward_length", n)
+    head_dims = [head_swa if t == SLIDING else head_full for t in types]
+    shared = scalar(h, f"{a}.attention.shared_kv_layers", 0)
+    _check_shared_kv(h, types, shared)
+    k_eq_v = _k_eq_v(h, types, n - shared)
+    moe = _has_moe(h, n)
+    ple = scalar(h, f"{a}.embedding_length_per_layer_input", 0)
+    vocab = vocab_size(h, a)
     config = {
         "model_type": "gemma4_text",
         "architectures": ["Gemma4ForCausalLM"],
         "vocab_size": vocab,
-        "hidden_size": _scalar(h, f"{a}.embedding_length"),
+        "hidden_size": scalar(h, f"{a}.embedding_length"),
         "intermediate_size": min(ff),
         "use_double_wide_mlp": max(ff) != min(ff),
         "num_hidden_layers": n,
@@ -129,30 +155,39 @@ def build_config(h: GGUFHeader) -> dict:
         "per_layer_config": {str(i): {"head_dim": head_dims[i], "num_key_value_heads": kv[i]} for i in range(n)},
         "attention_k_eq_v": k_eq_v,
         "hidden_activation": "gelu_pytorch_tanh",
-        "max_position_embeddings": _scalar(h, f"{a}.context_length", 131072),
-        "rms_norm_eps": f32(_scalar(h, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_parameters": {
-            SLIDING: {"rope_type": "default", "rope_theta": float(_scalar(h, f"{a}.rope.freq_base_swa", 10_000.0))},
-            FULL: {"rope_type": "proportional", "partial_rotary_factor": _rope_freqs(h, head_full),
-                   "rope_theta": float(_scalar(h, f"{a}.rope.freq_base", 1_000_000.0))},
-        },
-        "sliding_window": _scalar(h, f"{a}.attention.sliding_window"),
+        "max_position_embeddings": scalar(h, f"{a}.context_length", 131072),
+        "rms_norm_eps": f32(scalar(h, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_parameters": _rope_parameters(h, a, head_full),
+        "sliding_window": scalar(h, f"{a}.attention.sliding_window"),
         "layer_types": types,
         "final_logit_softcapping": h.metadata.get(f"{a}.final_logit_softcapping"),
         "attention_bias": False,   # llama.cpp's Gemma 4 graph has no attention biases
         "hidden_size_per_layer_input": ple,
         "vocab_size_per_layer_input": h.tensors["per_layer_token_embd.weight"].shape[0] if ple else vocab,
         "num_kv_shared_layers": shared,
-        "enable_moe_block": any(moe),
+        "enable_moe_block": moe,
         "tie_word_embeddings": "output.weight" not in h.tensors,
-        **_token_ids(h),
+        **token_ids(h),
     }
+    return _finish_config(h, a, config)
+
+
+def _rope_parameters(h: GGUFHeader, a: str, head_full: int) -> dict:
+    return {
+        SLIDING: {"rope_type": "default", "rope_theta": float(scalar(h, f"{a}.rope.freq_base_swa", 10_000.0))},
+        FULL: {"rope_type": "proportional", "partial_rotary_factor": _rope_freqs(h, head_full),
+               "rope_theta": float(scalar(h, f"{a}.rope.freq_base", 1_000_000.0))},
+    }
+
+
+def _finish_config(h: GGUFHeader, a: str, config: dict) -> dict:
+    """The softcap as float32, the MoE sizes when the block is there, the end-of-generation ids."""
     if config["final_logit_softcapping"] is not None:
         config["final_logit_softcapping"] = f32(config["final_logit_softcapping"])
-    if any(moe):
-        config |= {"num_experts": _scalar(h, f"{a}.expert_count"),
-                   "top_k_experts": _scalar(h, f"{a}.expert_used_count"),
-                   "moe_intermediate_size": _scalar(h, f"{a}.expert_feed_forward_length")}
+    if config["enable_moe_block"]:
+        config |= {"num_experts": scalar(h, f"{a}.expert_count"),
+                   "top_k_experts": scalar(h, f"{a}.expert_used_count"),
+                   "moe_intermediate_size": scalar(h, f"{a}.expert_feed_forward_length")}
     stop_ids(h, config, EOG_TEXTS, keys=())   # the file's eos and the EOG tokens, not its eot / eom ids
     return config
 
@@ -222,10 +257,10 @@ def finish(tensors: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Te
     return tensors
 
 
-gguf.register(ARCH, GGUFArchitecture(
+ARCHITECTURES = {ARCH: GGUFArchitecture(
     model_type="gemma4_text",
     build_config=build_config,
     layer_tensors={},
     tensor_names=tensor_names,
     finish=finish,
-))
+)}

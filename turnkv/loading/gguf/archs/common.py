@@ -12,8 +12,9 @@ import struct
 import numpy as np
 import torch
 
-from ..errors import ModelLoadError
-from ..gguf import GGUFArray, GGUFHeader, _open_mmap, _scalar
+from ...errors import ModelLoadError
+from ..metadata import scalar
+from ..reader import GGUFArray, GGUFHeader, open_mmap
 
 SIGMOID = 2   # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 
@@ -50,7 +51,7 @@ def uniform(h: GGUFHeader, key: str, n: int, default=...):
         if len(values) != 1:
             raise ModelLoadError(f"{h.path}: per-layer values for '{key}' that differ ({value}) are not supported")
         return values.pop()
-    return _scalar(h, key, default)
+    return scalar(h, key, default)
 
 
 def swa_layers(h: GGUFHeader, arch: str, n: int, period: int) -> list[bool]:
@@ -71,23 +72,23 @@ def swa_layers(h: GGUFHeader, arch: str, n: int, period: int) -> list[bool]:
 def attention_shape(h: GGUFHeader, arch: str, name: str) -> tuple[int, int, int]:
     """(hidden size, query heads, head dim): ``attention.key_length``, else hidden / heads;
     refuses value heads of another size (llama.cpp's graphs assert them equal too)."""
-    hidden = _scalar(h, f"{arch}.embedding_length")
-    heads = _scalar(h, f"{arch}.attention.head_count")
-    head_dim = _scalar(h, f"{arch}.attention.key_length", hidden // heads)
-    if _scalar(h, f"{arch}.attention.value_length", head_dim) != head_dim:
+    hidden = scalar(h, f"{arch}.embedding_length")
+    heads = scalar(h, f"{arch}.attention.head_count")
+    head_dim = scalar(h, f"{arch}.attention.key_length", hidden // heads)
+    if scalar(h, f"{arch}.attention.value_length", head_dim) != head_dim:
         raise ModelLoadError(f"{h.path}: {name} with different key and value head sizes is not supported")
     return hidden, heads, head_dim
 
 
 def check_full_rotary(h: GGUFHeader, arch: str, head_dim: int, name: str) -> None:
     """Refuses a ``rope.dimension_count`` short of the head (partial RoPE)."""
-    if _scalar(h, f"{arch}.rope.dimension_count", head_dim) != head_dim:
+    if scalar(h, f"{arch}.rope.dimension_count", head_dim) != head_dim:
         raise ModelLoadError(f"{h.path}: {name} with a partial rotary dimension is not supported")
 
 
 def rope_base(h: GGUFHeader, arch: str, default: float, name: str) -> float:
     """``rope.freq_base``; refuses a different ``rope.freq_base_swa`` (one base for every layer)."""
-    rope_theta = float(_scalar(h, f"{arch}.rope.freq_base", default))
+    rope_theta = float(scalar(h, f"{arch}.rope.freq_base", default))
     swa_theta = h.metadata.get(f"{arch}.rope.freq_base_swa")
     if swa_theta is not None and float(swa_theta) != rope_theta:
         raise ModelLoadError(f"{h.path}: {name} with its own sliding-layer rope base ({swa_theta}) is not supported")
@@ -107,7 +108,7 @@ def token_ids_of(h: GGUFHeader, texts) -> list[int]:
     if not isinstance(tokens, GGUFArray):
         return []
     longest = max(len(w) for w in wanted)
-    buf, _ = _open_mmap(h.path)
+    buf, _ = open_mmap(h.path)
     try:
         found, pos, unpack = [], tokens.offset, struct.Struct("<Q").unpack_from
         for i in range(tokens.count):

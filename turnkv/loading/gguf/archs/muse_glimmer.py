@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ModelLoadError
-from ..gguf import (ATTN_PROJ_TENSORS, GATED_MLP_TENSORS, QK_NORM_TENSORS, GGUFArchitecture, GGUFHeader,
-                    _reverse_permute, _scalar, _token_ids, _vocab_size, register)
+from ...errors import ModelLoadError
+from ..architecture import ATTN_PROJ_TENSORS, GATED_MLP_TENSORS, QK_NORM_TENSORS, GGUFArchitecture
+from ..metadata import scalar, token_ids, vocab_size
+from ..reader import GGUFHeader
 from .common import attention_shape, check_full_rotary, f32, global_names, layer_biases, layer_weights, per_layer
+from .llama import reverse_permute
 
 ARCH = "muse-glimmer"
 NAME = "Muse Glimmer"
@@ -34,28 +36,28 @@ POST_NORM_EPS = 1e-8  # hard-coded in llama.cpp's graph, as transformers' defaul
 
 def _config(h: GGUFHeader) -> dict:
     a = ARCH
-    n = _scalar(h, f"{a}.block_count")
+    n = scalar(h, f"{a}.block_count")
     hidden, heads, head_dim = attention_shape(h, a, NAME)
     check_full_rotary(h, a, head_dim, NAME)
     if f"{a}.rope.scaling.type" in h.metadata and h.metadata[f"{a}.rope.scaling.type"] not in ("none",):
         raise ModelLoadError(f"{h.path}: rope scaling is not supported for Muse Glimmer")
     sliding = per_layer(h, f"{a}.attention.sliding_window_pattern", n)
     layer_types = [SLIDING if s else FULL for s in sliding]
-    theta = float(_scalar(h, f"{a}.rope.freq_base_swa", _scalar(h, f"{a}.rope.freq_base", 10000.0)))
-    cap = _scalar(h, f"{a}.final_logit_softcapping", None)
+    theta = float(scalar(h, f"{a}.rope.freq_base_swa", scalar(h, f"{a}.rope.freq_base", 10000.0)))
+    cap = scalar(h, f"{a}.final_logit_softcapping", None)
     return {
         "model_type": "muse_glimmer",
         "architectures": ["MuseGlimmerForConditionalGeneration"],
-        "vocab_size": _vocab_size(h, a),
+        "vocab_size": vocab_size(h, a),
         "hidden_size": hidden,
-        "intermediate_size": _scalar(h, f"{a}.feed_forward_length"),
+        "intermediate_size": scalar(h, f"{a}.feed_forward_length"),
         "num_hidden_layers": n,
         "num_attention_heads": heads,
-        "num_key_value_heads": _scalar(h, f"{a}.attention.head_count_kv", heads),
+        "num_key_value_heads": scalar(h, f"{a}.attention.head_count_kv", heads),
         "head_dim": head_dim,
-        "rms_norm_eps": f32(_scalar(h, f"{a}.attention.layer_norm_rms_epsilon")),
+        "rms_norm_eps": f32(scalar(h, f"{a}.attention.layer_norm_rms_epsilon")),
         "post_norm_eps": POST_NORM_EPS,
-        "sliding_window": _scalar(h, f"{a}.attention.sliding_window"),
+        "sliding_window": scalar(h, f"{a}.attention.sliding_window"),
         "layer_types": layer_types,
         # RoPE on the sliding layers (llama.cpp: use_rope = is_swa(il)); one table for all of them
         "layer_rope_theta": [theta if s else 0 for s in sliding],
@@ -63,11 +65,11 @@ def _config(h: GGUFHeader) -> dict:
         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
         "hidden_activation": "silu",
         "attention_bias": "blk.0.attn_q.bias" in h.tensors,
-        "output_multiplier": f32(_scalar(h, f"{a}.logit_scale")),
+        "output_multiplier": f32(scalar(h, f"{a}.logit_scale")),
         "final_logit_softcapping": f32(cap) if cap else None,
-        "max_position_embeddings": _scalar(h, f"{a}.context_length", 4096),
+        "max_position_embeddings": scalar(h, f"{a}.context_length", 4096),
         "tie_word_embeddings": "output.weight" not in h.tensors,
-        **_token_ids(h),
+        **token_ids(h),
     }
 
 
@@ -101,9 +103,9 @@ def _transform(name: str, w: torch.Tensor, config: dict) -> torch.Tensor:
     if name.endswith("layernorm.weight"):
         return w - 1
     if ".self_attn.q_proj." in name:
-        return _reverse_permute(w, config["num_attention_heads"])
+        return reverse_permute(w, config["num_attention_heads"])
     if ".self_attn.k_proj." in name:
-        return _reverse_permute(w, config["num_key_value_heads"])
+        return reverse_permute(w, config["num_key_value_heads"])
     return w
 
 
@@ -121,7 +123,7 @@ def _finish(t: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]
     return t
 
 
-register(ARCH, GGUFArchitecture(
+ARCHITECTURES = {ARCH: GGUFArchitecture(
     model_type="muse_glimmer",
     build_config=_config,
     layer_tensors=_LAYER,
@@ -130,4 +132,4 @@ register(ARCH, GGUFArchitecture(
     transform_permutes_rows=True,
     tensor_names=_tensor_names,
     finish=_finish,
-))
+)}

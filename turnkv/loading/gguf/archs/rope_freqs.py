@@ -19,8 +19,9 @@ import math
 
 import torch
 
-from ..errors import ModelLoadError
-from ..gguf import GGUFHeader, _open_mmap, dequantize
+from ...errors import ModelLoadError
+from ..dequant import dequantize
+from ..reader import GGUFHeader, open_mmap, release
 
 NAME = "rope_freqs.weight"
 
@@ -32,14 +33,11 @@ def freq_factors(h: GGUFHeader, rotary_dim: int) -> list[float] | None:
         return None
     if info.shape != (rotary_dim // 2,):
         raise ModelLoadError(f"{h.path}: '{NAME}' has shape {list(info.shape)}, expected [{rotary_dim // 2}]")
-    buf, _ = _open_mmap(h.path)
+    buf, _ = open_mmap(h.path)
     try:
         values = dequantize(buf, info, torch.float32, h.path).tolist()
     finally:
-        try:
-            buf.close()
-        except BufferError:
-            pass
+        release(buf)
     return [float(v) for v in values]
 
 

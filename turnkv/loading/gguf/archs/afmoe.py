@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import gguf
-from ..errors import ModelLoadError
-from ..gguf import (ATTN_PROJ_TENSORS, GATED_MLP_TENSORS, QK_NORM_TENSORS, GGUFArchitecture, GGUFHeader,
-                    _default_rope, _scalar, _token_ids, _vocab_size)
+from ...errors import ModelLoadError
+from ..architecture import ATTN_PROJ_TENSORS, GATED_MLP_TENSORS, QK_NORM_TENSORS, GGUFArchitecture
+from ..metadata import default_rope, scalar, token_ids, vocab_size
+from ..reader import GGUFHeader
 from .common import (SIGMOID, attention_shape, check_full_rotary, f32, fuse_gate_up, moe_decoder_names, rope_base,
                      swa_layers)
 
@@ -39,11 +39,11 @@ DEFAULT_SWA_PERIOD = 4   # load_swa_pattern(ml, 4)
 
 def build_config(h: GGUFHeader) -> dict:
     a = ARCH
-    layers = _scalar(h, f"{a}.block_count")
+    layers = scalar(h, f"{a}.block_count")
     hidden, heads, head_dim = attention_shape(h, a, NAME)
     check_full_rotary(h, a, head_dim, NAME)
     rope_theta = rope_base(h, a, 10000.0, NAME)
-    rope = _default_rope(h, a, rope_theta)
+    rope = default_rope(h, a, rope_theta)
     if h.metadata.get(f"{a}.expert_gating_func", SIGMOID) != SIGMOID:
         raise ModelLoadError(f"{h.path}: AFMoE scores experts with a sigmoid; this file names another function")
     if not h.metadata.get(f"{a}.expert_weights_norm", False):
@@ -51,7 +51,7 @@ def build_config(h: GGUFHeader) -> dict:
             f"{h.path}: {a}.expert_weights_norm is not set, so llama.cpp would not renormalise the routing "
             "weights; turnkv's AFMoE (as transformers') always does"
         )
-    shared = _scalar(h, f"{a}.expert_shared_count")
+    shared = scalar(h, f"{a}.expert_shared_count")
     if shared < 1:
         raise ModelLoadError(f"{h.path}: AFMoE without shared experts is not supported")
 
@@ -67,25 +67,25 @@ def build_config(h: GGUFHeader) -> dict:
     return {
         "model_type": "afmoe",
         "architectures": ["AfmoeForCausalLM"],
-        "vocab_size": _vocab_size(h, a),
+        "vocab_size": vocab_size(h, a),
         "hidden_size": hidden,
-        "intermediate_size": _scalar(h, f"{a}.feed_forward_length"),
-        "moe_intermediate_size": _scalar(h, f"{a}.expert_feed_forward_length"),
+        "intermediate_size": scalar(h, f"{a}.feed_forward_length"),
+        "moe_intermediate_size": scalar(h, f"{a}.expert_feed_forward_length"),
         "num_hidden_layers": layers,
-        "num_dense_layers": _scalar(h, f"{a}.leading_dense_block_count", 0),
+        "num_dense_layers": scalar(h, f"{a}.leading_dense_block_count", 0),
         "num_attention_heads": heads,
-        "num_key_value_heads": _scalar(h, f"{a}.attention.head_count_kv", heads),
+        "num_key_value_heads": scalar(h, f"{a}.attention.head_count_kv", heads),
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": _scalar(h, f"{a}.context_length", 16384),
-        "rms_norm_eps": f32(_scalar(h, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "max_position_embeddings": scalar(h, f"{a}.context_length", 16384),
+        "rms_norm_eps": f32(scalar(h, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": rope_theta,
         "rope_parameters": rope,
-        "num_experts": _scalar(h, f"{a}.expert_count"),
-        "num_experts_per_tok": _scalar(h, f"{a}.expert_used_count"),
+        "num_experts": scalar(h, f"{a}.expert_count"),
+        "num_experts_per_tok": scalar(h, f"{a}.expert_used_count"),
         "num_shared_experts": shared,
         "route_norm": True,
-        "route_scale": f32(_scalar(h, f"{a}.expert_weights_scale", 1.0)),
+        "route_scale": f32(scalar(h, f"{a}.expert_weights_scale", 1.0)),
         "score_func": "sigmoid",
         "global_attn_every_n_layers": NO_ROPE_LAYER_STEP,
         "sliding_window": window,
@@ -93,7 +93,7 @@ def build_config(h: GGUFHeader) -> dict:
         "mup_enabled": True,   # llama.cpp scales the embeddings unconditionally
         "attention_bias": "blk.0.attn_q.bias" in h.tensors,
         "tie_word_embeddings": "output.weight" not in h.tensors,
-        **_token_ids(h),
+        **token_ids(h),
     }
 
 
@@ -126,10 +126,10 @@ def finish(tensors: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Te
     return tensors
 
 
-gguf.register(ARCH, GGUFArchitecture(
+ARCHITECTURES = {ARCH: GGUFArchitecture(
     model_type="afmoe",
     build_config=build_config,
     layer_tensors={},
     tensor_names=tensor_names,
     finish=finish,
-))
+)}

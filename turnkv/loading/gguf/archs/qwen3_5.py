@@ -38,9 +38,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ModelLoadError
-from ..gguf import (GATED_MLP_TENSORS, GGUFArchitecture, GGUFHeader, _default_rope, _scalar, _token_ids, _vocab_size,
-                    register)
+from ...errors import ModelLoadError
+from ..architecture import GATED_MLP_TENSORS, GGUFArchitecture
+from ..metadata import default_rope, scalar, token_ids, vocab_size
+from ..reader import GGUFHeader
 from .common import f32, fuse_gate_up, global_names, layer_weights, uniform
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -58,24 +59,24 @@ def _layer_types(h: GGUFHeader, a: str, n: int) -> list[str]:
         if not isinstance(recurrent, list) or len(recurrent) < n:
             raise ModelLoadError(f"{h.path}: '{a}.attention.recurrent_layers' does not cover the {n} layers")
         return [LINEAR if r else FULL for r in recurrent[:n]]
-    interval = _scalar(h, f"{a}.full_attention_interval", DEFAULT_FULL_ATTENTION_INTERVAL)
+    interval = scalar(h, f"{a}.full_attention_interval", DEFAULT_FULL_ATTENTION_INTERVAL)
     return [LINEAR if (i + 1) % interval else FULL for i in range(n)]
 
 
 def _config(h: GGUFHeader, moe: bool) -> dict:
     a = h.architecture
-    total = _scalar(h, f"{a}.block_count")
-    n = total - _scalar(h, f"{a}.nextn_predict_layers", 0)
+    total = scalar(h, f"{a}.block_count")
+    n = total - scalar(h, f"{a}.nextn_predict_layers", 0)
     if n <= 0 or "blk.0.attn_norm.weight" not in h.tensors:
         raise ModelLoadError(f"{h.path}: an MTP-only Qwen 3.5 file (no decoder layers) cannot be run on its own")
-    heads = _scalar(h, f"{a}.attention.head_count")
-    head_dim = _scalar(h, f"{a}.attention.key_length")
-    if _scalar(h, f"{a}.attention.value_length", head_dim) != head_dim:
+    heads = scalar(h, f"{a}.attention.head_count")
+    head_dim = scalar(h, f"{a}.attention.key_length")
+    if scalar(h, f"{a}.attention.value_length", head_dim) != head_dim:
         raise ModelLoadError(f"{h.path}: attention key and value head sizes differ")
-    v_heads = _scalar(h, f"{a}.ssm.time_step_rank")
-    rope_theta = float(_scalar(h, f"{a}.rope.freq_base", 10000.0))
-    partial = _scalar(h, f"{a}.rope.dimension_count", head_dim // 4) / head_dim
-    rope = _default_rope(h, a, rope_theta, partial_rotary_factor=partial)
+    v_heads = scalar(h, f"{a}.ssm.time_step_rank")
+    rope_theta = float(scalar(h, f"{a}.rope.freq_base", 10000.0))
+    partial = scalar(h, f"{a}.rope.dimension_count", head_dim // 4) / head_dim
+    rope = default_rope(h, a, rope_theta, partial_rotary_factor=partial)
     scale = h.metadata.get(f"{a}.expert_weights_scale", 1.0)
     if moe and scale not in (0.0, 1.0):
         raise ModelLoadError(f"{h.path}: expert_weights_scale {scale} is not supported")
@@ -83,36 +84,36 @@ def _config(h: GGUFHeader, moe: bool) -> dict:
     config = {
         "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text",
         "architectures": ["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"],
-        "vocab_size": _vocab_size(h, a),
-        "hidden_size": _scalar(h, f"{a}.embedding_length"),
+        "vocab_size": vocab_size(h, a),
+        "hidden_size": scalar(h, f"{a}.embedding_length"),
         "num_hidden_layers": n,
         "num_attention_heads": heads,
         "num_key_value_heads": uniform(h, f"{a}.attention.head_count_kv", n, heads),
         "head_dim": head_dim,
-        "linear_conv_kernel_dim": _scalar(h, f"{a}.ssm.conv_kernel"),
-        "linear_key_head_dim": _scalar(h, f"{a}.ssm.state_size"),
-        "linear_value_head_dim": _scalar(h, f"{a}.ssm.inner_size") // v_heads,
-        "linear_num_key_heads": _scalar(h, f"{a}.ssm.group_count"),
+        "linear_conv_kernel_dim": scalar(h, f"{a}.ssm.conv_kernel"),
+        "linear_key_head_dim": scalar(h, f"{a}.ssm.state_size"),
+        "linear_value_head_dim": scalar(h, f"{a}.ssm.inner_size") // v_heads,
+        "linear_num_key_heads": scalar(h, f"{a}.ssm.group_count"),
         "linear_num_value_heads": v_heads,
         "layer_types": _layer_types(h, a, n),
-        "full_attention_interval": _scalar(h, f"{a}.full_attention_interval", DEFAULT_FULL_ATTENTION_INTERVAL),
+        "full_attention_interval": scalar(h, f"{a}.full_attention_interval", DEFAULT_FULL_ATTENTION_INTERVAL),
         "hidden_act": "silu",
         "attention_bias": first_full is not None and (f"{first_full}.attn_q.bias" in h.tensors
                                                       or f"{first_full}.attn_qkv.bias" in h.tensors),
-        "max_position_embeddings": _scalar(h, f"{a}.context_length", 262144),
-        "rms_norm_eps": f32(_scalar(h, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": scalar(h, f"{a}.context_length", 262144),
+        "rms_norm_eps": f32(scalar(h, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_parameters": rope,
         "tie_word_embeddings": "output.weight" not in h.tensors,
-        **_token_ids(h),
+        **token_ids(h),
     }
     if moe:
-        experts = _scalar(h, f"{a}.expert_count")
+        experts = scalar(h, f"{a}.expert_count")
         up = h.tensors.get("blk.0.ffn_up_shexp.weight")
         config |= {
             "num_experts": experts,
-            "num_experts_per_tok": _scalar(h, f"{a}.expert_used_count"),
+            "num_experts_per_tok": scalar(h, f"{a}.expert_used_count"),
             "moe_intermediate_size": uniform(h, f"{a}.expert_feed_forward_length", n),
-            "shared_expert_intermediate_size": _scalar(h, f"{a}.expert_shared_feed_forward_length",
+            "shared_expert_intermediate_size": scalar(h, f"{a}.expert_shared_feed_forward_length",
                                                        up.shape[0] if up is not None else 0),
         }
     else:
@@ -225,13 +226,16 @@ def _finish(t: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]
     return t
 
 
-for _arch, _moe in (("qwen35", False), ("qwen35moe", True)):
-    register(_arch, GGUFArchitecture(
-        model_type="qwen3_5_moe_text" if _moe else "qwen3_5_text",
-        build_config=lambda h, moe=_moe: _config(h, moe),
+def _architecture(moe: bool) -> GGUFArchitecture:
+    return GGUFArchitecture(
+        model_type="qwen3_5_moe_text" if moe else "qwen3_5_text",
+        build_config=lambda h: _config(h, moe),
         layer_tensors={},
         tensor_names=_tensor_names,
         transform=_transform,
         needs_transform=_needs_transform,
         finish=_finish,
-    ))
+    )
+
+
+ARCHITECTURES = {"qwen35": _architecture(False), "qwen35moe": _architecture(True)}

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from ..gguf import GGUFArchitecture, GGUFHeader, _scalar, register
+from ..architecture import GGUFArchitecture
+from ..metadata import scalar
+from ..reader import GGUFHeader
 from .common import per_layer, uniform
 from .kda_mla import finish_attention, hybrid_config, hybrid_names
 
@@ -35,7 +37,7 @@ _KDA = {"ssm_f_a.weight": "f_a_proj.weight", "ssm_f_b.weight": "f_b_proj.weight"
 
 def _config(h: GGUFHeader) -> dict:
     a = ARCH
-    n = _scalar(h, f"{a}.block_count")
+    n = scalar(h, f"{a}.block_count")
     return {
         "model_type": "kimi_linear",
         "architectures": ["KimiLinearForCausalLM"],
@@ -65,10 +67,10 @@ def _finish(t: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]
     return t
 
 
-register(ARCH, GGUFArchitecture(
+ARCHITECTURES = {ARCH: GGUFArchitecture(
     model_type="kimi_linear",
     build_config=_config,
     layer_tensors={},
     tensor_names=_tensor_names,
     finish=_finish,
-))
+)}

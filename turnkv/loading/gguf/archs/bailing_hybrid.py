@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ModelLoadError
-from ..gguf import GGUFArchitecture, GGUFHeader, _scalar, register
+from ...errors import ModelLoadError
+from ..architecture import GGUFArchitecture
+from ..metadata import scalar
+from ..reader import GGUFHeader
 from .common import f32, fuse_gate_up, per_layer
 from .kda_mla import finish_attention, hybrid_config, hybrid_names
 
@@ -41,8 +43,8 @@ _MLA_GATE = {"attn_gate.weight": "g_proj.weight"}   # MLA's head gate
 
 def _config(h: GGUFHeader) -> dict:
     a = ARCH
-    n_all = _scalar(h, f"{a}.block_count")
-    n = n_all - _scalar(h, f"{a}.nextn_predict_layers", 0)
+    n_all = scalar(h, f"{a}.block_count")
+    n = n_all - scalar(h, f"{a}.nextn_predict_layers", 0)
     if f"{a}.rope.dimension_sections" in h.metadata:
         raise ModelLoadError(f"{h.path}: the vision-language variant's M-RoPE is not supported (text GGUFs only)")
     if h.metadata.get(f"{a}.rope.scaling.type", "none") != "none":
@@ -53,18 +55,18 @@ def _config(h: GGUFHeader) -> dict:
     if not h.metadata.get(f"{a}.kda.safe_gate", True):
         raise ModelLoadError(f"{h.path}: only the bounded KDA gate exists in llama.cpp's layout")
     kv_heads = per_layer(h, f"{a}.attention.head_count_kv", n_all)[:n]
-    kda_dim = _scalar(h, f"{a}.kda.head_dim")
-    theta = float(_scalar(h, f"{a}.rope.freq_base", 10000.0))
+    kda_dim = scalar(h, f"{a}.kda.head_dim")
+    theta = float(scalar(h, f"{a}.rope.freq_base", 10000.0))
     return {
         "model_type": "bailing_hybrid",
         "architectures": ["BailingHybridForCausalLM"],
         **hybrid_config(h, a, n, kv_heads, eps=1e-6),
-        "moe_intermediate_size": _scalar(h, f"{a}.expert_feed_forward_length"),
+        "moe_intermediate_size": scalar(h, f"{a}.expert_feed_forward_length"),
         "norm_topk_prob": bool(h.metadata.get(f"{a}.expert_weights_norm", False)),
         "head_dim": kda_dim,
-        "short_conv_kernel_size": _scalar(h, f"{a}.ssm.conv_kernel"),
+        "short_conv_kernel_size": scalar(h, f"{a}.ssm.conv_kernel"),
         "kda_safe_gate": True,
-        "kda_lower_bound": f32(_scalar(h, f"{a}.kda.gate_lower_bound")),
+        "kda_lower_bound": f32(scalar(h, f"{a}.kda.gate_lower_bound")),
         "rope_theta": theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
     }
@@ -82,10 +84,10 @@ def _finish(t: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]
     return t
 
 
-register(ARCH, GGUFArchitecture(
+ARCHITECTURES = {ARCH: GGUFArchitecture(
     model_type="bailing_hybrid",
     build_config=_config,
     layer_tensors={},
     tensor_names=_tensor_names,
     finish=_finish,
-))
+)}

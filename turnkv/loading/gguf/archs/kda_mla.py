@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ModelLoadError
-from ..gguf import GATED_MLP_TENSORS, GGUFHeader, _scalar, _token_ids, _vocab_size
+from ...errors import ModelLoadError
+from ..architecture import GATED_MLP_TENSORS
+from ..metadata import scalar, token_ids, vocab_size
+from ..reader import GGUFHeader
 from .common import SIGMOID, f32, global_names, layer_weights
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -22,35 +24,35 @@ def moe_config(h: GGUFHeader, a: str) -> dict:
     if gating != SIGMOID:
         raise ModelLoadError(f"{h.path}: expert gating function {gating} is not supported (sigmoid routing only)")
     return {
-        "num_local_experts": _scalar(h, f"{a}.expert_count"),
-        "num_experts_per_tok": _scalar(h, f"{a}.expert_used_count"),
-        "n_shared_experts": _scalar(h, f"{a}.expert_shared_count", 1),
-        "n_group": _scalar(h, f"{a}.expert_group_count", 1),
-        "topk_group": _scalar(h, f"{a}.expert_group_used_count", 1),
-        "routed_scaling_factor": f32(_scalar(h, f"{a}.expert_weights_scale", 1.0)),
-        "first_k_dense_replace": _scalar(h, f"{a}.leading_dense_block_count", 0),
+        "num_local_experts": scalar(h, f"{a}.expert_count"),
+        "num_experts_per_tok": scalar(h, f"{a}.expert_used_count"),
+        "n_shared_experts": scalar(h, f"{a}.expert_shared_count", 1),
+        "n_group": scalar(h, f"{a}.expert_group_count", 1),
+        "topk_group": scalar(h, f"{a}.expert_group_used_count", 1),
+        "routed_scaling_factor": f32(scalar(h, f"{a}.expert_weights_scale", 1.0)),
+        "first_k_dense_replace": scalar(h, f"{a}.leading_dense_block_count", 0),
     }
 
 
 def mla_config(h: GGUFHeader, a: str) -> dict:
-    rope = _scalar(h, f"{a}.rope.dimension_count")
+    rope = scalar(h, f"{a}.rope.dimension_count")
     return {
-        "kv_lora_rank": _scalar(h, f"{a}.attention.kv_lora_rank"),
-        "q_lora_rank": _scalar(h, f"{a}.attention.q_lora_rank", None),
+        "kv_lora_rank": scalar(h, f"{a}.attention.kv_lora_rank"),
+        "q_lora_rank": scalar(h, f"{a}.attention.q_lora_rank", None),
         "qk_rope_head_dim": rope,
-        "qk_nope_head_dim": _scalar(h, f"{a}.attention.key_length_mla") - rope,
-        "v_head_dim": _scalar(h, f"{a}.attention.value_length_mla"),
+        "qk_nope_head_dim": scalar(h, f"{a}.attention.key_length_mla") - rope,
+        "v_head_dim": scalar(h, f"{a}.attention.value_length_mla"),
     }
 
 
 def hybrid_config(h: GGUFHeader, a: str, n: int, kv_heads: list[int], eps: float) -> dict:
     """The config entries both hybrids read alike, for ``n`` decoder layers whose per-layer KV head
     counts are ``kv_heads`` (0: KDA); the family adds its model type, MoE widths and KDA extras."""
-    heads = _scalar(h, f"{a}.attention.head_count")
+    heads = scalar(h, f"{a}.attention.head_count")
     return {
-        "vocab_size": _vocab_size(h, a),
-        "hidden_size": _scalar(h, f"{a}.embedding_length"),
-        "intermediate_size": _scalar(h, f"{a}.feed_forward_length"),
+        "vocab_size": vocab_size(h, a),
+        "hidden_size": scalar(h, f"{a}.embedding_length"),
+        "intermediate_size": scalar(h, f"{a}.feed_forward_length"),
         "num_hidden_layers": n,
         "num_attention_heads": heads,
         "num_key_value_heads": heads,
@@ -58,14 +60,14 @@ def hybrid_config(h: GGUFHeader, a: str, n: int, kv_heads: list[int], eps: float
         **moe_config(h, a),
         "layer_types": [LINEAR if kv == 0 else FULL for kv in kv_heads],
         "linear_num_heads": heads,
-        "linear_head_dim": _scalar(h, f"{a}.kda.head_dim"),
-        "linear_conv_kernel_dim": _scalar(h, f"{a}.ssm.conv_kernel"),
+        "linear_head_dim": scalar(h, f"{a}.kda.head_dim"),
+        "linear_conv_kernel_dim": scalar(h, f"{a}.ssm.conv_kernel"),
         "hidden_act": "silu",
         "attention_bias": False,
-        "max_position_embeddings": _scalar(h, f"{a}.context_length", 4096),
-        "rms_norm_eps": f32(_scalar(h, f"{a}.attention.layer_norm_rms_epsilon", eps)),
+        "max_position_embeddings": scalar(h, f"{a}.context_length", 4096),
+        "rms_norm_eps": f32(scalar(h, f"{a}.attention.layer_norm_rms_epsilon", eps)),
         "tie_word_embeddings": "output.weight" not in h.tensors,
-        **_token_ids(h),
+        **token_ids(h),
     }
 
 

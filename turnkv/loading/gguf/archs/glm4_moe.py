@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import gguf
-from ..errors import ModelLoadError
-from ..gguf import (ATTN_PROJ_TENSORS, GATED_MLP_TENSORS, QK_NORM_TENSORS, GGUFArchitecture, GGUFHeader,
-                    _default_rope, _scalar, _token_ids, _vocab_size)
+from ...errors import ModelLoadError
+from ..architecture import ATTN_PROJ_TENSORS, GATED_MLP_TENSORS, QK_NORM_TENSORS, GGUFArchitecture
+from ..metadata import default_rope, scalar, token_ids, vocab_size
+from ..reader import GGUFHeader
 from .common import SIGMOID, attention_shape, f32, fuse_gate_up, moe_decoder_names, stop_ids, uniform
 
 ARCH = "glm4moe"
@@ -37,50 +37,50 @@ NAME = "GLM-4 MoE"
 
 def build_config(h: GGUFHeader) -> dict:
     a = ARCH
-    nextn = _scalar(h, f"{a}.nextn_predict_layers", 0)
-    layers = _scalar(h, f"{a}.block_count") - nextn
+    nextn = scalar(h, f"{a}.nextn_predict_layers", 0)
+    layers = scalar(h, f"{a}.block_count") - nextn
     hidden, heads, head_dim = attention_shape(h, a, NAME)
     if any(h.metadata.get(f"{a}.rope.dimension_sections") or ()):
         raise ModelLoadError(f"{h.path}: GLM-4 MoE with M-RoPE sections (the vision variant) is not supported")
-    rotary = _scalar(h, f"{a}.rope.dimension_count", head_dim // 2)
-    rope_theta = float(_scalar(h, f"{a}.rope.freq_base", 10000.0))
+    rotary = scalar(h, f"{a}.rope.dimension_count", head_dim // 2)
+    rope_theta = float(scalar(h, f"{a}.rope.freq_base", 10000.0))
     partial = rotary / head_dim
-    rope = _default_rope(h, a, rope_theta, partial_rotary_factor=partial)
+    rope = default_rope(h, a, rope_theta, partial_rotary_factor=partial)
     if h.metadata.get(f"{a}.expert_gating_func", SIGMOID) not in (0, SIGMOID):   # 0: none -> sigmoid
         raise ModelLoadError(f"{h.path}: GLM-4 MoE scores experts with a sigmoid; this file names another function")
-    shared = _scalar(h, f"{a}.expert_shared_count")
+    shared = scalar(h, f"{a}.expert_shared_count")
     if shared < 1:
         raise ModelLoadError(f"{h.path}: GLM-4 MoE without a shared expert is not supported")
     config = {
         "model_type": "glm4_moe",
         "architectures": ["Glm4MoeForCausalLM"],
-        "vocab_size": _vocab_size(h, a),
+        "vocab_size": vocab_size(h, a),
         "hidden_size": hidden,
         "intermediate_size": uniform(h, f"{a}.feed_forward_length", layers),
         "moe_intermediate_size": uniform(h, f"{a}.expert_feed_forward_length", layers),
         "num_hidden_layers": layers,
         "num_nextn_predict_layers": nextn,
-        "first_k_dense_replace": _scalar(h, f"{a}.leading_dense_block_count", 0),
+        "first_k_dense_replace": scalar(h, f"{a}.leading_dense_block_count", 0),
         "num_attention_heads": heads,
-        "num_key_value_heads": _scalar(h, f"{a}.attention.head_count_kv", heads),
+        "num_key_value_heads": scalar(h, f"{a}.attention.head_count_kv", heads),
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": _scalar(h, f"{a}.context_length", 131072),
-        "rms_norm_eps": f32(_scalar(h, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "max_position_embeddings": scalar(h, f"{a}.context_length", 131072),
+        "rms_norm_eps": f32(scalar(h, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": rope_theta,
         "partial_rotary_factor": partial,
         "rope_parameters": rope,
-        "n_routed_experts": _scalar(h, f"{a}.expert_count"),
+        "n_routed_experts": scalar(h, f"{a}.expert_count"),
         "num_experts_per_tok": uniform(h, f"{a}.expert_used_count", layers),
         "n_shared_experts": shared,
-        "n_group": _scalar(h, f"{a}.expert_group_count", 0) or 1,
-        "topk_group": _scalar(h, f"{a}.expert_group_used_count", 0) or 1,
+        "n_group": scalar(h, f"{a}.expert_group_count", 0) or 1,
+        "topk_group": scalar(h, f"{a}.expert_group_used_count", 0) or 1,
         "norm_topk_prob": bool(h.metadata.get(f"{a}.expert_weights_norm", False)),
         "routed_scaling_factor": f32(h.metadata.get(f"{a}.expert_weights_scale", 0.0) or 1.0),
         "use_qk_norm": "blk.0.attn_q_norm.weight" in h.tensors,
         "attention_bias": "blk.0.attn_q.bias" in h.tensors,
         "tie_word_embeddings": "output.weight" not in h.tensors,
-        **_token_ids(h),
+        **token_ids(h),
     }
     stop_ids(h, config)
     return config
@@ -115,10 +115,10 @@ def finish(tensors: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Te
     return tensors
 
 
-gguf.register(ARCH, GGUFArchitecture(
+ARCHITECTURES = {ARCH: GGUFArchitecture(
     model_type="glm4_moe",
     build_config=build_config,
     layer_tensors={},
     tensor_names=tensor_names,
     finish=finish,
-))
+)}

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..errors import ModelLoadError
-from ..gguf import SUPPORTED_GGUF_ARCHITECTURES, GGUFHeader, _llama_style_config, _scalar, _token_ids, register
+from ...errors import ModelLoadError
+from ..metadata import llama_style_config, scalar, token_ids
+from ..reader import GGUFHeader
+from .llama import LLAMA
 from .rope_freqs import freq_factors, llama3_rope
 
 ARCH = "mistral3"
@@ -29,12 +31,12 @@ ARCH = "mistral3"
 
 def _rope(h: GGUFHeader, head_dim: int, n_ctx: int) -> dict:
     a = ARCH
-    rope_theta = float(_scalar(h, f"{a}.rope.freq_base", 10000.0))
+    rope_theta = float(scalar(h, f"{a}.rope.freq_base", 10000.0))
     rope: dict = {"rope_type": "default", "rope_theta": rope_theta}
     kind = h.metadata.get(f"{a}.rope.scaling.type")
     factor = h.metadata.get(f"{a}.rope.scaling.factor")
     # llama.cpp: n_ctx_orig_yarn = rope.scaling.original_context_length, else the training context
-    orig = int(_scalar(h, f"{a}.rope.scaling.original_context_length", n_ctx))
+    orig = int(scalar(h, f"{a}.rope.scaling.original_context_length", n_ctx))
     if (factors := freq_factors(h, head_dim)) is not None:
         rope.update(llama3_rope(factors, head_dim, rope_theta))
     elif kind == "yarn":
@@ -43,8 +45,8 @@ def _rope(h: GGUFHeader, head_dim: int, n_ctx: int) -> dict:
             raise ModelLoadError(f"{h.path}: YaRN extrapolation factor {ext} is not supported")
         rope.update(rope_type="yarn", factor=float(factor), original_max_position_embeddings=orig,
                     max_position_embeddings=n_ctx,
-                    beta_fast=float(_scalar(h, f"{a}.rope.scaling.yarn_beta_fast", 32.0)),
-                    beta_slow=float(_scalar(h, f"{a}.rope.scaling.yarn_beta_slow", 1.0)))
+                    beta_fast=float(scalar(h, f"{a}.rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(scalar(h, f"{a}.rope.scaling.yarn_beta_slow", 1.0)))
         if (log_mul := h.metadata.get(f"{a}.rope.scaling.yarn_log_multiplier")) not in (None, 0.0):
             rope.update(mscale=1.0, mscale_all_dim=float(log_mul))  # llama.cpp assumes mscale == 1
         if (attn := h.metadata.get(f"{a}.rope.scaling.yarn_attn_factor")) is not None:
@@ -68,26 +70,26 @@ def _config(h: GGUFHeader) -> dict:
         raise ModelLoadError(f"{h.path}: a custom attention scale is not supported for mistral3")
     if biases := sorted(n for n in h.tensors if n.startswith("blk.") and n.endswith(".bias")):
         raise ModelLoadError(f"{h.path}: bias tensors ({biases[0]}, ...) are not supported for mistral3")
-    hidden = _scalar(h, f"{a}.embedding_length")
-    heads = _scalar(h, f"{a}.attention.head_count")
-    head_dim = _scalar(h, f"{a}.attention.key_length", None) or _scalar(h, f"{a}.rope.dimension_count",
+    hidden = scalar(h, f"{a}.embedding_length")
+    heads = scalar(h, f"{a}.attention.head_count")
+    head_dim = scalar(h, f"{a}.attention.key_length", None) or scalar(h, f"{a}.rope.dimension_count",
                                                                          hidden // heads)
-    rot = _scalar(h, f"{a}.rope.dimension_count", head_dim)
+    rot = scalar(h, f"{a}.rope.dimension_count", head_dim)
     if rot != head_dim:
         raise ModelLoadError(f"{h.path}: partial rotary ({rot} of {head_dim} dims) is not supported for mistral3")
-    n_ctx = int(_scalar(h, f"{a}.context_length", 32768))
+    n_ctx = int(scalar(h, f"{a}.context_length", 32768))
     rope = _rope(h, head_dim, n_ctx)
     return {
-        **_llama_style_config(h, a, model_type="ministral3", architecture="Ministral3ForCausalLM",
-                              layers=_scalar(h, f"{a}.block_count"), hidden=hidden, heads=heads, head_dim=head_dim,
+        **llama_style_config(h, a, model_type="ministral3", architecture="Ministral3ForCausalLM",
+                              layers=scalar(h, f"{a}.block_count"), hidden=hidden, heads=heads, head_dim=head_dim,
                               context=n_ctx, eps=1e-5),
         "sliding_window": None,
         "rope_theta": rope["rope_theta"],
         "rope_parameters": rope,
         "tie_word_embeddings": "output.weight" not in h.tensors,
-        **_token_ids(h),
+        **token_ids(h),
     }
 
 
 # llama's tensor names and q/k un-permute, with this config
-register(ARCH, dataclasses.replace(SUPPORTED_GGUF_ARCHITECTURES["llama"], model_type="ministral3", build_config=_config))
+ARCHITECTURES = {ARCH: dataclasses.replace(LLAMA, model_type="ministral3", build_config=_config)}

@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import gguf
-from ..errors import ModelLoadError
-from ..gguf import GGUFArchitecture, GGUFHeader, _scalar, _token_ids, _vocab_size
+from ...errors import ModelLoadError
+from ..architecture import GGUFArchitecture
+from ..metadata import scalar, token_ids, vocab_size
+from ..reader import GGUFHeader
 from .common import attention_shape, check_full_rotary, f32, global_names, rope_base, stop_ids, swa_layers, uniform
 
 ARCH = "gpt-oss"
@@ -74,27 +75,27 @@ def yarn_rope(h: GGUFHeader, arch: str, rope_theta: float, truncate: bool) -> di
 
 def build_config(h: GGUFHeader) -> dict:
     a = ARCH
-    layers = _scalar(h, f"{a}.block_count")
+    layers = scalar(h, f"{a}.block_count")
     hidden, heads, head_dim = attention_shape(h, a, NAME)
     check_full_rotary(h, a, head_dim, NAME)
     rope_theta = rope_base(h, a, 150000.0, NAME)
     rope = yarn_rope(h, a, rope_theta, truncate=False)
-    window = _scalar(h, f"{a}.attention.sliding_window")   # required by llama.cpp too
+    window = scalar(h, f"{a}.attention.sliding_window")   # required by llama.cpp too
     sliding = swa_layers(h, a, layers, DEFAULT_SWA_PERIOD)
     config = {
         "model_type": "gpt_oss",
         "architectures": ["GptOssForCausalLM"],
-        "vocab_size": _vocab_size(h, a),
+        "vocab_size": vocab_size(h, a),
         "hidden_size": hidden,
         "intermediate_size": uniform(h, f"{a}.expert_feed_forward_length", layers),
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
-        "num_key_value_heads": _scalar(h, f"{a}.attention.head_count_kv", heads),
+        "num_key_value_heads": scalar(h, f"{a}.attention.head_count_kv", heads),
         "head_dim": head_dim,
-        "num_local_experts": _scalar(h, f"{a}.expert_count"),
+        "num_local_experts": scalar(h, f"{a}.expert_count"),
         "num_experts_per_tok": uniform(h, f"{a}.expert_used_count", layers),
-        "max_position_embeddings": _scalar(h, f"{a}.context_length", 131072),
-        "rms_norm_eps": f32(_scalar(h, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "max_position_embeddings": scalar(h, f"{a}.context_length", 131072),
+        "rms_norm_eps": f32(scalar(h, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": rope_theta,
         "rope_parameters": rope,
         "sliding_window": window,
@@ -103,7 +104,7 @@ def build_config(h: GGUFHeader) -> dict:
         "swiglu_alpha": SWIGLU_ALPHA,
         "swiglu_limit": SWIGLU_LIMIT,
         "tie_word_embeddings": "output.weight" not in h.tensors,
-        **_token_ids(h),
+        **token_ids(h),
     }
     stop_ids(h, config, STOP_TEXTS)
     return config
@@ -160,10 +161,10 @@ def finish(tensors: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Te
     return tensors
 
 
-gguf.register(ARCH, GGUFArchitecture(
+ARCHITECTURES = {ARCH: GGUFArchitecture(
     model_type="gpt_oss",
     build_config=build_config,
     layer_tensors={},
     tensor_names=tensor_names,
     finish=finish,
-))
+)}

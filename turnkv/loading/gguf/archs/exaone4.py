@@ -14,8 +14,9 @@ HF folder. EXAONE 4.5's multi-token-prediction blocks (``nextn_predict_layers``)
 
 from __future__ import annotations
 
-from ..gguf import (ATTN_PROJ_TENSORS, GATED_MLP_TENSORS, QK_NORM_TENSORS, GGUFArchitecture, GGUFHeader,
-                    _llama_style_config, _rope_scaling, _scalar, _token_ids, register)
+from ..architecture import ATTN_PROJ_TENSORS, GATED_MLP_TENSORS, QK_NORM_TENSORS, GGUFArchitecture
+from ..metadata import llama_style_config, rope_scaling, scalar, token_ids
+from ..reader import GGUFHeader
 from .common import attention_shape, rope_base, swa_layers
 from .rope_freqs import freq_factors, llama3_rope
 
@@ -41,18 +42,18 @@ def _layer_types(h: GGUFHeader, layers: int, window: int | None) -> list[str]:
 def _config(h: GGUFHeader) -> dict:
     a = ARCH
     hidden, heads, head_dim = attention_shape(h, a, NAME)
-    layers = _scalar(h, f"{a}.block_count") - int(_scalar(h, f"{a}.nextn_predict_layers", 0))
-    window = _scalar(h, f"{a}.attention.sliding_window", None)
+    layers = scalar(h, f"{a}.block_count") - int(scalar(h, f"{a}.nextn_predict_layers", 0))
+    window = scalar(h, f"{a}.attention.sliding_window", None)
     rope_theta = rope_base(h, a, 10000.0, NAME)
     rope = {"rope_type": "default", "rope_theta": rope_theta}
     if (factors := freq_factors(h, head_dim)) is not None:
         rope.update(llama3_rope(factors, head_dim, rope_theta))
-    elif scaling := _rope_scaling(h, a):
+    elif scaling := rope_scaling(h, a):
         rope.update(scaling)
     return {
-        **_llama_style_config(h, a, model_type="exaone4", architecture="Exaone4ForCausalLM", layers=layers,
+        **llama_style_config(h, a, model_type="exaone4", architecture="Exaone4ForCausalLM", layers=layers,
                               hidden=hidden, heads=heads, head_dim=head_dim,
-                              context=_scalar(h, f"{a}.context_length", 4096), eps=1e-5),
+                              context=scalar(h, f"{a}.context_length", 4096), eps=1e-5),
         "sliding_window": window,
         "sliding_window_pattern": None,
         "layer_types": _layer_types(h, layers, window),
@@ -60,8 +61,8 @@ def _config(h: GGUFHeader) -> dict:
         "rope_parameters": rope,
         "attention_bias": False,
         "tie_word_embeddings": "output.weight" not in h.tensors,
-        **_token_ids(h),
+        **token_ids(h),
     }
 
 
-register(ARCH, GGUFArchitecture(model_type="exaone4", build_config=_config, layer_tensors=_LAYER))
+ARCHITECTURES = {ARCH: GGUFArchitecture(model_type="exaone4", build_config=_config, layer_tensors=_LAYER)}
