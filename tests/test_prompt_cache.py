@@ -18,7 +18,7 @@ from turnkv.cache.base import DIVERGED_UNTRIMMABLE, KV_MODE_MISMATCH
 from turnkv.cache.kv import KVCache
 from turnkv.cache.recurrent import StateCache
 from turnkv.cache.sliding import SlidingWindowCache
-from turnkv.prompt_cache.policy import checkpoint_positions
+from turnkv.prompt_cache.plan import checkpoint_positions
 from turnkv.cache.snapshot import ModelSnapshot, take_snapshot
 from turnkv.prompt_cache.store import OVER_BUDGET, Namespace, PromptCache
 from turnkv.prompt_cache.trie import RadixTrie

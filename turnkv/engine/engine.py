@@ -1,15 +1,15 @@
 """The engine: many sequences at a time, one model forward per step.
 
 ``submit`` queues a request (thread-safe) and returns its Sequence; ``step`` admits waiting
-sequences into state slots (restoring what the prompt cache holds for them), runs one batch of
-every decoding sequence's next token plus prefill chunks (engine/scheduler.py), samples, and sends
-each sequence its events. The server runs ``run`` on one thread; the CLI and tests use ``stream``
-and ``generate``, which drive ``step`` themselves (one thread at a time: the engine is not
-re-entrant).
+sequences into state slots, runs one batch of every decoding sequence's next token plus prefill
+chunks (engine/scheduler.py), samples, and sends each sequence its events. The server runs ``run``
+on one thread; the CLI and tests use ``stream`` and ``generate``, which drive ``step`` themselves
+(one thread at a time: the engine is not re-entrant).
 
-Reuse has one owner, ``ReusePolicy`` (prompt_cache/policy.py): begin (lookup + restore) on
-admission, checkpoints between prefill chunks, the prompt-end snapshot after the first token is
-out (not in TTFT), and the end-of-generation snapshot when a sequence ends, cancelled or not.
+Reuse has one owner, prompt_cache/plan.py: on admission ``Reuse.begin`` restores what the prompt
+cache holds and gives the sequence its ``SeqPlan``, which the step asks where a prefill chunk must
+end and which it tells when a chunk, the prompt, the first token and the sequence are done.
+Building and checking requests is engine/requests.py; loading a model is loading/model.py.
 """
 
 from __future__ import annotations
@@ -23,31 +23,23 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ..cache.storage import NATIVE
-from ..cache.slots import StateIdentity, StatePool, common_prefix
+from ..cache.slots import StateIdentity, StatePool
 from ..cache.sliding import DEFAULT_SLACK
 from ..cache.specs import CacheSpec, default_modes
-from ..images import (DEFAULT_IMAGE_CACHE_MB, DEFAULT_MAX_IMAGE_PIXELS, EncoderCache, decode_image, image_ids_in,
-                      is_key, last_image_end, parse_data_url, split_key,
-                      whole_images)
+from ..images import DEFAULT_IMAGE_CACHE_MB, DEFAULT_MAX_IMAGE_PIXELS, EncoderCache, image_ids_in, last_image_end
 from ..models.batch import LAST, Batch
-from ..prompt_cache.policy import ReusePolicy
+from ..prompt_cache.plan import Reuse
 from ..prompt_cache.store import Namespace, PromptCache
+from .requests import ContextLengthError, Requests
 from .scheduler import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_QUEUE, DEFAULT_MAX_SEQS, QueueFull, Scheduler, Work
 from .sequence import (DECODE, FINISHED, PREFILL, Failure, GenerationRequest, Result, Sequence, Stats,
                        TokenEvent, Usage)
 
 DEFAULT_PREFILL_CHUNK = 512
-BOUNDARY_MESSAGES = 16       # message ends found per chat request (tokenizer.render_chat)
-SHARE_MIN_TOKENS = 64        # a common prefix worth waiting for another sequence to compute
 log = logging.getLogger("turnkv.engine")
 
 __all__ = ["Engine", "GenerationRequest", "Result", "TokenEvent", "Usage", "Stats", "Failure", "QueueFull",
            "ContextLengthError", "DEFAULT_PREFILL_CHUNK"]
-
-
-class ContextLengthError(ValueError):
-    """The prompt does not fit the model's context."""
-
 
 AUTO_KV = "auto"
 
@@ -71,7 +63,7 @@ class Engine:
                  weights: str = "native", max_seqs: int = DEFAULT_MAX_SEQS,
                  max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, max_queue: int = DEFAULT_MAX_QUEUE,
                  image_cache_mb: float = DEFAULT_IMAGE_CACHE_MB, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
-        self.model, self.tokenizer = model, tokenizer
+        self.model = model
         self.max_image_pixels = int(max_image_pixels)
         # vision families: image embeddings by content hash (docs/images.md); None for text-only models
         self.encoder_cache = (EncoderCache(int(image_cache_mb * 1024 * 1024))
@@ -88,7 +80,10 @@ class Engine:
         self.weights = weights    # the weight format the model was loaded in (models/weights.py)
         self.identity = StateIdentity(self.family, self.fingerprint, self.modes)
         self.pool = self._state_pool(max_seqs)
-        self.reuse = ReusePolicy(prompt_cache, self.specs, self.dtype, slack, self.identity)
+        self.reuse = Reuse(prompt_cache, self.specs, self.dtype, slack, self.identity)
+        # message boundaries only serve checkpoints, which only families that cannot truncate take
+        self.requests = Requests(model, tokenizer, self.name, self.max_context, not self.reuse.trimmable,
+                                 self.max_image_pixels)
         self.scheduler = Scheduler(max_seqs, max_batch_tokens, max_queue, self.prefill_chunk,
                                    getattr(model, "bidirectional_images", False))
         self._inbox: deque[Sequence] = deque()
@@ -103,44 +98,28 @@ class Engine:
         return StatePool(self.specs, self.identity, self.dtype, self.device, self.slack, max_seqs,
                          max_context=self.max_context, chunk=self.prefill_chunk, cache_bytes=budget)
 
-    # --- construction -----------------------------------------------------------------------
     @classmethod
     def load(cls, model: str, *, dtype: torch.dtype = torch.float32, weights: str | None = "native",
              progress: bool = True, **kw) -> "Engine":
-        """``weights``: a weight format of models/weights.py (packed formats quantize from the
-        float32 checkpoint tensors, whatever the compute dtype; ``gguf`` keeps the GGUF's own
-        quantized blocks), or None for the default: ``gguf`` for a GGUF model (stored quantized) of a
-        family with packable weights when the native kernels are built, else ``native``
-        (``models.weights.default_format``)."""
-        from ..kernels.attention import numerics_tag
-        from ..loading import gguf_runs_quantized, gguf_type_summary, load_checkpoint, source_kind
-        from ..models import family_class
-        from ..models.weights import GGUF_FORMAT, check_format, default_format, load_model
+        """An engine on a bundled name, .gguf file or HF folder (loading/model.py: ``weights``
+        None picks the format the file runs best in)."""
+        from ..loading.model import load_model
 
-        if weights is None:
-            kind, arch = source_kind(model)
-            weights = "native"
-            if kind == "gguf" and gguf_runs_quantized(model):     # a float-stored GGUF runs native
-                weights = default_format(kind, family_class(arch))
-        check_format(weights)    # before the load; load_model checks the family can hold it
-        ckpt = load_checkpoint(model, dtype=dtype if weights == "native" else torch.float32, progress=progress,
-                               keep_quantized=weights == GGUF_FORMAT)
-        net = load_model(family_class(ckpt.architecture), ckpt.config, ckpt.tensors, dtype, weights,
-                         progress=progress, quantized=ckpt.quantized)
-        net.eval()
-        if weights == GGUF_FORMAT:      # the banner's per-type kernel line (launch.py)
-            net.gguf_types = gguf_type_summary(model, ckpt.quantized)
-        if hasattr(net, "load_processor"):     # vision families: the folder's image preprocessing
-            net.load_processor(ckpt.source)
+        loaded = load_model(model, dtype, weights, progress)
         if kw.get("max_context") is None:
-            kw["max_context"] = int(ckpt.config.get("max_position_embeddings") or 8192)
-        # packed weights compute different (close) logits: their snapshots are another namespace
-        fingerprint = ckpt.fingerprint if weights == "native" else f"{ckpt.fingerprint}+w:{weights}"
-        # ... and another build's or CPU kind's kernels compute other bits: their tier entries are other names
-        fingerprint = f"{fingerprint}+k:{numerics_tag()}"
+            kw["max_context"] = loaded.max_context
         if kw.get("kv_mode") == AUTO_KV:
-            kw["kv_mode"] = auto_kv_mode(weights, dtype)
-        return cls(net, ckpt.tokenizer, fingerprint=fingerprint, name=ckpt.name, weights=weights, **kw)
+            kw["kv_mode"] = auto_kv_mode(loaded.weights, dtype)
+        return cls(loaded.net, loaded.tokenizer, fingerprint=loaded.fingerprint, name=loaded.name,
+                   weights=loaded.weights, **kw)
+
+    @property
+    def tokenizer(self):
+        return self.requests.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer) -> None:      # a --chat-template given at start-up (launch.py)
+        self.requests.tokenizer = tokenizer
 
     def namespace(self, tenant: str = "", owner: str = "") -> Namespace:
         return self.reuse.namespace(tenant, owner)
@@ -151,103 +130,16 @@ class Engine:
             counts[spec.describe()] = counts.get(spec.describe(), 0) + 1
         return ", ".join(f"{n} x {kind}" for kind, n in counts.items())
 
-    # --- requests -----------------------------------------------------------------------------
-    def _need_tokenizer(self) -> None:
-        if self.tokenizer is None:
-            raise ValueError(f"model {self.name} has no tokenizer: send the prompt as token ids "
-                             f"(/v1/completions with a list of integers)")
-
+    # --- requests (engine/requests.py) --------------------------------------------------------
     def chat_request(self, messages: list[dict], params=None, tenant: str = "", *, tools: list | None = None,
                      template_kwargs: dict | None = None) -> GenerationRequest:
-        from .sampling import SamplingParams
-        self._need_tokenizer()
-        if self.encoder_cache is not None:
-            return self._vision_chat_request(messages, params, tenant, tools, template_kwargs)
-        t0 = time.perf_counter()
-        # boundaries only serve checkpoints, which only families that cannot truncate take
-        rendered = self.tokenizer.render_chat(messages, add_generation_prompt=True,
-                                              boundary_messages=0 if self.reuse.trimmable else BOUNDARY_MESSAGES,
-                                              tools=tools, template_kwargs=template_kwargs)
-        return GenerationRequest(list(rendered.ids), params or SamplingParams(), list(rendered.boundaries), tenant,
-                                 render_ms=(time.perf_counter() - t0) * 1000 - rendered.tokenize_ms,
-                                 tokenize_ms=rendered.tokenize_ms)
-
-    def _vision_chat_request(self, messages, params, tenant, tools, template_kwargs) -> GenerationRequest:
-        """A chat for a vision family (docs/images.md): the template renders each image as the
-        family's image marker, which expands as transformers' processor expands it; the expansion's
-        placeholder tokens become the image's keys. ValueError (400) for a bad image."""
-        from ..loading.tokenizer import normalize_vision_messages
-        from .sampling import SamplingParams
-        t0 = time.perf_counter()
-        msgs, urls = normalize_vision_messages(messages)
-        images = [self.model.prepare_image(decode_image(parse_data_url(u), self.max_image_pixels)) for u in urls]
-        text = self.tokenizer.render_text(msgs, True, tools, template_kwargs)
-        marker = self.model.image_marker
-        prompts = [self.model.image_prompt(im) for im in images]
-
-        def expand(rendered: str) -> str:   # the first markers are the first images (order of appearance)
-            pieces = rendered.split(marker)
-            if len(pieces) - 1 > len(prompts):
-                raise ValueError(f"the chat renders {len(pieces) - 1} image markers {marker} for {len(images)} "
-                                 f"images (message text must not contain {marker})")
-            return pieces[0] + "".join(p + rest for p, rest in zip(prompts, pieces[1:]))
-
-        if text.count(marker) != len(images):
-            raise ValueError(f"the chat renders {text.count(marker)} image markers {marker} for {len(images)} images "
-                             f"(message text must not contain {marker})")
-        # message boundaries (checkpoints) only for families that cannot truncate, as for text chats
-        rendered = self.tokenizer.tokenize_chat(msgs, expand(text), 0 if self.reuse.trimmable else BOUNDARY_MESSAGES,
-                                                tools, template_kwargs, expand=expand)
-        ids = list(rendered.ids)
-        keys = [k for im in images for k in im.keys()]
-        placeholder = self.model.image_token_id
-        if sum(1 for t in ids if t == placeholder) != len(keys):
-            raise ValueError("the prompt's image tokens do not match its images (message text must not contain "
-                             "the model's image tokens)")
-        it = iter(keys)
-        ids = [next(it) if t == placeholder else t for t in ids]
-        return GenerationRequest(ids, params or SamplingParams(), list(rendered.boundaries), tenant,
-                                 images={im.image_id: im for im in images},
-                                 render_ms=(time.perf_counter() - t0) * 1000 - rendered.tokenize_ms,
-                                 tokenize_ms=rendered.tokenize_ms)
+        return self.requests.chat(messages, params, tenant, tools=tools, template_kwargs=template_kwargs)
 
     def text_request(self, text: str, params=None, tenant: str = "") -> GenerationRequest:
-        from .sampling import SamplingParams
-        self._need_tokenizer()
-        t0 = time.perf_counter()
-        ids = self.tokenizer.encode(text)
-        return GenerationRequest(ids, params or SamplingParams(), [], tenant, tokenize_ms=(time.perf_counter() - t0) * 1000)
+        return self.requests.text(text, params, tenant)
 
     def check_request(self, req: GenerationRequest) -> None:
-        req.params.validate(self.model.vocab_size)
-        n = len(req.prompt_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if n >= self.max_context:
-            raise ContextLengthError(
-                f"the prompt has {n} tokens but the context is {self.max_context} tokens "
-                f"(at least one token must be generated)")
-        vocab = self.model.vocab_size
-        bad = next((t for t in req.prompt_ids if not 0 <= int(t) < vocab and not is_key(int(t))), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        self._check_images(req)
-
-    def _check_images(self, req: GenerationRequest) -> None:
-        """Image keys (turnkv/images.py) only for images the request carries, rows they have."""
-        keys = [int(t) for t in req.prompt_ids if is_key(int(t))]
-        if not keys and not req.images:
-            return
-        if self.encoder_cache is None:
-            raise ValueError(f"model {self.name} does not take images")
-        for t in keys:
-            image_id, k = split_key(t)
-            image = req.images.get(image_id)
-            if image is None or k >= image.n_rows:
-                raise ValueError("the prompt has an image placeholder for an image the request does not carry")
-        if getattr(self.model, "bidirectional_images", False) and not whole_images(req.prompt_ids, req.images):
-            raise ValueError("each image's placeholders must appear whole and in order (the model's image tokens "
-                             "attend to each other both ways)")
+        self.requests.check(req)
 
     def submit(self, req: GenerationRequest, sink: Callable[[object], None]) -> Sequence:
         """Queue a request (any thread). ``sink`` receives a TokenEvent per token, then the Result
@@ -260,7 +152,7 @@ class Engine:
         budget = min(req.params.max_tokens, self.max_context - len(req.prompt_ids))
         ns = self.namespace(req.tenant, req.owner)
         seq = Sequence(req, ns, self.tokenizer, eos, budget, sink)
-        # n > 1: choices 1..n-1 fork from the leader's state once it holds the prompt (_release_forks)
+        # n > 1: choices 1..n-1 fork from the leader's state once it holds the prompt (_prompt_done)
         seq.forks = [Sequence(req, ns, self.tokenizer, eos, budget, sink, index=i) for i in range(1, req.params.n)]
         with self._lock:
             waiting = len(self._inbox) + len(self.scheduler.waiting) + len(seq.forks)
@@ -345,27 +237,14 @@ class Engine:
 
     # --- one step ---------------------------------------------------------------------------------
     def step(self) -> bool:
-        """Admit, run one batch, sample, emit. False when there was nothing to do."""
-        with self._lock:
-            while self._inbox:
-                self.scheduler.add(self._inbox.popleft())
-        acted = self._reap_cancelled()
-        for seq in self.scheduler.admissible():
-            acted = True
-            self._admit(seq)
-        for seq in self.scheduler.running:
-            if seq.follow is not None and (seq.follow[0].pos >= seq.follow[1] or seq.follow[0].done):
-                seq.follow = None          # the leader stored the shared prefix (or ended): look again
-                self._begin(seq)
+        """Admit, plan, run one batch, advance every sequence in it. False when there was nothing to do."""
+        acted = self._admit_waiting()
         work = self.scheduler.plan()
         if not work:
             return acted
         self.steps += 1
         try:
-            with torch.inference_mode():
-                images = self._step_images(work) if self.encoder_cache is not None else None
-                batch = Batch.build([(w.tokens, w.seq.state.caches, w.logits) for w in work], self.device, images)
-                logits = self.model.forward(batch)
+            logits = self._forward(work)
         except Exception as err:  # noqa: BLE001 - fail this batch's sequences, keep serving
             log.exception("a model step failed")
             for w in work:
@@ -375,14 +254,35 @@ class Engine:
         for w in work:
             out = None
             if w.logits == LAST:
-                out = logits[row]
-                row += 1
+                out, row = logits[row], row + 1
             try:
                 self._advance(w, out)
             except Exception as err:  # noqa: BLE001
                 log.exception("a sequence failed after its step")
                 self._fail(w.seq, err)
         return True
+
+    def _admit_waiting(self) -> bool:
+        """New requests queued, ended ones reaped, waiting ones admitted while slots are free,
+        followers whose leader got there restarted."""
+        with self._lock:
+            while self._inbox:
+                self.scheduler.add(self._inbox.popleft())
+        acted = self._reap_cancelled()
+        for seq in self.scheduler.admissible():
+            acted = True
+            self._admit(seq)
+        for seq in list(self.scheduler.running):     # a restart may end a sequence (an exact hit)
+            if seq.plan is not None and seq.plan.follow_ready():      # the leader stored the shared prefix
+                self._start(seq, lambda s=seq: self.reuse.restart(s.plan, s.state))
+        return acted
+
+    def _forward(self, work: list[Work]) -> torch.Tensor | None:
+        """One model forward over the step's tokens: the next-token logits of each LAST row."""
+        with torch.inference_mode():
+            images = self._step_images(work) if self.encoder_cache is not None else None
+            batch = Batch.build([(w.tokens, w.seq.state.caches, w.logits) for w in work], self.device, images)
+            return self.model.forward(batch)
 
     def _step_images(self, work: list[Work]) -> dict | None:
         """Embeddings of the images whose keys this step prefills: the sequence's own (already
@@ -402,6 +302,8 @@ class Engine:
         return out or None
 
     def _admit(self, seq: Sequence) -> None:
+        """A state slot, then the reuse plan: a fork restores its leader's prompt state, any other
+        sequence what the prompt cache holds (or it follows a sequence computing its prefix)."""
         seq.t_admit = time.perf_counter()
         seq.stats.queue_ms = (seq.t_admit - seq.t_submit) * 1000
         try:
@@ -411,110 +313,55 @@ class Engine:
             self._fail(seq, err)
             return
         if seq.fork_from is not None:
-            self._begin_fork(seq)
-        else:
-            self._begin(seq, share=True)
+            point, seq.fork_from = seq.fork_from, None
+            self._start(seq, lambda: self.reuse.fork(seq.state, seq.ns, seq.prompt, point))
+            return
+        media_end = last_image_end(seq.prompt) if seq.req.images else 0
+        others = [s.plan for s in self.scheduler.running if s.plan is not None]
+        self._start(seq, lambda: self.reuse.begin(seq.state, seq.ns, seq.prompt, seq.req.boundaries, media_end,
+                                                  others))
 
-    def _begin(self, seq: Sequence, share: bool = False) -> None:
-        """Restore what the prompt cache holds for the prompt; with ``share``, wait instead for a
-        sequence running now that is about to compute a longer common prefix."""
+    def _start(self, seq: Sequence, restore: Callable) -> None:
+        """``restore()`` gives the sequence its reuse plan; then it prefills what is left, or
+        samples at once from restored logits (an exact hit, or a fork's leader's)."""
         try:
-            restored = self.reuse.begin(seq.state, seq.ns, seq.prompt)
+            seq.plan = restore()
         except Exception as err:  # noqa: BLE001
             log.exception("restoring a sequence's state failed")
             self._fail(seq, err)
             return
-        s = seq.stats
-        s.lookup_ms, s.restore_ms, s.reuse_from = restored.lookup_ms, restored.restore_ms, restored.reuse_from
-        s.restored_origin, s.restored_entry_length = restored.origin, restored.entry_length
-        seq.usage.cached_tokens = seq.pos = restored.cached
-        # and right after the prompt's last image: an edit of the text after it restores from there
-        seq.stops = self.reuse.checkpoints(seq.req.boundaries, seq.pos, len(seq.prompt),
-                                           last_image_end(seq.prompt) if seq.req.images else 0)
+        seq.note_restored(seq.plan.restored)
         seq.status = PREFILL
-        if restored.logits is not None:        # the whole prompt was stored with its logits
-            self._prompt_done(seq)
-            self._release_forks(seq, restored.logits)
-            if seq.take(restored.logits):
+        if seq.plan.restored.logits is not None:
+            self._prompt_done(seq, seq.plan.restored.logits, computed=False)
+            if seq.take(seq.plan.restored.logits):
                 self._finish(seq)
-        elif share:
-            self._follow(seq)
 
-    def _follow(self, seq: Sequence) -> None:
-        """Two requests with one long common prefix (a shared system prompt) at the same time:
-        the later waits while the earlier prefills that prefix, which then checkpoints exactly at
-        its end (the prompt cache stores it), and the later restores it instead of computing it
-        again."""
-        if not self.reuse.active:
-            return
-        best, best_len = None, seq.pos + SHARE_MIN_TOKENS - 1
-        for other in self.scheduler.running:
-            if other is seq or other.follow is not None or other.ns != seq.ns or other.status != PREFILL:
-                continue
-            n = common_prefix(other.prompt, seq.prompt)
-            if n > best_len and other.pos < n:
-                best, best_len = other, n
-        if best is None:
-            return
-        if best.pos < best_len and best_len not in best.stops:
-            best.stops = sorted(best.stops + [best_len])
-        seq.follow = (best, best_len)
-
-    def _prompt_done(self, seq: Sequence) -> None:
+    def _prompt_done(self, seq: Sequence, logits: torch.Tensor, computed: bool) -> None:
+        """The state holds the prompt. n > 1: the other choices start from its snapshot and these
+        logits (the prompt is prefilled once); they go to the front of the queue."""
         seq.status = DECODE
         seq.stats.prefilled_tokens = len(seq.prompt) - seq.usage.cached_tokens
         seq.stats.prefill_ms = (time.perf_counter() - seq.t_admit) * 1000
-        self.reuse.record_prefill(seq.stats.prefilled_tokens, seq.ns.owner)
-
-    def _release_forks(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """n > 1: the leader's state holds the whole prompt; its other choices start from a snapshot
-        of it (full-attention blocks are shared, not copied) and the same next-token logits, so the
-        prompt is prefilled once. They go to the front of the queue and decode with the leader."""
-        if not seq.forks:
-            return
-        point = (seq.state.snapshot(), logits)
-        for fork in seq.forks:
-            fork.fork_from = point
-        with self._lock:
-            self.scheduler.waiting.extendleft(reversed(seq.forks))
-        seq.forks = []
-
-    def _begin_fork(self, seq: Sequence) -> None:
-        snap, logits = seq.fork_from
-        seq.fork_from = None
-        try:
-            seq.state.restore(snap, len(seq.prompt), seq.prompt)
-        except Exception as err:  # noqa: BLE001
-            log.exception("forking a choice from the prompt state failed")
-            self._fail(seq, err)
-            return
-        seq.pos = len(seq.prompt)
-        seq.usage.cached_tokens = len(seq.prompt)     # per choice; the request's usage counts the leader's
-        seq.stats.reuse_from = "fork"
-        seq.status = DECODE
-        seq.stats.prefill_ms = (time.perf_counter() - seq.t_admit) * 1000
-        if seq.take(logits):
-            self._finish(seq)
+        seq.plan.prompt_done(computed)
+        if seq.forks:
+            point = seq.plan.fork_point(seq.state, logits)
+            for fork in seq.forks:
+                fork.fork_from = point
+            with self._lock:
+                self.scheduler.waiting.extendleft(reversed(seq.forks))
+            seq.forks = []
 
     def _advance(self, w: Work, logits: torch.Tensor | None) -> None:
         seq = w.seq
         seq.state.tokens.extend(w.tokens)
         if w.prefill:
-            seq.pos += len(w.tokens)
-            if seq.stops and seq.pos == seq.stops[0]:
-                seq.stops.pop(0)
-                self.reuse.checkpoint(seq.state, seq.ns)
-                seq.stats.checkpoints += 1
+            seq.plan.after_chunk(seq.state, len(w.tokens))
             if seq.pos < len(seq.prompt):
                 return
-            self._prompt_done(seq)
-            self._release_forks(seq, logits)
-            seq.prompt_end_pending = self.reuse.wants_prompt_end
+            self._prompt_done(seq, logits, computed=True)
         finished = seq.take(logits)
-        if seq.prompt_end_pending:      # after the first token is out, so not in TTFT
-            seq.prompt_end_pending = False
-            self.reuse.prompt_end(seq.state, seq.ns, seq.first_logits)
-            seq.stats.checkpoints += 1
+        seq.plan.after_token(seq.state, seq.first_logits)   # after the first token is out, so not in TTFT
         if finished:
             self._finish(seq)
 
@@ -534,15 +381,12 @@ class Engine:
             fork.finish_reason = seq.finish_reason
             self._finish(fork)
         seq.forks = []
-        state = seq.state
-        if state is not None:
+        if seq.state is not None:
             try:
-                # the last sampled token is not in the state; its logits are those of the state's end
-                # when the state holds the whole prompt and every token but the last
-                complete = seq.generated and state.length == len(seq.prompt) + len(seq.generated) - 1
-                self.reuse.finish(state, seq.ns, seq.last_logits if complete else None)
+                if seq.plan is not None:
+                    seq.plan.finish(seq.state, len(seq.generated), seq.last_logits)
             finally:
-                self.pool.release(state)
+                self.pool.release(seq.state)
         self.scheduler.remove(seq)
         seq.status = FINISHED
         seq.result = seq.build_result()
@@ -552,6 +396,8 @@ class Engine:
         for fork in seq.forks:
             self._fail(fork, err)
         seq.forks = []
+        if seq.plan is not None:
+            seq.plan.end()
         if seq.state is not None:
             seq.state.reset()          # a step that raised may have advanced some layers only
             self.pool.release(seq.state)

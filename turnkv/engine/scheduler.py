@@ -76,15 +76,10 @@ class Scheduler:
         for seq in self.running:
             if budget <= 0:
                 break
-            if seq.status != PREFILL or seq.follow is not None:
+            if seq.status != PREFILL or seq.plan.follow is not None:
                 continue
-            n = min(self.prefill_chunk, seq.next_stop() - seq.pos, budget)
-            end = seq.pos + n
-            if self.whole_images:
-                end = image_run_cut(seq.prompt, seq.pos, end)
-                while seq.stops and seq.stops[0] < end:     # a stop inside an image: not reachable
-                    seq.stops.pop(0)
-                n = end - seq.pos
+            end = seq.plan.chunk_end(min(self.prefill_chunk, budget), image_run_cut if self.whole_images else None)
+            n = end - seq.pos
             work.append(Work(seq, seq.prompt[seq.pos:end], LAST if end == len(seq.prompt) else NONE, prefill=True))
             budget -= n
         return work

@@ -18,6 +18,7 @@ import torch
 
 from ..cache.slots import SeqState
 from ..images import model_ids
+from ..prompt_cache.plan import Restored, SeqPlan
 from ..prompt_cache.store import Namespace
 from .sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
 from .text import StopMatcher
@@ -124,15 +125,11 @@ class Sequence:
         self.eos, self.budget = eos, budget
         self.status = WAITING
         self.state: SeqState | None = None
-        self.pos = 0                          # prompt tokens the state holds (prefill progress)
-        self.stops: list[int] = []            # checkpoint positions still ahead in the prompt
-        # (leader, n): waiting for a running sequence to compute (and store) n shared prompt tokens
-        self.follow: tuple[Sequence, int] | None = None
+        self.plan: SeqPlan | None = None      # its reuse (prompt_cache/plan.py), from admission on
         self.next_token: int | None = None    # sampled, not yet fed
         self.generated: list[int] = []
         self.last_logits: torch.Tensor | None = None   # logits of the state's last token
         self.first_logits: torch.Tensor | None = None
-        self.prompt_end_pending = False
         self.cancelled = threading.Event()
         self.usage = Usage(prompt_tokens=len(self.prompt))
         self.stats = Stats(render_ms=req.render_ms, tokenize_ms=req.tokenize_ms)
@@ -160,9 +157,16 @@ class Sequence:
             return "timeout"
         return None
 
-    def next_stop(self) -> int:
-        """Where the current prefill chunk must end at the latest (a checkpoint or the prompt end)."""
-        return self.stops[0] if self.stops else len(self.prompt)
+    @property
+    def pos(self) -> int:
+        """Prompt tokens the state holds (prefill progress)."""
+        return self.plan.pos if self.plan is not None else 0
+
+    def note_restored(self, restored: Restored) -> None:
+        s = self.stats
+        s.lookup_ms, s.restore_ms, s.reuse_from = restored.lookup_ms, restored.restore_ms, restored.reuse_from
+        s.restored_origin, s.restored_entry_length = restored.origin, restored.entry_length
+        self.usage.cached_tokens = restored.cached    # for a fork: per choice (the request counts the leader's)
 
     def emit(self, event) -> None:
         self.sink(event)
@@ -211,6 +215,7 @@ class Sequence:
             if tail:
                 self.emit(TokenEvent(self.generated[-1], tail, self.index))
         s = self.stats
+        s.checkpoints = self.plan.checkpoints if self.plan is not None else 0
         self.usage.completion_tokens = len(self.generated)
         s.total_ms = (t_end - self.t_submit) * 1000
         s.decode_ms = (t_end - (self.t_first or t_end)) * 1000

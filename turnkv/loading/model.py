@@ -1,0 +1,55 @@
+"""A model ready to serve from a bundled name, a .gguf file or an HF folder: the checkpoint read
+(loading/), the family built in the chosen weight format (models/), and the fingerprint that
+names its prompt-cache entries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import gguf_runs_quantized, gguf_type_summary, load_checkpoint, source_kind
+
+
+@dataclass
+class LoadedModel:
+    net: torch.nn.Module
+    tokenizer: object
+    fingerprint: str
+    name: str
+    weights: str          # the weight format (models/weights.py)
+    max_context: int      # the checkpoint's max_position_embeddings (8192 when it names none)
+
+
+def load_model(model: str, dtype: torch.dtype = torch.float32, weights: str | None = "native",
+               progress: bool = True) -> LoadedModel:
+    """``weights``: a weight format of models/weights.py (packed formats quantize from the float32
+    checkpoint tensors, whatever the compute dtype; ``gguf`` keeps the GGUF's own quantized
+    blocks), or None for the default: ``gguf`` for a GGUF model (stored quantized) of a family with
+    packable weights when the native kernels are built, else ``native``."""
+    from ..kernels.attention import numerics_tag
+    from ..models import family_class
+    from ..models.weights import GGUF_FORMAT, check_format, default_format
+    from ..models.weights import load_model as build
+
+    if weights is None:
+        kind, arch = source_kind(model)
+        weights = "native"
+        if kind == "gguf" and gguf_runs_quantized(model):     # a float-stored GGUF runs native
+            weights = default_format(kind, family_class(arch))
+    check_format(weights)    # before the load; the build checks the family can hold it
+    ckpt = load_checkpoint(model, dtype=dtype if weights == "native" else torch.float32, progress=progress,
+                           keep_quantized=weights == GGUF_FORMAT)
+    net = build(family_class(ckpt.architecture), ckpt.config, ckpt.tensors, dtype, weights,
+                progress=progress, quantized=ckpt.quantized)
+    net.eval()
+    if weights == GGUF_FORMAT:      # the banner's per-type kernel line (launch.py)
+        net.gguf_types = gguf_type_summary(model, ckpt.quantized)
+    if hasattr(net, "load_processor"):     # vision families: the folder's image preprocessing
+        net.load_processor(ckpt.source)
+    # packed weights compute different (close) logits: their snapshots are another namespace,
+    # and another build's or CPU kind's kernels compute other bits: their tier entries are other names
+    fingerprint = ckpt.fingerprint if weights == "native" else f"{ckpt.fingerprint}+w:{weights}"
+    fingerprint = f"{fingerprint}+k:{numerics_tag()}"
+    return LoadedModel(net, ckpt.tokenizer, fingerprint, ckpt.name, weights,
+                       int(ckpt.config.get("max_position_embeddings") or 8192))
