@@ -86,7 +86,8 @@ def main() -> int:
     from turnkv.engine.sampling import SamplingParams
     from turnkv.launch import configure_process
     from turnkv.prompt_cache.store import PromptCache
-    from turnkv.prompt_cache.tiers import DiskTier, TieredPromptCache
+    from turnkv.prompt_cache.disk_tier import DiskTier
+    from turnkv.prompt_cache.tiered import TieredPromptCache
 
     settings = configure_process()
     print(f"CPU: {cpu_model()}, {settings.threads} threads, torch {torch.__version__}")

@@ -120,7 +120,7 @@ def test_help_defaults_match_the_engine():
     from turnkv import images
     assert (cli.DEFAULT_MAX_IMAGE_PIXELS, cli.DEFAULT_IMAGE_CACHE_MB) == (images.DEFAULT_MAX_IMAGE_PIXELS,
                                                                          images.DEFAULT_IMAGE_CACHE_MB)
-    from turnkv.prompt_cache import tiers
+    from turnkv.prompt_cache import tier as tiers
     assert cli.build_parser().parse_args(["generate", "-p", "hi"]).tier_keep_turns == tiers.DEFAULT_KEEP_TURNS
     from turnkv.server import app
     assert (cli.DEFAULT_MAX_MESSAGES, cli.DEFAULT_MAX_CONNECTIONS) == (app.DEFAULT_MAX_MESSAGES,

@@ -25,8 +25,9 @@ from ssm_family_checks import save_and_load
 from tiny import VOCAB, engine, request, tiny_gemma3, tiny_llama
 from turnkv.cache.serialize import BLOCK_MAGIC, FORMAT_VERSION, MANIFEST_MAGIC, Manifest, seal, unseal
 from turnkv.engine.engine import Engine
+from turnkv.prompt_cache.disk_tier import DiskTier
 from turnkv.prompt_cache.store import PromptCache
-from turnkv.prompt_cache.tiers import DiskTier, TieredPromptCache
+from turnkv.prompt_cache.tiered import TieredPromptCache
 
 ATOL = 1e-4
 SYSTEM, USER, REPLY = 100, 12, 6

@@ -239,7 +239,7 @@ def engine_from(args, progress: bool = True):
     budget = int(args.cache_budget_mb * 1024 * 1024) if args.prompt_cache else 0
     tiered = budget > 0 and bool(getattr(args, "cache_dir", None) or getattr(args, "redis_url", None))
     if tiered:
-        from .prompt_cache.tiers import TieredPromptCache
+        from .prompt_cache.tiered import TieredPromptCache
         cache = TieredPromptCache(budget, [], slack=args.swa_slack, device=args.device,
                                   tenant_budget_bytes=tenant_budget_bytes(args))
     else:
@@ -251,8 +251,8 @@ def engine_from(args, progress: bool = True):
                          prefill_chunk=args.prefill_chunk, max_context=args.max_context,
                          **{k: getattr(args, k) for k in ("max_seqs", "max_batch_tokens", "max_queue",
                                                           "max_image_pixels", "image_cache_mb") if hasattr(args, k)})
-    if tiered:   # the lower tiers are named by the loaded model's fingerprint (prompt_cache/tiers.py)
-        from .prompt_cache.tiers import build_tiers
+    if tiered:   # the lower tiers are named by the loaded model's fingerprint (prompt_cache/tiered.py)
+        from .prompt_cache.tiered import build_tiers
         cache.attach(build_tiers(engine.fingerprint, args.cache_dir, args.disk_cache_mb, args.redis_url,
                                  args.redis_cache_mb, args.redis_timeout_ms / 1000,
                                  keep_turns=getattr(args, "tier_keep_turns", 1)), engine.family, engine.device)

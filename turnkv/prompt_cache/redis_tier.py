@@ -19,7 +19,7 @@ import logging
 import time
 
 from ..cache.serialize import Encoded, Manifest, Refused
-from .tiers import DEFAULT_KEEP_TURNS, MAX_CANDIDATES, Tier, Unavailable, model_dir
+from .tier import DEFAULT_KEEP_TURNS, MAX_CANDIDATES, Tier, Unavailable, model_dir
 
 log = logging.getLogger("turnkv.tiers")
 
