@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from native import pytest_configure, pytest_runtest_setup  # noqa: F401  (the TURNKV_REQUIRE_NATIVE switch)
+
 DEFAULT_THREADS = torch.get_num_threads()
 REAL_FILES = pytest.StashKey[set]()
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import native
 from turnkv.cache.blocks import BlockPool
 from turnkv.cache.kv import KVCache
 from turnkv.cache.chunked import ChunkedCache
@@ -32,8 +33,7 @@ from turnkv.cache.sliding import SlidingWindowCache
 from turnkv.kernels import attention as A
 
 ATOL = 2e-5   # |native - reference| on N(0, 1) inputs, D <= 256: measured <= 3e-6
-needs_attn = pytest.mark.skipif(not A.native_attention_available(),
-                                reason="native attention kernel not built (python -m turnkv.kernels.build)")
+needs_attn = native.needs(A.native_attention_available(), "the native attention kernel")
 ISAS = A.attention_isas() or ["none"]
 RULES = [("full", 0), ("sliding", 37), ("chunked", 50)]
 
@@ -657,7 +657,7 @@ def gguf_model(request):
     from turnkv.engine.engine import Engine
 
     if not kernels.native_available() or not A.native_attention_available():
-        pytest.skip("native kernels not built (python -m turnkv.kernels.build)")
+        native.missing("the native kernels")
     name, n, split = request.param
     try:
         eng = Engine.load(name, weights="gguf", progress=False)

@@ -11,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import native
 from tiny import VOCAB, engine, request, tiny_gemma3, tiny_llama
 from turnkv.cache.kv import KVCache
 from turnkv.engine.engine import QueueFull, Result, TokenEvent
@@ -233,8 +234,10 @@ def gguf_smollm2():
     from turnkv import kernels
     from turnkv.loading.bundled import find_bundled
 
-    if not kernels.native_available() or not find_bundled("smollm2-135m")[0]:
-        pytest.skip("needs the native kernels and the bundled SmolLM2")
+    if not kernels.native_available():
+        native.missing("the native kernels")
+    if not find_bundled("smollm2-135m")[0]:
+        pytest.skip("needs the bundled SmolLM2")
     from turnkv.engine.engine import Engine
     return Engine.load("smollm2-135m", weights="gguf", progress=False).model
 

@@ -14,6 +14,7 @@ from transformers import GptOssConfig, GptOssForCausalLM
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
+import native
 from ssm_family_checks import check_parity, greedy, hf_greedy, perturb_vectors, save_and_load
 from tiny import prompt, random_mxfp4_experts
 from turnkv.cache.kv import KVCache
@@ -89,7 +90,7 @@ def test_sink_attention_matches_transformers_eager(kind, path, monkeypatch):
     from turnkv.models import base
 
     if path == "native" and not kernel.native_sinks_available():
-        pytest.skip("native attention kernel with sinks not built (python -m turnkv.kernels.build)")
+        native.missing("the native attention kernel with sinks")
     if path == "fallback":
         monkeypatch.setattr(base, "native_attention_ok", lambda *a: False)
     dtype = torch.float64 if path == "float64" else torch.float32

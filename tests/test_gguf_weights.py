@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.tiny import tiny_gemma3, tiny_llama
+import native
+from tiny import tiny_gemma3, tiny_llama
 from turnkv.cache.specs import make_caches
 from turnkv.models.weights import GGUFPacked, PackedWeight, load_model, model_nbytes
 
@@ -48,8 +49,7 @@ def kernels_native() -> bool:
     return kernels.native_available()
 
 
-needs_native = pytest.mark.skipif(not kernels_native(), reason="native GGUF kernels not built "
-                                  "(python -m turnkv.kernels.build)")
+needs_native = native.needs(kernels_native(), "the native GGUF kernels")
 
 
 # ------------------------------------------------------------------ tiny models, no GGUF file

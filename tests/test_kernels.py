@@ -19,6 +19,7 @@ import torch
 import gguf.quants
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
+import native
 import turnkv.kernels as tk
 from turnkv.kernels import GGUFWeight, reference
 from turnkv.loading import gguf as lg
@@ -441,7 +442,7 @@ def test_from_raw_checks():
 # ------------------------------------------------------------------ RMSNorm (csrc/norm.cpp)
 
 
-@pytest.mark.skipif(not tk.native_available(), reason="native kernels not built (python -m turnkv.kernels.build)")
+@native.needs(tk.native_available(), "the native kernels")
 @pytest.mark.parametrize("D", [64, 250, 576, 640])
 def test_native_rms_norm_equals_torch_and_is_row_invariant(D):
     """One native call instead of torch's six ops: within float32 rounding of F.rms_norm, with and
