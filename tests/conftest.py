@@ -38,3 +38,24 @@ def _threads(request):
     torch.set_num_threads(DEFAULT_THREADS if real else 1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """``tiny_pair(build)``: ``build(tmp_path)``'s (turnkv model, transformers model), built once per
+    run, so a family's own file and the contract table (tests/test_family_contract.py) share it."""
+    built = {}
+
+    def get(build):
+        key = f"{build.__module__}.{build.__name__}"
+        if key not in built:
+            built[key] = build(tmp_path_factory.mktemp(build.__name__))
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def pair(request, tiny_pair):
+    """A family file's (turnkv model, transformers model): what its module's ``tiny(tmp_path)`` builds."""
+    return tiny_pair(request.module.tiny)

@@ -28,6 +28,24 @@ def perturb_vectors(model: torch.nn.Module, seed: int = 1, scale: float = 0.1) -
                 p.add_(scale * torch.randn(p.shape, generator=g))
 
 
+def nudge_score_biases(model: torch.nn.Module, seed: int = 3, scale: float = 0.2) -> None:
+    """DeepSeek-V3-style routers keep a score-correction bias as a buffer at 0, which perturb_vectors
+    does not reach: give it values so the routing depends on it."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(scale * torch.randn(buf.shape, generator=g))
+
+
+def saved_pair(tmp_path: Path, seed: int, make):
+    """``make()``'s transformers model built after torch.manual_seed(seed), and turnkv's model of it
+    through save_pretrained and turnkv's loader: (turnkv model, transformers model)."""
+    torch.manual_seed(seed)
+    hf = make()
+    return save_and_load(hf, tmp_path), hf
+
+
 def save_and_load(hf_model, tmp_path: Path):
     """save_pretrained (safetensors) -> turnkv's loader -> our family's model."""
     hf_model.save_pretrained(tmp_path)
@@ -130,3 +148,27 @@ def restored(model, snaps):
     for c, s in zip(caches, snaps):
         c.restore(s)
     return caches
+
+
+def check_restore_at_its_length(model, tokens: torch.Tensor, length: int) -> None:
+    """Layer 0 is a recurrent state, layer 1 attention: a snapshot after ``length`` tokens restores
+    to ``length`` (== a cold prefill of it, continued); layer 0 refuses ``length - 1`` as
+    diverged_untrimmable and ``length + 1`` as out of range, where layer 1 alone could go back."""
+    caches = fresh(model)
+    run_chunks(model, caches, tokens[:length], 16)
+    snaps = [c.snapshot() for c in caches]
+    warm = fresh(model)
+    for c, s in zip(warm, snaps):
+        c.restore(s, length)
+    cold = fresh(model)
+    run_chunks(model, cold, tokens[:length], length)
+    a, b = run_chunks(model, warm, tokens[length:], 3), run_chunks(model, cold, tokens[length:], 3)
+    assert (a - b).abs().max().item() <= REUSE_TOL
+    assert snaps[1].can_restore_to(length - 1) and not snaps[0].can_restore_to(length - 1)
+    probe = fresh(model)
+    with pytest.raises(SnapshotMismatch) as err:
+        probe[0].restore(snaps[0], length - 1)
+    assert err.value.reason == DIVERGED_UNTRIMMABLE
+    with pytest.raises(SnapshotMismatch):
+        probe[0].restore(snaps[0], length + 1)
+    assert all(c.offset == 0 for c in probe)

@@ -3,20 +3,18 @@ Kimi Delta Attention with the bounded forget gate on the linear layers, MLA with
 a per-head output gate on every second layer (latent KV cache), a dense first layer and DeepSeek-V3's
 sigmoid-routed MoE after it; the recurrent state's restore rule one token inside and outside.
 (The 8-turn chat with reuse == cold, edits, regenerate and three conversations at once:
-tests/test_family_reuse.py; batched == alone: tests/test_batching.py.)"""
+tests/test_family_reuse.py; batched == alone: tests/test_batching.py.)
+The contract every family keeps (parity, greedy, restore rule, KV modes, weight formats):
+tests/test_family_contract.py; here, what is this family's own."""
 
-import pytest
 import torch
 from transformers import BailingHybridConfig, BailingHybridForCausalLM
 
-from ssm_family_checks import (PARITY_TOL, REUSE_TOL, check_parity, check_reuse, fresh, greedy, hf_greedy,
-                               perturb_vectors, run_chunks, save_and_load)
+from ssm_family_checks import (PARITY_TOL, check_parity, check_restore_at_its_length, fresh, nudge_score_biases,
+                               perturb_vectors, saved_pair)
 from tiny import prompt
-from turnkv.cache.base import DIVERGED_UNTRIMMABLE, SnapshotMismatch
 from turnkv.cache.specs import FULL, RECURRENT, make_caches
-from turnkv.models import ARCHITECTURES, family_class
 from turnkv.models.bailing_hybrid import BailingHybridModel, deinterleave
-from window_family_checks import KV_MODES, WEIGHT_SPECS, check_kv_mode_reuse, check_long_prompt, check_weight_format
 
 VOCAB = 256
 
@@ -38,28 +36,12 @@ def build(**overrides):
     (shared with tests/test_family_reuse.py and tests/test_batching.py)."""
     hf = BailingHybridForCausalLM(config(**overrides)).eval()
     perturb_vectors(hf)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, buf in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.copy_(0.2 * torch.randn(buf.shape, generator=g))
+    nudge_score_biases(hf)
     return hf
 
 
 def tiny(tmp_path, seed=0, **overrides):
-    torch.manual_seed(seed)
-    hf = build(**overrides)
-    return save_and_load(hf, tmp_path), hf
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return tiny(tmp_path_factory.mktemp("bailing_hybrid"))
-
-
-def test_registered():
-    assert ARCHITECTURES["bailing_hybrid"] == "bailing_hybrid:BailingHybridModel"
-    assert family_class("bailing_hybrid") is BailingHybridModel
+    return saved_pair(tmp_path, seed, lambda: build(**overrides))
 
 
 def test_cache_specs(pair):
@@ -80,54 +62,11 @@ def test_deinterleave_reorders_only_the_rope_rows():
     assert deinterleave(w, 6, 4)[:, 0].tolist() == [0, 1, 2, 4, 3, 5, 6, 7, 8, 10, 9, 11]
 
 
-def test_last_logits_300_token_prompt(pair):
-    model, hf = pair
-    print("bailing_hybrid last-position diff", check_long_prompt(model, hf, prompt(300)))
-
-
-def test_parity_chunks_and_decode(pair):
-    # 100 tokens: the 64-token KDA chunk is crossed inside the one-shot prefill
-    model, hf = pair
-    print("bailing_hybrid parity", check_parity(model, hf, prompt(100, seed=5), chunk=7, decode=12))
-
-
-def test_greedy_matches_generate(pair):
-    model, hf = pair
-    p = prompt(30, seed=7)
-    ours = greedy(model, p, 32)
-    assert ours == hf_greedy(hf, p, 32)
-    assert len(set(ours)) > 3, "degenerate tiny model: greedy text is one repeated token"
-
-
-def test_reuse_is_exact_and_recurrent_refuses_other_lengths(pair):
-    model, _ = pair
-    check_reuse(model, prompt(60, seed=11), L=37)
-
-
 def test_restore_boundary_one_token_inside_and_outside(pair):
     """The KDA state's rule is ``t == length``: a snapshot after 50 tokens restores to 50 (== a cold
     prefill of 50, continued), and 49 or 51 are refused as diverged_untrimmable / out of range;
     the MLA latent cache alone could go back to 49."""
-    model, _ = pair
-    tokens = prompt(60, seed=13)
-    caches = fresh(model)
-    run_chunks(model, caches, tokens[:50], 16)
-    snaps = [c.snapshot() for c in caches]
-    warm = fresh(model)
-    for c, s in zip(warm, snaps):
-        c.restore(s, 50)
-    cold = fresh(model)
-    run_chunks(model, cold, tokens[:50], 50)
-    a, b = run_chunks(model, warm, tokens[50:], 3), run_chunks(model, cold, tokens[50:], 3)
-    assert (a - b).abs().max().item() <= REUSE_TOL
-    assert snaps[1].can_restore_to(49) and not snaps[0].can_restore_to(49)
-    probe = fresh(model)
-    with pytest.raises(SnapshotMismatch) as err:
-        probe[0].restore(snaps[0], 49)
-    assert err.value.reason == DIVERGED_UNTRIMMABLE
-    with pytest.raises(SnapshotMismatch):
-        probe[0].restore(snaps[0], 51)
-    assert all(c.offset == 0 for c in probe)
+    check_restore_at_its_length(pair[0], prompt(60, seed=13), 50)
 
 
 def test_variant_default_gate_q_lora_grouped_router_bias(tmp_path):
@@ -148,20 +87,8 @@ def test_variant_unbounded_gate(tmp_path):
     assert max(d.values()) < PARITY_TOL
 
 
-@pytest.mark.parametrize("mode", KV_MODES)
-def test_reuse_exact_in_every_kv_mode(pair, mode):
-    # the MLA layers' latent cache in each storage mode (the KDA state stays in the model dtype)
-    check_kv_mode_reuse(pair[0], mode)
-
-
-@pytest.fixture(scope="module")
-def calm_pair(tmp_path_factory):
-    return tiny(tmp_path_factory.mktemp("bailing_hybrid_calm"), initializer_range=0.02)
-
-
-@pytest.mark.parametrize("spec", WEIGHT_SPECS)
-def test_weight_formats_and_bfloat16(calm_pair, spec):
-    print(spec, check_weight_format(*calm_pair, spec))
+def calm(tmp_path):
+    return tiny(tmp_path, initializer_range=0.02)
 
 
 def test_released_config_spelling_and_mtp_layer_load(pair, tmp_path):

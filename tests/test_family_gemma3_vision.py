@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 import torch
 
@@ -15,6 +14,7 @@ from tiny import greedy
 from turnkv.engine.engine import Engine, GenerationRequest
 from turnkv.images import is_key, last_image_end, model_ids
 from turnkv.prompt_cache.store import PromptCache
+from vision_chat import edit_after_the_image, picture, req, warm_and_cold
 
 IMAGE, BOI, EOI, BOS, SOT, EOT, NL = 250, 251, 252, 2, 253, 254, 10
 WINDOW, SLACK, N_IMAGE = 16, 4, 16
@@ -62,11 +62,6 @@ def tiny(tiny_folder):
     return model, hf
 
 
-def picture(seed: int, size=(40, 50)):
-    from PIL import Image
-    return Image.fromarray(np.random.RandomState(seed).randint(0, 255, (*size, 3), dtype=np.uint8))
-
-
 def image_tokens(image) -> list[int]:
     """transformers' full_image_sequence, "\\n\\n<boi>" + soft tokens + "<eoi>\\n\\n", with keys."""
     return [NL, NL, BOI] + image.keys() + [EOI, NL, NL]
@@ -79,10 +74,6 @@ def words(rng: random.Random, n: int) -> list[int]:
 def engine(model, cache: bool = True, chunk: int = 8) -> Engine:
     return Engine(model, None, fingerprint="tiny-gemma3v", prompt_cache=PromptCache(1 << 30 if cache else 0),
                   prefill_chunk=chunk, max_context=4096, slack=SLACK)
-
-
-def req(ids, images, max_tokens=6, boundaries=()):
-    return GenerationRequest(list(ids), greedy(max_tokens), list(boundaries), images={im.image_id: im for im in images})
 
 
 def hf_logits(hf, ids, images, bidirectional=True):
@@ -130,18 +121,6 @@ def test_partial_images_refused(tiny):
             engine(model).submit(req(ids, [image]), lambda ev: None)
 
 
-def run_chat(eng, images, first, users, replies_from=None):
-    prompts, results = [], []
-    prompt = list(first)
-    for t in range(len(users) + 1):
-        if t:
-            reply = results[-1].token_ids[:-1] if replies_from is None else replies_from[t - 1]
-            prompt = prompt + reply + users[t - 1]
-        prompts.append(prompt)
-        results.append(eng.generate(req(prompt, images)))
-    return prompts, results
-
-
 def test_image_turn_then_text_turns_past_the_window_reuse_equals_cold(tiny):
     model, hf = tiny
     image = model.prepare_image(picture(3))
@@ -149,14 +128,9 @@ def test_image_turn_then_text_turns_past_the_window_reuse_equals_cold(tiny):
     first = [BOS] + words(rng, 6) + image_tokens(image) + words(rng, 6)
     users = [words(rng, 9) for _ in range(3)]
     warm, cold = engine(model), engine(model, cache=False)
-    prompts, res = run_chat(warm, [image], first, users)
-    _, ref = run_chat(cold, [image], first, users, replies_from=[r.token_ids[:-1] for r in res])
+    prompts, res = warm_and_cold(warm, cold, [image], first, users)
     end = last_image_end(first)
     assert len(prompts[-1]) - end > WINDOW + SLACK          # the sliding rings wrapped past the image
-    for a, b in zip(res, ref):
-        assert a.token_ids == b.token_ids
-        torch.testing.assert_close(a.first_logits, b.first_logits, atol=1e-4, rtol=0)
-    assert res[0].usage.cached_tokens == 0
     for p, a in zip(prompts[:-1], res[1:]):     # each later turn restores the whole previous turn
         assert a.usage.cached_tokens >= len(p) and a.stats.reuse_from == "prefix"
     enc = warm.encoder_cache.stats()
@@ -175,18 +149,8 @@ def test_edit_after_the_image_restores_the_media_checkpoint(tiny):
     b = a[:last_image_end(a)] + [EOI, NL, NL] + words(rng, 90)      # the text after the image edited
     end = last_image_end(a)
     assert a[:end + 3] == b[:end + 3] and a[end + 3] != b[end + 3]
-    warm = engine(model)
-    first = warm.generate(req(a, [image], boundaries=[len(system)]))
-    assert first.stats.checkpoints == 3        # the system prompt, the media checkpoint, the prompt's end
-    res = warm.generate(req(b, [image], boundaries=[len(system)]))
-    s = res.stats
-    assert (s.reuse_from, s.restored_origin, s.restored_entry_length) == ("prefix", "checkpoint", end)
-    assert res.usage.cached_tokens == end
-    assert warm.encoder_cache.stats()["encoded"] == 1          # the image was neither encoded nor prefilled again
-    cold = engine(model, cache=False).generate(req(b, [image]))
-    assert res.token_ids == cold.token_ids
-    torch.testing.assert_close(res.first_logits, cold.first_logits, atol=1e-4, rtol=0)
-    torch.testing.assert_close(res.first_logits, hf_logits(hf, b, [image])[-1], atol=1e-4, rtol=0)
+    edit_after_the_image(engine(model), engine(model, cache=False), image, system, a, b,
+                         lambda ids: hf_logits(hf, ids, [image]))
 
 
 def test_different_image_reuses_up_to_that_image(tiny):
@@ -212,11 +176,7 @@ def test_second_image_in_turn_three_and_the_same_image_in_a_new_conversation(tin
     first = [BOS] + words(rng, 6) + image_tokens(x) + words(rng, 5)
     users = [words(rng, 6), words(rng, 2) + image_tokens(y) + words(rng, 5)]      # turn 3 brings a second picture
     warm, cold = engine(model), engine(model, cache=False)
-    prompts, res = run_chat(warm, [x, y], first, users)
-    _, ref = run_chat(cold, [x, y], first, users, replies_from=[r.token_ids[:-1] for r in res])
-    for a, b in zip(res, ref):
-        assert a.token_ids == b.token_ids
-        torch.testing.assert_close(a.first_logits, b.first_logits, atol=1e-4, rtol=0)
+    prompts, res = warm_and_cold(warm, cold, [x, y], first, users)
     assert res[2].usage.cached_tokens >= len(prompts[1])       # the first picture restored, not encoded again
     assert res[2].stats.checkpoints >= 2                       # after the new picture, and the prompt end
     assert warm.encoder_cache.stats()["encoded"] == 2

@@ -7,14 +7,13 @@ from __future__ import annotations
 import math
 import random
 
-import numpy as np
 import pytest
 import torch
 
-from tiny import greedy
-from turnkv.engine.engine import Engine, GenerationRequest
+from turnkv.engine.engine import Engine
 from turnkv.images import is_key, last_image_end, model_ids
 from turnkv.prompt_cache.store import PromptCache
+from vision_chat import edit_after_the_image, picture, req, warm_and_cold
 
 IMAGE, START, END, THUMB, NL = 250, 251, 252, 253, 10
 PREP = dict(tile_size=32, encoder_patch_size=4, min_image_tokens=4, max_image_tokens=16, downsample_factor=2)
@@ -55,11 +54,6 @@ def tiny(tmp_path_factory):
     return model, hf
 
 
-def picture(seed: int, size=(100, 150)):
-    from PIL import Image
-    return Image.fromarray(np.random.RandomState(seed).randint(0, 255, (*size, 3), dtype=np.uint8))
-
-
 def image_tokens(model, image) -> list[int]:
     """The processor's expansion (image special tokens on), keys in place of <image>."""
     keys, (rows, cols) = iter(image.keys()), image.grid
@@ -81,10 +75,6 @@ def words(rng: random.Random, n: int) -> list[int]:
 def engine(model, cache: bool = True) -> Engine:
     return Engine(model, None, fingerprint="tiny-lfm2vl", prompt_cache=PromptCache(1 << 30 if cache else 0),
                   prefill_chunk=16, max_context=4096)
-
-
-def req(ids, images, max_tokens=6, boundaries=()):
-    return GenerationRequest(list(ids), greedy(max_tokens), list(boundaries), images={im.image_id: im for im in images})
 
 
 def hf_inputs(ids, images) -> dict:
@@ -132,34 +122,17 @@ def test_logits_and_greedy_match_transformers(tiny):
         with torch.no_grad():
             gen = hf.generate(**hf_inputs(ids, [image]), max_new_tokens=10, do_sample=False)
         assert res.token_ids == gen[0, len(ids):].tolist()
-    assert image.grid == (1, 1) and model.prepare_image(picture(1)).grid == (2, 3)
-
-
-def run_chat(eng, images, first, users, replies_from=None):
-    prompts, results = [], []
-    prompt = list(first)
-    for t in range(len(users) + 1):
-        if t:
-            reply = results[-1].token_ids[:-1] if replies_from is None else replies_from[t - 1]
-            prompt = prompt + reply + users[t - 1]
-        prompts.append(prompt)
-        results.append(eng.generate(req(prompt, images)))
-    return prompts, results
+    assert image.grid == (1, 1) and model.prepare_image(picture(1, (100, 150))).grid == (2, 3)
 
 
 def test_image_turn_then_text_turns_on_the_recurrent_hybrid(tiny):
     model, hf = tiny
-    image = model.prepare_image(picture(3))
+    image = model.prepare_image(picture(3, (100, 150)))
     rng = random.Random(4)
     first = words(rng, 8) + image_tokens(model, image) + words(rng, 6)
     users = [words(rng, 7) for _ in range(3)]
     warm, cold = engine(model), engine(model, cache=False)
-    prompts, res = run_chat(warm, [image], first, users)
-    _, ref = run_chat(cold, [image], first, users, replies_from=[r.token_ids[:-1] for r in res])
-    for a, b in zip(res, ref):
-        assert a.token_ids == b.token_ids
-        torch.testing.assert_close(a.first_logits, b.first_logits, atol=1e-4, rtol=0)
-    assert res[0].usage.cached_tokens == 0
+    prompts, res = warm_and_cold(warm, cold, [image], first, users)
     for p, u, a in zip(prompts[1:], users, res[1:]):   # the conv state past the image and the reply, exactly
         assert a.usage.cached_tokens == len(p) - len(u) and a.stats.reuse_from == "prefix"
     assert warm.encoder_cache.stats()["encoded"] == 1
@@ -175,17 +148,8 @@ def test_edit_after_the_image_restores_the_media_checkpoint(tiny):
     end = last_image_end(a)
     b = a[:end] + [END] + words(rng, 10)          # the text after the image edited
     assert a[end + 1] != b[end + 1]
-    warm = engine(model)
-    first = warm.generate(req(a, [image], boundaries=[len(system)]))
-    assert first.stats.checkpoints == 3        # the system prompt, the media checkpoint, the prompt's end
-    res = warm.generate(req(b, [image], boundaries=[len(system)]))
-    s = res.stats
-    assert (s.reuse_from, s.restored_origin, s.restored_entry_length) == ("prefix", "checkpoint", end)
-    assert res.usage.cached_tokens == end and warm.encoder_cache.stats()["encoded"] == 1
-    cold = engine(model, cache=False).generate(req(b, [image]))
-    assert res.token_ids == cold.token_ids
-    torch.testing.assert_close(res.first_logits, cold.first_logits, atol=1e-4, rtol=0)
-    torch.testing.assert_close(res.first_logits, hf_logits(hf, b, [image])[-1], atol=1e-4, rtol=0)
+    edit_after_the_image(engine(model), engine(model, cache=False), image, system, a, b,
+                         lambda ids: hf_logits(hf, ids, [image]))
 
 
 def test_different_image_and_the_same_image_elsewhere(tiny):

@@ -8,16 +8,15 @@ from __future__ import annotations
 import json
 import random
 
-import numpy as np
 import pytest
 import torch
 
-from tiny import greedy
-from turnkv.engine.engine import Engine, GenerationRequest
+from turnkv.engine.engine import Engine
 from turnkv.models.batch import Batch
 from turnkv.images import is_key, last_image_end, model_ids
 from turnkv.models.qwen3_5_vl import Qwen3_5VlModel, _read_delta
 from turnkv.prompt_cache.store import PromptCache
+from vision_chat import edit_after_the_image, picture, req, warm_and_cold
 
 IMAGE, START, END = 250, 251, 252
 PREP = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 8 * 8 * 4, "max_pixels": 8 * 8 * 30,
@@ -68,11 +67,6 @@ def tiny(tiny_folder):
     return model, hf
 
 
-def picture(seed: int, size=(40, 56)):
-    from PIL import Image
-    return Image.fromarray(np.random.RandomState(seed).randint(0, 255, (*size, 3), dtype=np.uint8))
-
-
 def image_tokens(image) -> list[int]:
     """<|vision_start|>, the image's keys (the processor's <|image_pad|> run), <|vision_end|>."""
     return [START, *image.keys(), END]
@@ -85,10 +79,6 @@ def words(rng: random.Random, n: int) -> list[int]:
 def engine(model, cache: bool = True) -> Engine:
     return Engine(model, None, fingerprint="tiny-qwen3_5vl", prompt_cache=PromptCache(1 << 30 if cache else 0),
                   prefill_chunk=16, max_context=4096)
-
-
-def req(ids, images, max_tokens=6, boundaries=()):
-    return GenerationRequest(list(ids), greedy(max_tokens), list(boundaries), images={im.image_id: im for im in images})
 
 
 def hf_inputs(ids, images) -> dict:
@@ -128,7 +118,7 @@ def test_engine_load_takes_the_folders_preprocessing(tiny_folder, tiny):
     model, _ = tiny
     eng = Engine.load(str(tiny_folder[0]), progress=False, prompt_cache=PromptCache(0))
     assert eng.model.family == "qwen3_5_vl" and eng.encoder_cache is not None
-    a, b = eng.model.prepare_image(picture(2)), model.prepare_image(picture(2))
+    a, b = eng.model.prepare_image(picture(2, (40, 56))), model.prepare_image(picture(2, (40, 56)))
     assert torch.equal(a.pixel_values, b.pixel_values) and a.keys() == b.keys() and a.grid == b.grid
 
 
@@ -158,31 +148,14 @@ def test_logits_and_greedy_match_transformers(tiny):
         assert (plain.logits[0, -1] - ref[-1]).abs().max() > 1e-3
 
 
-def run_chat(eng, images, first, users, replies_from=None):
-    prompts, results = [], []
-    prompt = list(first)
-    for t in range(len(users) + 1):
-        if t:
-            reply = results[-1].token_ids[:-1] if replies_from is None else replies_from[t - 1]
-            prompt = prompt + reply + users[t - 1]
-        prompts.append(prompt)
-        results.append(eng.generate(req(prompt, images)))
-    return prompts, results
-
-
 def test_image_turn_then_text_turns(tiny):
     model, hf = tiny
-    image = model.prepare_image(picture(3))
+    image = model.prepare_image(picture(3, (40, 56)))
     rng = random.Random(4)
     first = words(rng, 8) + image_tokens(image) + words(rng, 6)
     users = [words(rng, 7) for _ in range(3)]
     warm, cold = engine(model), engine(model, cache=False)
-    prompts, res = run_chat(warm, [image], first, users)
-    _, ref = run_chat(cold, [image], first, users, replies_from=[r.token_ids[:-1] for r in res])
-    for a, b in zip(res, ref):
-        assert a.token_ids == b.token_ids
-        torch.testing.assert_close(a.first_logits, b.first_logits, atol=1e-4, rtol=0)
-    assert res[0].usage.cached_tokens == 0
+    prompts, res = warm_and_cold(warm, cold, [image], first, users)
     for p, u, a in zip(prompts[1:], users, res[1:]):   # the state (and its rope delta) past the image, exactly
         assert a.usage.cached_tokens == len(p) - len(u) and a.stats.reuse_from == "prefix"
     assert warm.encoder_cache.stats()["encoded"] == 1
@@ -193,7 +166,7 @@ def test_stored_delta_is_the_image_shift(tiny):
     from turnkv.cache.specs import make_caches
 
     model, _ = tiny
-    image = model.prepare_image(picture(3))
+    image = model.prepare_image(picture(3, (40, 56)))
     lh, lw = image.grid
     caches = make_caches(model.cache_specs())
     emb = {image.image_id: model.encode_image(image)}
@@ -219,17 +192,8 @@ def test_edit_after_the_image_restores_the_media_checkpoint(tiny):
     end = last_image_end(a)
     b = a[:end] + [END] + words(rng, 10)          # the text right after the image edited
     assert a[end + 1] != b[end + 1]
-    warm = engine(model)
-    first = warm.generate(req(a, [image], boundaries=[len(system)]))
-    assert first.stats.checkpoints == 3        # the system prompt, the media checkpoint, the prompt's end
-    res = warm.generate(req(b, [image], boundaries=[len(system)]))
-    s = res.stats
-    assert (s.reuse_from, s.restored_origin, s.restored_entry_length) == ("prefix", "checkpoint", end)
-    assert res.usage.cached_tokens == end and warm.encoder_cache.stats()["encoded"] == 1
-    cold = engine(model, cache=False).generate(req(b, [image]))
-    assert res.token_ids == cold.token_ids
-    torch.testing.assert_close(res.first_logits, cold.first_logits, atol=1e-4, rtol=0)
-    torch.testing.assert_close(res.first_logits, hf_logits(hf, b, [image])[-1], atol=1e-4, rtol=0)
+    edit_after_the_image(engine(model), engine(model, cache=False), image, system, a, b,
+                         lambda ids: hf_logits(hf, ids, [image]))
 
 
 def test_different_image_stops_reuse_at_it(tiny):
@@ -250,7 +214,7 @@ def test_different_image_stops_reuse_at_it(tiny):
 
 def test_image_request_batched_with_text_requests(tiny):
     model, _ = tiny
-    image = model.prepare_image(picture(10))
+    image = model.prepare_image(picture(10, (40, 56)))
     rng = random.Random(11)
     chat = words(rng, 5) + image_tokens(image) + words(rng, 8)
     reqs = [req(words(rng, 20), [], 8), req(chat, [image], 8), req(words(rng, 33), [], 8)]
@@ -268,7 +232,7 @@ def test_image_request_batched_with_text_requests(tiny):
 
 def test_second_image_in_turn_three_and_the_same_image_elsewhere(tiny):
     model, hf = tiny
-    x, y = model.prepare_image(picture(12)), model.prepare_image(picture(13, (24, 40)))
+    x, y = model.prepare_image(picture(12, (40, 56))), model.prepare_image(picture(13, (24, 40)))
     rng = random.Random(14)
     warm = engine(model)
     p1 = words(rng, 6) + image_tokens(x) + words(rng, 5)

@@ -6,15 +6,14 @@ others back until it ends)."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import uvicorn
 
+from live_server import serving
 from tiny import engine, tiny_llama
 from turnkv.server.app import create_app
 
@@ -23,25 +22,8 @@ from turnkv.server.app import create_app
 def server():
     model = tiny_llama()[0]
     eng = engine(model, max_seqs=2, max_queue=1, max_batch_tokens=32)
-    app = create_app(eng)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    yield url, model
-    srv.should_exit = True
-    thread.join(10)
-    sock.close()
+    with serving(create_app(eng), backlog=64) as url:
+        yield url, model
 
 
 def complete(url: str, prompt: list[int], max_tokens: int) -> httpx.Response:

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import base64
 import io
-import socket
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 
+from live_server import serving
 from test_family_smolvlm import FAKE, GLOBAL, IMAGE, picture, tiny, tiny_folder  # noqa: F401  (fixtures)
 from turnkv.engine.engine import Engine
 from turnkv.prompt_cache.store import PromptCache
@@ -58,24 +55,8 @@ def vision_engine(model, cache=True) -> Engine:
 def server(tiny):  # noqa: F811
     model = tiny[0]
     eng = vision_engine(model)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-    srv = uvicorn.Server(uvicorn.Config(create_app(eng), log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    yield url, model
-    srv.should_exit = True
-    thread.join(10)
-    sock.close()
+    with serving(create_app(eng)) as url:
+        yield url, model
 
 
 def post(url, messages, max_tokens=6):

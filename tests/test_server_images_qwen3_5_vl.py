@@ -5,19 +5,17 @@ delta-net state and its rope delta), reports the image's tokens as cached, and e
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 
-from test_family_qwen3_5_vl import END, IMAGE, START, picture, tiny, tiny_folder  # noqa: F401  (fixtures)
+from live_server import serving
+from test_family_qwen3_5_vl import END, IMAGE, START, tiny, tiny_folder  # noqa: F401  (fixtures)
 from test_server_images import data_url, post
 from turnkv.engine.engine import Engine
 from turnkv.prompt_cache.store import PromptCache
 from turnkv.server.app import create_app
+from vision_chat import picture
 
 WORDS = ["user", "assistant", "system", "what", "is", "in", "this", "picture", "tell", "me", "more", "you", "are",
          "helpful"]
@@ -56,33 +54,14 @@ def vision_engine(model, cache=True) -> Engine:
 def servers(tiny):  # noqa: F811
     """A warm server (prompt cache on) and a cold one (off), both real uvicorn servers."""
     model = tiny[0]
-    running = []
-    for cache in (True, False):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(16)
-        srv = uvicorn.Server(uvicorn.Config(create_app(vision_engine(model, cache)), log_level="warning"))
-        thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        running.append((srv, thread, sock, url))
-    yield running[0][3], running[1][3], model
-    for srv, thread, sock, _ in running:
-        srv.should_exit = True
-        thread.join(10)
-        sock.close()
+    with serving(create_app(vision_engine(model, True))) as warm, \
+            serving(create_app(vision_engine(model, False))) as cold:
+        yield warm, cold, model
 
 
 def test_turn_two_reuses_the_image_on_the_hybrid_and_equals_a_cold_server(servers):
     warm, cold, model = servers
-    img = picture(31)
+    img = picture(31, (40, 56))
     turn1 = [{"role": "system", "content": "you are helpful"},
              {"role": "user", "content": [{"type": "text", "text": "what is in this picture"},
                                           {"type": "image_url", "image_url": {"url": data_url(img)}}]}]
