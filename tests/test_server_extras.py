@@ -1,8 +1,9 @@
 """Tools, structured output, chat_template_kwargs and the web page over real `turnkv serve`
-processes (SmolLM2 with the shipped chatml-tools template: SmolLM2's own template renders no tools),
-driven by the official `openai` client.
+processes (SmolLM2, whose own ChatML template renders no tools: the server runs the shipped
+chatml-tools template instead), driven by the official `openai` client.
 
-Two servers start once for the module: one with the prompt cache and an API key, one with
+Two servers start once for the module: one as `make serve` starts it (no template flag: the switch
+is automatic), with the prompt cache and an API key, one with `--chat-template chatml-tools` and
 --no-prompt-cache (the oracle: a cold prefill of every turn)."""
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ PERSON = {"type": "object", "properties": {
 @pytest.fixture(scope="module")
 def servers():
     require_model("smollm2-135m")
-    cached = Server.start("smollm2-135m", *TEMPLATE, api_key=API_KEY)
+    cached = Server.start("smollm2-135m", api_key=API_KEY)
     cold = Server.start("smollm2-135m", *TEMPLATE, "--no-prompt-cache")
     try:
         cached.wait_ready()
@@ -61,6 +62,19 @@ def assistant_turn(message) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- tools
+
+
+def test_bundled_model_answers_tools_out_of_the_box(servers):
+    cached, cold = servers
+    assert "chat template chatml-tools (automatic" in cached.text()        # the banner says so
+    assert "chat template chatml-tools (--chat-template)" in cold.text()
+    r = chat(cached, [{"role": "user", "content": "What time is it in Rome?"}], tools=[WEATHER, CLOCK],
+             tool_choice="required", max_tokens=48)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name in ("get_weather", "get_time")
+    jsonschema.validate(json.loads(call.function.arguments), CLOCK["function"]["parameters"])
 
 
 def test_tool_round_trip_over_three_turns_reuses_and_equals_cold(servers):

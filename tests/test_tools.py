@@ -116,6 +116,50 @@ def test_chatml_tools_template_without_tools_renders_what_smollm2_renders(smol):
         assert tools_tok.render_text(msgs) == smol.render_text(msgs)
 
 
+# real conversations, as clients send them: several rounds, code, markdown, unicode, blank lines,
+# a long system prompt, an empty assistant turn and a late system turn
+REAL_CHATS = [
+    [{"role": "system", "content": "You are a senior Python reviewer. Answer with a short list of issues, "
+                                   "most important first. Quote the offending line."},
+     {"role": "user", "content": "```python\ndef mean(xs):\n    return sum(xs) / len(xs)\n```\nIs this OK?"},
+     {"role": "assistant", "content": "1. `len(xs)` is 0 for an empty list: `ZeroDivisionError`.\n"
+                                      "2. No type hints.\n\nSuggested:\n```python\ndef mean(xs: list[float]) -> "
+                                      "float:\n    if not xs:\n        raise ValueError(\"empty\")\n"
+                                      "    return sum(xs) / len(xs)\n```"},
+     {"role": "user", "content": "Thanks! And for a generator?"}],
+    [{"role": "user", "content": "Traduis « le chat dort sur le canapé » en anglais et en japonais."},
+     {"role": "assistant", "content": "English: \"The cat is sleeping on the sofa.\"\n日本語: 「猫がソファで寝ている。」"},
+     {"role": "user", "content": "Et en allemand ? 🙂"}],
+    [{"role": "user", "content": "Give me three names for a bakery."},
+     {"role": "assistant", "content": ""},
+     {"role": "user", "content": "You sent nothing. Try again, please.\n\n  - keep them short\n  - no puns"},
+     {"role": "assistant", "content": "Crumb, Hearth, Rise."},
+     {"role": "system", "content": "From now on, answer in one word."},
+     {"role": "user", "content": "Which one is best?"}],
+]
+
+
+def test_bundled_chatml_model_gets_the_tool_template_which_renders_real_chats_alike(smol):
+    tools_tok = T.chatml_tools_for(smol)
+    assert tools_tok is not None and "automatic" in tools_tok.template_note
+    assert T.template_format(tools_tok.chat_template) == T.HERMES
+    assert tools_tok.eos_token_ids == smol.eos_token_ids
+    for msgs in REAL_CHATS:
+        for cut in range(1, len(msgs) + 1):       # every prefix of the conversation, as each turn sends it
+            own, auto = smol.render_chat(msgs[:cut]), tools_tok.render_chat(msgs[:cut])
+            assert auto.text == own.text and auto.ids == own.ids
+    assert "<tools>" in tools_tok.render_text(REAL_CHATS[0], tools=[WEATHER])
+
+
+def test_other_templates_keep_their_own(smol):
+    plain_chatml = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+                    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    for template in (shipped_template("gemma3"),          # not ChatML
+                     plain_chatml,                        # ChatML, but no default system turn: renders otherwise
+                     shipped_template("chatml-tools")):   # renders tools already
+        assert T.chatml_tools_for(smol.with_template(template)) is None
+
+
 @pytest.mark.parametrize("template,reply", [
     ("chatml-tools", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
     (LLAMA3_TEMPLATE, '{"name": "get_weather", "parameters": {"city": "Paris"}}'),

@@ -44,7 +44,8 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smol
     g.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill chunk (default 512)")
     g.add_argument("--chat-template", default=None,
                    help="replace the model's chat template: a shipped one (chatml-tools: ChatML with Hermes "
-                        "tool calls) or a .jinja file")
+                        "tool calls; taken automatically for a ChatML template without tools that renders "
+                        "alike) or a .jinja file")
     g.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
                    help=f"vision models: refuse images with more pixels than this (default {DEFAULT_MAX_IMAGE_PIXELS})")
     g.add_argument("--image-cache-mb", type=float, default=DEFAULT_IMAGE_CACHE_MB,

@@ -258,7 +258,8 @@ def engine_from(args, progress: bool = True):
                                  keep_turns=getattr(args, "tier_keep_turns", 1)), engine.family, engine.device)
     if getattr(args, "chat_template", None) and engine.tokenizer is not None:
         from .loading.tokenizer import chat_template_source
-        engine.tokenizer = engine.tokenizer.with_template(chat_template_source(args.chat_template))
+        engine.tokenizer = engine.tokenizer.with_template(chat_template_source(args.chat_template),
+                                                          note=f"{args.chat_template} (--chat-template)")
     return engine
 
 
@@ -275,6 +276,8 @@ def print_banner(engine, budget_mb: float, enabled: bool) -> None:
         print(f"turnkv: GGUF kernels: {getattr(engine.model, 'gguf_types', None) or kernel_info()}", file=sys.stderr)
     for note in getattr(engine.model, "weight_notes", []):
         print(f"turnkv: weights: {note}", file=sys.stderr)
+    if getattr(engine.tokenizer, "template_note", ""):
+        print(f"turnkv: chat template {engine.tokenizer.template_note}", file=sys.stderr)
     print(f"turnkv: KV mode {describe_modes(list(engine.modes), engine.specs)}; prompt cache "
           f"{'on, budget ' + format(budget_mb, 'g') + ' MiB' if enabled and budget_mb > 0 else 'off'}",
           file=sys.stderr)

@@ -206,6 +206,7 @@ class Tokenizer:
         # transformers skips this cleanup for BPE models (it would eat real spaces)
         self._clean_up = clean_up_tokenization_spaces and type(backend.model).__name__ != "BPE"
         self._template = None
+        self.template_note = ""    # set when the chat template is not the model's own (banner)
         if chat_template:  # compiled now: a broken template fails at load, not on the first request
             try:
                 self._template = _compile_template(chat_template)
@@ -269,12 +270,14 @@ class Tokenizer:
 
     # -- chat
 
-    def with_template(self, chat_template: str) -> "Tokenizer":
+    def with_template(self, chat_template: str, note: str = "") -> "Tokenizer":
         """The same tokenizer under another chat template (``--chat-template``); end-of-turn tokens
-        the new template uses stop generation too."""
-        return Tokenizer(self.backend, special_tokens=self.special_tokens, chat_template=chat_template,
-                         extra_eos_ids=self.eos_token_ids, source=self.source,
-                         clean_up_tokenization_spaces=self._clean_up)
+        the new template uses stop generation too. ``note``: why, for the start-up banner."""
+        tok = Tokenizer(self.backend, special_tokens=self.special_tokens, chat_template=chat_template,
+                        extra_eos_ids=self.eos_token_ids, source=self.source,
+                        clean_up_tokenization_spaces=self._clean_up)
+        tok.template_note = note
+        return tok
 
     def render_text(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
                     template_kwargs: dict | None = None) -> str:

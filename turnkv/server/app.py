@@ -47,6 +47,7 @@ from .schemas import (AUTHENTICATION, NOT_FOUND, RATE_LIMIT, SERVER_ERROR, ChatC
                       RequestError, content_chars, error_body)
 from .slow_client_guard import GuardedH11
 from .tenants import KeyRing, Principal, tenant_key
+from .tools import chatml_tools_for
 from .worker import ChoiceEnd, EngineWorker, Failed, Finished, Job, WorkerDown
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -699,6 +700,8 @@ def serve(args) -> int:
     with sock:
         keys = KeyRing(args.api_key, args.api_keys, args.admin_key)    # a bad key file fails before the load
         engine = engine_from(args)
+        if not args.chat_template:   # a ChatML template without tools: the shipped one that renders alike
+            engine.tokenizer = chatml_tools_for(engine.tokenizer) or engine.tokenizer
         print_banner(engine, args.cache_budget_mb, args.prompt_cache)
         config = ServerConfig(keys=keys, defaults=defaults, max_messages=args.max_messages, max_n=args.max_n,
                               request_timeout_s=args.request_timeout, body_timeout_s=args.body_timeout)

@@ -51,8 +51,8 @@ def prepare(engine, req: ChatCompletionRequest) -> ChatExtras:
         fmt = toolkit.template_format(tok.chat_template if tok is not None else None)
         if fmt is None and req.tool_choice != "none":
             raise _bad(f"the chat template of {engine.name} does not render tools (no Hermes <tool_call> or "
-                       f"Llama 3 JSON tool format); start the server with --chat-template chatml-tools "
-                       f"or a template of your own that does", "tools", "unsupported_parameter")
+                       f"Llama 3 JSON tool format); start the server with --chat-template and a template "
+                       f"that does (the shipped chatml-tools suits ChatML models)", "tools", "unsupported_parameter")
         extras.tool_format = tool_format(engine, req)
     elif req.tool_choice not in (None, "none", "auto"):
         raise _bad("tool_choice needs tools", "tool_choice")

@@ -10,7 +10,10 @@ Formats (chosen from what the chat template renders):
   (optionally after ``<|python_tag|>``; several calls separated by ``;``).
 
 A template that renders neither has no tool support: requests with tools are refused (400) rather
-than silently answered without them.
+than silently answered without them, except a ChatML template that renders every probe conversation
+exactly as the shipped ``chatml-tools`` template does without tools (SmolLM2's): ``turnkv serve``
+runs that template instead (``chatml_tools_for``), so the bundled chat model answers tools out of
+the box.
 """
 
 from __future__ import annotations
@@ -24,6 +27,45 @@ HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
+
+
+CHATML_TOOLS = "chatml-tools"
+# conversations the model's own template and chatml-tools must render alike before one replaces
+# the other: with and without a system turn, several rounds, a system turn later on
+_PROBES = (
+    [{"role": "user", "content": "hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
+     {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"}],
+    [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "Once upon a time..."},
+     {"role": "user", "content": "Go on."}, {"role": "assistant", "content": "The end."},
+     {"role": "system", "content": "Now answer in French."}, {"role": "user", "content": "Merci !"}],
+)
+
+
+def _renders(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str | None:
+    try:
+        return tokenizer.render_text(messages, add_generation_prompt)
+    except ValueError:        # a template may refuse a layout (e.g. a late system turn): so must the other
+        return None
+
+
+def chatml_tools_for(tokenizer):
+    """``tokenizer`` under the shipped chatml-tools template when its own template renders no tools,
+    is ChatML, and renders every probe conversation (with and without the generation prompt)
+    character for character as chatml-tools does without tools; else None."""
+    from ..loading.tokenizer import shipped_template
+
+    own = tokenizer.chat_template if tokenizer is not None else None
+    if not own or template_format(own) is not None or "<|im_start|>" not in own:
+        return None
+    tools = tokenizer.with_template(shipped_template(CHATML_TOOLS),
+                                    note=f"{CHATML_TOOLS} (automatic: the model's ChatML template renders no "
+                                         f"tools; without tools both render alike)")
+    for messages in _PROBES:
+        for gen in (True, False):
+            if _renders(tokenizer, messages, gen) != _renders(tools, messages, gen):
+                return None
+    return tools
 
 
 def template_format(template: str | None) -> str | None:
