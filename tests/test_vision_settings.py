@@ -11,32 +11,20 @@ LFM2-VL folders are written in the layout ProcessorMixin.save_pretrained writes.
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 
-import numpy as np
 import pytest
 import torch
 
+from test_server_images import data_url
 from tiny import greedy
+from vision_chat import picture
 from turnkv.engine.engine import Engine
 from turnkv.images import is_key, last_image_end, model_ids
 from turnkv.loading.errors import ModelLoadError
 from turnkv.prompt_cache.store import PromptCache
 
 IMAGE, FAKE, GLOBAL, EOU, BOS = 250, 251, 252, 253, 254
-
-
-def picture(seed: int, size=(40, 50)):
-    from PIL import Image
-    return Image.fromarray(np.random.RandomState(seed).randint(0, 255, (*size, 3), dtype=np.uint8))
-
-
-def data_url(img) -> str:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def word_tokenizer(words: dict, specials: dict, **kw):
