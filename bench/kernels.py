@@ -27,7 +27,7 @@ import turnkv.kernels as tk  # noqa: E402
 from bench.machine import cpu_model  # noqa: E402
 from turnkv.kernels import GGUFWeight  # noqa: E402
 
-TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "F16", "BF16"]
 GEMV = (32768, 2048)
 GEMM = (4096, 2048)
 
@@ -36,6 +36,10 @@ GEMM = (4096, 2048)
 
 def random_weight(qtype: Q, n: int, k: int, seed: int = 0) -> GGUFWeight:
     """Valid random blocks (random bits, small finite f16 scales): fast to make at any size."""
+    if qtype in (Q.F16, Q.BF16):    # float weights kept as stored: small normal values
+        w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.02
+        w = w.to(torch.float16 if qtype == Q.F16 else torch.bfloat16)
+        return GGUFWeight.from_raw(w.view(torch.uint8).reshape(n, 2 * k), qtype, (n, k))
     rng = np.random.default_rng(seed)
     block, size = GGML_QUANT_SIZES[qtype]
     b = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)

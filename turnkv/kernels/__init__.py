@@ -105,8 +105,8 @@ def describe_types(tensors, kept: dict | None = None) -> str:
     """Which kernel runs each type of a GGUF's tensors, for the start-up banner and `turnkv
     models`: ``tensors`` are (GGMLQuantizationType, shape) pairs, ``kept`` the loaded model's
     count of GGUFWeights per type (None: every 2-D tensor of a type these kernels take). A type's
-    other tensors (F16 / BF16, a quantization without a kernel, 3-D expert stacks, a tensor the
-    loader had to transform) are named as float32 copies. 1-D tensors (norms) are left out."""
+    other tensors (a quantization without a kernel, 3-D expert stacks, a tensor the loader had to
+    transform) are named as float32 copies. 1-D tensors (norms) are left out."""
     total: dict = {}
     two_d: dict = {}
     for qtype, shape in tensors:
@@ -154,6 +154,8 @@ _FIELDS = {
     _Q.Q6_K: (4,) * 32 + (4,) * 16 + (4,) * 4 + (2,),         # ql, qh, scales, d
     _Q.IQ4_NL: (2,) + (4,) * 4,                               # d, qs
     _Q.IQ4_XS: (2, 2, 4) + (4,) * 32,                         # d, scales_h, scales_l, qs
+    _Q.F16: (2,),                                             # one value a "block"
+    _Q.BF16: (2,),
 }
 
 

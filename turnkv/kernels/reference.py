@@ -19,6 +19,8 @@ The math, which the native kernels reproduce bit for bit (docs/kernels.md):
 
 * The output is ``((t_0 + t_1) + t_2) + ...``: blocks added in order, one float32 accumulator per
   output element. Nothing depends on M, on the other rows, or on the thread count.
+* F16 / BF16 weights (stored as such, widened exactly): no activation quantization; the output
+  is ``((0 + w_0 x_0) + w_1 x_1) + ...`` in float32, k in order, a multiply then an add each.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 import gguf.quants
 
-SUPPORTED = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
+SUPPORTED = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.F16, Q.BF16)
+FLOAT_W = (Q.F16, Q.BF16)   # float weights kept as stored, float32 activations
 # 256-value super-blocks with per-32 integer scales (IQ4_XS is laid out and computed like them)
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)
 # IQ4_NL / IQ4_XS: 4-bit indices into this table (ggml's kvalues_iq4nl)
@@ -151,6 +154,8 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: Q, n: int, k: int) -> torc
     """Y[M, N] float32 = X[M, K] @ W[N, K]^T, W as GGUF bytes raw uint8 [N, row_bytes]."""
     qtype = Q(qtype)
     x = x.float().reshape(-1, k)
+    if qtype in FLOAT_W:
+        return _float_matmul(x, raw, qtype, n, k)
     m = x.shape[0]
     qb = act_block(qtype)
     xq, dx = quantize_activations(x, qb)  # [M, nb, qb], [M, nb]
@@ -185,6 +190,19 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: Q, n: int, k: int) -> torc
     return out
 
 
+def _float_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: Q, n: int, k: int) -> torch.Tensor:
+    """F16 / BF16: each output one float32 chain over k in order (csrc/float_matmul.inc)."""
+    out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
+    step = max(1, _CHUNK // max(1, x.shape[0] * 64))
+    for n0 in range(0, n, step):
+        w = dequantize(raw[n0 : n0 + step], qtype, (min(step, n - n0), k))   # exact widening
+        acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
+        for j in range(k):
+            acc = acc + x[:, j : j + 1] * w[:, j]
+        out[:, n0 : n0 + step] = acc
+    return out
+
+
 def dequantize(raw: torch.Tensor | np.ndarray, qtype: Q, shape: tuple[int, int]) -> torch.Tensor:
     """[N, K] float32, bit-exact with gguf.quants.dequantize."""
     qtype = Q(qtype)
@@ -195,6 +213,8 @@ def dequantize(raw: torch.Tensor | np.ndarray, qtype: Q, shape: tuple[int, int])
     if not t.is_cpu:  # gguf's block kernels are numpy: decode on the CPU, return on t's device
         return dequantize(t.cpu(), qtype, shape).to(t.device)
     block, size = GGML_QUANT_SIZES[qtype]
+    if qtype in FLOAT_W:      # exact widening (gguf's own: f16 -> f32, bf16 << 16)
+        return t.contiguous().view(torch.float16 if qtype == Q.F16 else torch.bfloat16).float().reshape(n, shape[1])
     if qtype == Q.Q8_0:
         # gguf's own arithmetic (f16 scale -> f32, times int8 -> f32), in torch
         b = t.reshape(-1, size)

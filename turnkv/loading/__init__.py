@@ -109,16 +109,15 @@ def source_kind(model: str | os.PathLike) -> tuple[str, str | None]:
 
 
 def gguf_runs_quantized(model: str | os.PathLike) -> bool:
-    """Whether a bundled name or .gguf file has 2-D tensors in a quantization type turnkv's GGUF
-    kernels run (a GGUF stored in float has none: ``--weights gguf`` has nothing to run on)."""
+    """Whether a bundled name or .gguf file has 2-D tensors in a type turnkv's GGUF kernels run
+    (F16 / BF16 included; a GGUF stored in float32 has none: ``--weights gguf`` has nothing to run on)."""
     src = _resolve(model)
     if src.kind != "gguf":
         return False
     from . import gguf
 
     header = gguf.read_header(src.path)
-    return any(len(t.shape) == 2 and t.qtype not in gguf.FLOAT_TYPES and gguf.gguf_kernel_supports(t.qtype)
-               for t in header.tensors.values())
+    return any(len(t.shape) == 2 and gguf.gguf_kernel_supports(t.qtype) for t in header.tensors.values())
 
 
 def gguf_type_summary(model: str | os.PathLike, quantized: dict | None = None) -> str | None:

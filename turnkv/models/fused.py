@@ -27,6 +27,7 @@ import os
 import torch
 
 from .. import kernels
+from ..kernels import reference
 from ..kernels.attention import KINDS, attention_isa
 from ..kernels.norm import native_rms_norm
 from .base import attention_spans, plan_of, write_plan, write_plans
@@ -47,7 +48,8 @@ def _qlinear(w):
     if not isinstance(w, GGUFPacked) or w.float_out:
         return None
     parts = w.parts
-    if not all(p.raw.is_cpu and p.tiled for p in parts):
+    # F16 / BF16 parts run their own float matmul, not the int8 one the fused calls are made of
+    if not all(p.raw.is_cpu and p.tiled and p.qtype not in reference.FLOAT_W for p in parts):
         return None
     return kernels._ext.QLinear([p.raw for p in parts], [int(p.qtype) for p in parts], [int(p.shape[0]) for p in parts],
                                 int(w.in_features))

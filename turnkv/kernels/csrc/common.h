@@ -8,7 +8,7 @@
 namespace tkv {
 
 // ggml type ids
-enum QType : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23 };
+enum QType : int { F16 = 1, BF16 = 30, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23 };
 
 // IQ4_NL / IQ4_XS: a 4-bit index into this non-linear table of int8 values (ggml's kvalues_iq4nl)
 alignas(16) static const int8_t kIQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -34,6 +34,8 @@ inline bool is_super(int qt) { return is_kquant(qt) || qt == IQ4_XS; }
 // weights signed as decoded (int8): Q8_0 as stored, the IQ4 types' table values
 inline constexpr bool signed_w(int qt) { return qt == Q8_0 || qt == IQ4_NL || qt == IQ4_XS; }
 inline int block_elems(int qt) { return is_super(qt) ? 256 : 32; }
+// F16 / BF16 weights: their own matmul (float_matmul.inc), float activations, no blocks
+inline bool is_float_w(int qt) { return qt == F16 || qt == BF16; }
 inline int block_bytes(int qt) {
     switch (qt) {
         case Q4_0: return 18; case Q4_1: return 20; case Q5_0: return 22; case Q5_1: return 24;

@@ -294,10 +294,19 @@ static void run_parts(const Act& a, const Part* parts, int np, int isa, int64_t 
     });
 }
 
+#include "float_matmul.inc"
+
 static torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor w, int64_t qt, int64_t N, int64_t K, int64_t isa) {
     TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "gguf_matmul: CPU tensors only");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.size(1) == K,
                 "gguf_matmul: x must be contiguous float32 [M, K]");
+    TORCH_CHECK(isa >= 0 && isa <= best_isa(), "gguf_matmul: ISA path ", isa, " not supported by this CPU");
+    if (is_float_w((int)qt)) {
+        TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(0) == tiled_rows(N) &&
+                        w.size(1) == 2 * K,
+                    "gguf_matmul: w must be contiguous uint8 tiles of 8 rows [ceil(N / 8) * 8, 2 K]");
+        return float_matmul(x, w, (int)qt, N, K, (int)isa);
+    }
     const int bb = block_bytes((int)qt), be = block_elems((int)qt);
     TORCH_CHECK(bb > 0, "gguf_matmul: unsupported quantization type ", qt);
     TORCH_CHECK(K % be == 0, "gguf_matmul: K not a multiple of the block size");

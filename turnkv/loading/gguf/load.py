@@ -13,7 +13,7 @@ import torch
 from ..errors import ModelLoadError
 from .architecture import GLOBAL_TENSORS, GGUFArchitecture
 from .archs import SUPPORTED_GGUF_ARCHITECTURES
-from .dequant import FLOAT_TYPES, dequantize, gguf_kernel_supports, raw_rows
+from .dequant import dequantize, gguf_kernel_supports, raw_rows
 from .reader import GGUFHeader, TensorInfo, open_mmap, parse_header, release
 
 
@@ -100,15 +100,13 @@ def load_gguf(
 
 def _keep_quantized(buf: mmap.mmap, info: TensorInfo, hf_name: str, arch: GGUFArchitecture, config: dict):
     """The tensor as a GGUFWeight of its raw blocks, or None when it stays a float tensor."""
-    if len(info.shape) != 2 or info.qtype in FLOAT_TYPES:
+    if len(info.shape) != 2 or not gguf_kernel_supports(info.qtype):     # F16 / BF16 too: kept as stored
         return None
     transform = arch.transform is not None and arch.needs_transform(hf_name)
     if transform and not arch.transform_permutes_rows:
         return None
     from ...kernels import GGUFWeight
 
-    if not gguf_kernel_supports(info.qtype):
-        return None
     raw = raw_rows(buf, info)
     if transform:
         raw = arch.transform(hf_name, raw, config)
