@@ -122,7 +122,7 @@ def test_help_defaults_match_the_engine():
                                                                          images.DEFAULT_IMAGE_CACHE_MB)
     from turnkv.prompt_cache import tier as tiers
     assert cli.build_parser().parse_args(["generate", "-p", "hi"]).tier_keep_turns == tiers.DEFAULT_KEEP_TURNS
-    from turnkv.server import app
+    from turnkv.server import context as app
     assert (cli.DEFAULT_MAX_MESSAGES, cli.DEFAULT_MAX_CONNECTIONS) == (app.DEFAULT_MAX_MESSAGES,
                                                                        app.DEFAULT_MAX_CONNECTIONS)
 

@@ -631,7 +631,7 @@ def test_warm_up_does_the_vocabulary_scan_before_any_request():
     from types import SimpleNamespace
 
     from turnkv.loading import load_tokenizer
-    from turnkv.server.app import RequestError, check_text_size, warm_up
+    from turnkv.server.requests import RequestError, check_text_size, warm_up
 
     if not find_bundled("smollm2-135m")[0]:
         pytest.skip("the bundled SmolLM2 is not installed")

@@ -9,7 +9,7 @@ from .launch import DTYPES, engine_from, print_banner, sampling_from
 
 # engine/scheduler.py's defaults, repeated so `--help` does not import torch (a test holds them equal)
 DEFAULT_MAX_SEQS, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_QUEUE = 8, 256, 64
-# server/app.py's defaults, for the same reason
+# server/context.py's defaults, for the same reason
 DEFAULT_MAX_MESSAGES, DEFAULT_MAX_CONNECTIONS = 2048, 1024
 DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_IMAGE_CACHE_MB = 4096 * 4096, 256.0     # = turnkv/images.py's
 # the names of turnkv.models.weights.FORMATS, listed here so `--help` does not import torch
@@ -165,7 +165,7 @@ def cmd_chat(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from .server.app import serve
+    from .server.serve import serve
     return serve(args)
 
 

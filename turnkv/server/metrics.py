@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for app.py
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for routes/status.py
 
 from .worker import OK, JobOutcome
 

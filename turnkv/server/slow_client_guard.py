@@ -4,7 +4,7 @@ uvicorn closes idle keep-alive connections, but a client that opens a connection
 headers a byte at a time (slowloris) holds it forever: nothing times the headers of a request.
 ``GuardedH11`` arms a timer when a connection opens and after every response; if the next
 request's headers have not all arrived when it fires, the connection is closed. Bodies are timed
-by the app (server/app.py ``read_json``).
+by the app (server/requests.py ``read_json``).
 """
 
 from __future__ import annotations

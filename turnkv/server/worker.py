@@ -98,7 +98,7 @@ class JobOutcome:
 
 class EngineWorker:
     """Runs the engine loop on its own thread (``own_thread``) or on whichever thread calls
-    ``run`` (``turnkv serve`` uses the main thread: see server/app.py ``serve``)."""
+    ``run`` (``turnkv serve`` uses the main thread: see server/serve.py ``serve``)."""
 
     def __init__(self, engine, on_done: Callable[[JobOutcome], None] | None = None, own_thread: bool = True):
         self.engine = engine

@@ -1,0 +1,25 @@
+"""Who sent a request: the API key in its Authorization header, mapped to a tenant (tenants.py)."""
+
+from __future__ import annotations
+
+from fastapi import Request
+
+from .schemas import AUTHENTICATION, RequestError
+from .tenants import KeyRing, Principal
+
+
+def authorize(request: Request, keys: KeyRing) -> Principal:
+    """Who sent the request (the anonymous admin when the server has no keys); 401 otherwise."""
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    principal = keys.identify(token.strip() if scheme.lower() == "bearer" else None)
+    if principal is None:
+        raise RequestError("Incorrect or missing API key: send it as 'Authorization: Bearer <key>'",
+                           status=401, type=AUTHENTICATION, code="invalid_api_key")
+    return principal
+
+
+def require_admin(principal: Principal, what: str) -> None:
+    if not principal.admin:
+        raise RequestError(f"{what} needs the admin key (--admin-key)", status=403, type="permission_error",
+                           code="admin_required")

@@ -1,0 +1,17 @@
+"""The server's routes, one module per API: each has ``register(app, ctx)``, which adds its
+endpoints to the FastAPI app with the shared ``ServerContext``. A new API is a new module here,
+listed in ``ROUTES``."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from ..context import ServerContext
+from . import cache, completions, status, web
+
+ROUTES = (completions, status, cache, web)
+
+
+def register_all(app: FastAPI, ctx: ServerContext) -> None:
+    for module in ROUTES:
+        module.register(app, ctx)

@@ -1,0 +1,109 @@
+"""``turnkv serve``: the listening socket (bound before the model loads), the engine loop on the
+main thread and uvicorn on a thread of its own, until SIGINT / SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+import threading
+
+from .app import create_app
+from .context import ServerConfig
+from .requests import warm_up
+from .slow_client_guard import GuardedH11
+from .tenants import KeyRing
+from .tools import chatml_tools_for
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """Bound and listening before the model loads: a port in use fails at once, and the address
+    printed is the real one (``--port 0`` picks a free port)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def address(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+
+def check_limits(args) -> None:
+    """ValueError naming the first flag out of range."""
+    for name, value, low in (("--request-timeout", args.request_timeout, 0), ("--max-messages", args.max_messages, 0),
+                             ("--max-connections", args.max_connections, 0),
+                             ("--tenant-budget-mb", args.tenant_budget_mb, -1),
+                             ("--header-timeout", args.header_timeout, 0), ("--body-timeout", args.body_timeout, 0),
+                             ("--max-n", args.max_n, 0)):
+        if value is not None and value <= low:
+            raise ValueError(f"{name} must be {'>= 0' if low < 0 else '> 0'}, got {value}")
+
+
+def serve(args) -> int:
+    import uvicorn
+
+    from ..launch import engine_from, print_banner, sampling_from
+
+    defaults = sampling_from(args)
+    defaults.validate()
+    try:
+        sock = listen_socket(args.host, args.port)
+    except OSError as err:
+        print(f"turnkv: error: cannot listen on {args.host}:{args.port}: {err}", file=sys.stderr)
+        return 2
+    check_limits(args)
+    with sock:
+        keys = KeyRing(args.api_key, args.api_keys, args.admin_key)    # a bad key file fails before the load
+        engine = engine_from(args)
+        if not args.chat_template:   # a ChatML template without tools: the shipped one that renders alike
+            engine.tokenizer = chatml_tools_for(engine.tokenizer) or engine.tokenizer
+        print_banner(engine, args.cache_budget_mb, args.prompt_cache)
+        config = ServerConfig(keys=keys, defaults=defaults, max_messages=args.max_messages, max_n=args.max_n,
+                              request_timeout_s=args.request_timeout, body_timeout_s=args.body_timeout)
+        protocol = type("GuardedH11", (GuardedH11,), {"header_timeout_s": args.header_timeout})
+        app = create_app(engine, config, engine_thread=False)
+        warm_up(engine)
+        url = address(sock)
+        print(f"turnkv: serving {engine.name} at {url} (OpenAI base URL {url}/v1"
+              f"{', API key required' if keys.configured else ''})", file=sys.stderr, flush=True)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5, http=protocol,
+                                               limit_concurrency=args.max_connections, timeout_keep_alive=5))
+        run(app, server, sock, keys)
+    return 0
+
+
+def run(app, server, sock: socket.socket, keys: KeyRing) -> None:
+    """The engine steps on the main thread, which loaded the model: a second thread running
+    OpenMP work would start a second team beside the main thread's, and with more OpenMP threads
+    than cores libgomp stops spinning between parallel regions (each kernel call then waits on a
+    futex wake-up): measured 2x slower decode. HTTP runs on its own thread."""
+    stop = threading.Event()
+
+    def http() -> None:
+        try:
+            server.run(sockets=[sock])
+        finally:
+            stop.set()
+
+    def shut_down(signum, frame) -> None:
+        server.should_exit = True
+        stop.set()
+
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, lambda signum, frame: keys.reload_quietly())
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, shut_down)
+    thread = threading.Thread(target=http, name="turnkv-http")
+    thread.start()
+    app.state.worker.run(stop)
+    server.should_exit = True
+    thread.join(10)
