@@ -81,7 +81,7 @@ def _resolve(model: str | os.PathLike) -> _Source:
 
 
 def _gguf_tokenizer(src: _Source, header, fp: str, config: dict) -> Tokenizer | None:
-    from .tokenizer import load_gguf_tokenizer
+    from .tokenizer_convert import load_gguf_tokenizer
 
     if "tokenizer.ggml.model" not in header.metadata:
         return None  # weights-only GGUF
@@ -164,7 +164,7 @@ def load_checkpoint(model: str | os.PathLike, dtype: torch.dtype = torch.float32
         tokenizer = _gguf_tokenizer(src, header, fp, config)
     else:
         from . import hf
-        from .tokenizer import load_folder_tokenizer
+        from .tokenizer_convert import load_folder_tokenizer
 
         architecture, config, tensors = hf.load_hf(src.path, dtype=dtype, progress=progress, desc=src.name)
         fp = hf.fingerprint(src.path)
@@ -182,7 +182,7 @@ def load_tokenizer(model: str | os.PathLike) -> Tokenizer | None:
         arch = gguf.architecture_of(header)
         return _gguf_tokenizer(src, header, gguf.fingerprint(src.path), arch.build_config(header))
     from . import hf
-    from .tokenizer import load_folder_tokenizer
+    from .tokenizer_convert import load_folder_tokenizer
 
     config = hf.read_config(src.path)
     return load_folder_tokenizer(src.path, hf.fingerprint(src.path), extra_eos_ids=_hf_eos(config))

@@ -2,8 +2,7 @@
 
 Runs on the `tokenizers` library and jinja2 alone. transformers is used only
 once per model, to convert a GGUF vocabulary (or a folder holding only slow
-tokenizer files) to a tokenizer.json, which is cached under
-`$TURNKV_CACHE_DIR/tokenizers/<fingerprint>/` (default ~/.cache/turnkv).
+tokenizer files) to a tokenizer.json (tokenizer_convert.py).
 Ids, text and chat renderings equal what transformers' tokenizer gives.
 """
 
@@ -11,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import time
 from bisect import bisect_right
 from dataclasses import dataclass
@@ -24,8 +21,6 @@ import tokenizers
 
 from .errors import ModelLoadError
 
-CACHE_FORMAT = 1
-_MARKER = "turnkv-tokenizer.json"
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # Chat templates end a turn with one of these; generation stops on it.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<turn|>")
@@ -228,7 +223,7 @@ class Tokenizer:
             backend = tokenizers.Tokenizer.from_file(str(path))
         except Exception as e:
             raise ModelLoadError(f"{path}: cannot load tokenizer ({e})") from None
-        config = _read_json(folder / "tokenizer_config.json") or {}
+        config = read_json(folder / "tokenizer_config.json") or {}
         special = {}
         for key in _SPECIAL_TOKEN_KEYS:
             value = config.get(key)
@@ -236,7 +231,7 @@ class Tokenizer:
                 value = value.get("content")
             if isinstance(value, str):
                 special[key] = value
-        template = chat_template or _folder_chat_template(folder, config)
+        template = chat_template or folder_chat_template(folder, config)
         return cls(
             backend,
             special_tokens=special,
@@ -412,7 +407,8 @@ def _clean_up_tokenization(text: str) -> str:
     )
 
 
-def _read_json(path: Path) -> dict | None:
+def read_json(path: Path) -> dict | None:
+    """A JSON file's contents, None when it is absent; ModelLoadError when it is not JSON."""
     if not path.is_file():
         return None
     try:
@@ -421,122 +417,15 @@ def _read_json(path: Path) -> dict | None:
         raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
 
 
-def _folder_chat_template(folder: Path, config: dict) -> str | None:
+def folder_chat_template(folder: Path, config: dict) -> str | None:
+    """An HF folder's chat template: chat_template.jinja, tokenizer_config.json or chat_template.json."""
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():
         return jinja.read_text(encoding="utf-8")
     template = config.get("chat_template")
     if template is None:
-        template = (_read_json(folder / "chat_template.json") or {}).get("chat_template")
+        template = (read_json(folder / "chat_template.json") or {}).get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     return template if isinstance(template, str) and template else None
-
-
-# ------------------------------------------------------ conversion + cache
-
-
-def _converted_folder(fingerprint: str, source: Path, convert) -> Path:
-    """Return a folder holding tokenizer.json for `fingerprint`, converting once."""
-    folder = cache_root() / "tokenizers" / fingerprint
-    marker = _read_json_quiet(folder / _MARKER)
-    if marker and marker.get("format") == CACHE_FORMAT and (folder / "tokenizer.json").is_file():
-        return folder
-    try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{fingerprint[:16]}-", dir=folder.parent))
-    except OSError:  # read-only cache location: convert into a throwaway folder
-        tmp = Path(tempfile.mkdtemp(prefix="turnkv-tokenizer-"))
-        convert(tmp)
-        return tmp
-    try:
-        convert(tmp)
-        (tmp / _MARKER).write_text(json.dumps({"format": CACHE_FORMAT, "source": str(source)}))
-        if folder.exists():
-            shutil.rmtree(folder, ignore_errors=True)
-        os.replace(tmp, folder)
-    except OSError:
-        if (folder / _MARKER).is_file():  # another process won the race
-            shutil.rmtree(tmp, ignore_errors=True)
-            return folder
-        return tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return folder
-
-
-def _read_json_quiet(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-def _transformers_convert(load_kwargs: dict, what: Path):
-    def convert(out: Path) -> None:
-        try:
-            from transformers import AutoTokenizer
-            from transformers.utils import logging as hf_logging
-
-            verbosity = hf_logging.get_verbosity()
-            hf_logging.set_verbosity_error()
-            try:
-                try:
-                    tok = AutoTokenizer.from_pretrained(local_files_only=True, **load_kwargs)
-                except Exception as e:
-                    # AutoTokenizer reads a GGUF's model config first and knows few GGUF
-                    # architectures (ValueError), or misreads one (TypeError: its gpt-oss rope
-                    # keys; a strict-dataclass error: Gemma 4's per-layer feed_forward_length);
-                    # the tokenizer (tokenizer.ggml.*) does not depend on it.
-                    from huggingface_hub.errors import StrictDataclassError
-
-                    config_error = (ValueError, TypeError, StrictDataclassError)
-                    if "gguf_file" not in load_kwargs or not isinstance(e, config_error) or (
-                            isinstance(e, ValueError) and "is not supported yet" not in str(e)):
-                        raise
-                    from transformers import PreTrainedTokenizerFast
-
-                    tok = PreTrainedTokenizerFast.from_pretrained(local_files_only=True, **load_kwargs)
-            finally:
-                hf_logging.set_verbosity(verbosity)
-            if not getattr(tok, "is_fast", True) or not hasattr(tok, "backend_tokenizer"):
-                raise ValueError(f"got a {type(tok).__name__} without a fast tokenizer")
-            tok.save_pretrained(str(out))
-            if not (out / "tokenizer.json").is_file():
-                tok.backend_tokenizer.save(str(out / "tokenizer.json"))
-        except ModelLoadError:
-            raise
-        except Exception as e:
-            raise ModelLoadError(f"{what}: cannot convert the tokenizer with transformers ({e})") from None
-
-    return convert
-
-
-def load_gguf_tokenizer(
-    path: Path, fingerprint: str, *, chat_template: str | None = None, extra_eos_ids: Iterable[int] = ()
-) -> Tokenizer:
-    """Tokenizer of a GGUF file, converted by transformers once and cached."""
-    path = Path(path).resolve()
-    convert = _transformers_convert({"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}, path)
-    folder = _converted_folder(fingerprint, path, convert)
-    return Tokenizer.from_folder(folder, chat_template=chat_template, extra_eos_ids=extra_eos_ids)
-
-
-_SLOW_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "spiece.model", "tokenizer_config.json")
-
-
-def load_folder_tokenizer(
-    folder: Path, fingerprint: str, *, chat_template: str | None = None, extra_eos_ids: Iterable[int] = ()
-) -> Tokenizer | None:
-    """Tokenizer of an HF folder, or None when the folder has no tokenizer files."""
-    folder = Path(folder)
-    if (folder / "tokenizer.json").is_file():
-        return Tokenizer.from_folder(folder, chat_template=chat_template, extra_eos_ids=extra_eos_ids)
-    if not any((folder / name).is_file() for name in _SLOW_TOKENIZER_FILES[:3]):
-        return None
-    convert = _transformers_convert({"pretrained_model_name_or_path": str(folder)}, folder)
-    converted = _converted_folder(fingerprint, folder, convert)
-    template = chat_template or _folder_chat_template(folder, _read_json(folder / "tokenizer_config.json") or {})
-    return Tokenizer.from_folder(converted, chat_template=template, extra_eos_ids=extra_eos_ids)
