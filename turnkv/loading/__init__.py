@@ -89,7 +89,8 @@ def _gguf_tokenizer(src: _Source, header, fp: str, config: dict) -> Tokenizer | 
     if template is None and "tokenizer.chat_template" not in header.metadata:
         fallback = _FALLBACK_TEMPLATES.get(header.architecture)
         template = shipped_template(fallback) if fallback else None
-    return load_gguf_tokenizer(src.path, fp, chat_template=template, extra_eos_ids=_eos_ids(config))
+    return load_gguf_tokenizer(src.path, fp, chat_template=template, extra_eos_ids=_eos_ids(config),
+                               metadata=header.metadata)
 
 
 def _hf_eos(config: dict) -> list[int]:

@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Iterable
 
 from .errors import ModelLoadError
+from .pretokenizers import apply_gguf_pre_tokenizer
 from .tokenizer import Tokenizer, cache_root, folder_chat_template, read_json
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2      # 2: GGUF BPE vocabularies split with llama.cpp's regexes for the file
 _MARKER = "turnkv-tokenizer.json"
 
 
@@ -96,11 +97,21 @@ def _transformers_convert(load_kwargs: dict, what: Path):
 
 
 def load_gguf_tokenizer(
-    path: Path, fingerprint: str, *, chat_template: str | None = None, extra_eos_ids: Iterable[int] = ()
+    path: Path, fingerprint: str, *, chat_template: str | None = None, extra_eos_ids: Iterable[int] = (),
+    metadata: dict | None = None,
 ) -> Tokenizer:
-    """Tokenizer of a GGUF file, converted by transformers once and cached."""
+    """Tokenizer of a GGUF file, converted by transformers once and cached; a BPE vocabulary then
+    splits text with llama.cpp's regexes for the file's pre-tokenizer (loading/pretokenizers.py),
+    so its token ids are llama.cpp's. ``metadata``: the file's header metadata."""
     path = Path(path).resolve()
-    convert = _transformers_convert({"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}, path)
+    hf_convert = _transformers_convert({"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}, path)
+
+    def convert(out: Path) -> None:
+        hf_convert(out)
+        file = out / "tokenizer.json"
+        converted = apply_gguf_pre_tokenizer(json.loads(file.read_text(encoding="utf-8")), metadata or {})
+        file.write_text(json.dumps(converted, ensure_ascii=False), encoding="utf-8")
+
     folder = _converted_folder(fingerprint, path, convert)
     return Tokenizer.from_folder(folder, chat_template=chat_template, extra_eos_ids=extra_eos_ids)
 
