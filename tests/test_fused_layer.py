@@ -250,7 +250,7 @@ def test_off_for_other_formats_and_when_disabled(monkeypatch):
 
 
 def test_kept_plan_same_bits_as_a_plan_built_every_step(model, monkeypatch):
-    """``FusedStack`` keeps its native plan from step to step (models/fused.py ``_Kept``): when a
+    """``FusedStack`` keeps its native plan from step to step (cache/write.py ``KeptWrites``): when a
     step's spans are the last step's caches and each only moved on inside blocks it owns, the
     plan's query positions move on and nothing else is built or converted. Three sequences on one
     pool per layer decode across block boundaries; between steps a sequence gets a snapshot
@@ -262,13 +262,13 @@ def test_kept_plan_same_bits_as_a_plan_built_every_step(model, monkeypatch):
     the kept plan, and its query and first key positions end equal to what the caches reserved.
     (Each of ``_Kept``'s three checks, dropped alone, fails this test.)"""
     from turnkv import kernels
-    from turnkv.models.fused import FusedStack
+    from turnkv.cache.write import KeptWrites
 
-    real_plan = FusedStack._plan
+    real_plan = KeptWrites.plan
 
-    def built_every_step(self, batch):
+    def built_every_step(self, seqs, lens, layers):
         self._kept = None
-        return real_plan(self, batch)
+        return real_plan(self, seqs, lens, layers)
 
     made = []
     real_sp = kernels._ext.StackPlan
@@ -324,7 +324,7 @@ def test_kept_plan_same_bits_as_a_plan_built_every_step(model, monkeypatch):
         stack = model.__dict__["_fused_stack"][1]
         # the last step's plan, kept: per layer, its query and first key positions are what each
         # span's cache reserved for its last token
-        native = stack._kept.native
+        native = stack._writes._kept.native
         for i, (q, k) in enumerate(zip(native.query_positions(), native.key_positions())):
             assert q == [c[i].offset - 1 for c in cs]
             assert k == [max(c[i].floor, c[i].needed_from(c[i].offset - 1)) for c in cs]
@@ -334,7 +334,7 @@ def test_kept_plan_same_bits_as_a_plan_built_every_step(model, monkeypatch):
 
     with torch.inference_mode():
         kept, built_kept, steps = drive()
-        monkeypatch.setattr(FusedStack, "_plan", built_every_step)
+        monkeypatch.setattr(KeptWrites, "plan", built_every_step)
         fresh, built_fresh, _ = drive()
     assert len(kept) == len(fresh)
     for a, b in zip(kept, fresh):

@@ -161,10 +161,12 @@ class KVCache(LayerCache):
     # Slots: a decode step's plan touches every live full-attention cache (8 sequences x 30 layers
     # of SmolLM2: 240 objects, cold after the step's ~300 MB of weights and K/V went through the
     # caches); an attribute in a slot sits in the object itself, not in a separate values array.
-    # Paired runs of the 8-user engine: FusedStack._plan 0.37-0.39 -> 0.27-0.29 ms a step.
-    # (Subclasses without __slots__ get a __dict__ for their own fields, as before.)
+    # Paired runs of the 8-user engine: the stack's plan (cache/write.py KeptWrites.plan) 0.37-0.39
+    # -> 0.27-0.29 ms a step. (Subclasses without __slots__ get a __dict__ for their own fields, as
+    # before.) ``_write_rule``: cache/write.py's memo of how the native write-and-attend call writes
+    # this cache.
     __slots__ = ("heads", "head_dim", "dtype", "device", "mode", "block_size", "pool", "store", "holder", "_ids",
-                 "_parts", "_own", "_table", "offset", "floor", "write_layout", "write_rule", "__weakref__")
+                 "_parts", "_own", "_table", "offset", "floor", "_write_rule", "__weakref__")
     # whether the rule keeps every position (retain_from and needed_from are KVCache's own): set
     # per subclass, so one that overrides either never takes reserve's shortcut
     _keeps_all: ClassVar[bool] = True

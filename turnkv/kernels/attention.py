@@ -251,7 +251,7 @@ def write_attend(q, k, v, kbufs, vbufs, lens, tables, q_pos0s, k_pos0s, kinds, s
 
 def write_attend_plan(q, k, v, plan: tuple, scale: float, softcap: float | None = None,
                       sinks: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
-    """``write_attend`` with the cache side already in native form (``models.base.write_plan``:
+    """``write_attend`` with the cache side already in native form (``cache.write.write_plan``:
     kinds as ``KINDS`` codes, windows / chunks as ints, then the int8 scale buffers or None)."""
     i = _default if isa is None else ISAS.index(isa)
     return _write(q, k, v, *plan[:8], float(scale), float(softcap) if softcap else 0.0, i,

@@ -7,7 +7,6 @@ behaviour beyond the ``Model`` interface.
 
 from __future__ import annotations
 
-import functools
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
@@ -17,10 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache.kv import KVCache, KVView
+from ..cache.kv import KVView
 from ..cache.specs import CacheSpec
-from ..kernels.attention import KINDS, attend_many_native, attend_native, native_many_available, write_attend_plan
-from ..kernels.attention import KERNEL_BLOCK, write_attend_ok, write_buffers_ok
+from ..cache.write import write_plan
+from ..kernels.attention import attend_many_native, attend_native, native_many_available, write_attend_plan
+from ..kernels.attention import write_attend_ok
 from ..kernels.attention import native_ok as native_attention_ok
 from ..kernels.norm import native_rms_norm
 from .batch import Batch, Span, select_rows
@@ -198,7 +198,7 @@ def attention_spans(batch: Batch, layer: int, q: torch.Tensor, k: torch.Tensor, 
     into them (``write_attend``: no per-sequence copies, slices and views in Python)."""
     spans: list[Span] = batch.spans
     if write_attend_ok(q, k, v, sinks=sinks):
-        plan = write_plan(batch, layer)
+        plan = write_plan([s.caches[layer] for s in spans], [s.length for s in spans])
         if plan is not None:
             return write_attend_plan(q, k, v, plan, scale, softcap, sinks)
     caches = [s.caches[layer] for s in spans]
@@ -214,85 +214,6 @@ def attention_spans(batch: Batch, layer: int, q: torch.Tensor, k: torch.Tensor, 
                                       scales=[kv[2] for kv in kvs] if int8 == {True} else None)
     outs = [attention(qq, w, scale, softcap, sinks) for qq, w in zip(qs, views)]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-
-@functools.lru_cache(maxsize=None)
-def _layout_of(store_type: type, parts_dtype: torch.dtype, block_size: int) -> str | None:
-    if block_size != KERNEL_BLOCK or not write_buffers_ok({parts_dtype}):
-        return None
-    return store_type.native_layout
-
-
-def _write_layout(cache) -> str | None:
-    """How ``write_attend`` writes this layer cache's K/V buffers ("plain", "int8"), or None when it
-    does not: a function of its store's type and element type and its block size, all fixed for
-    the cache's life (memoized on the cache: a step asks once per layer and sequence)."""
-    if not isinstance(cache, KVCache):
-        return None
-    try:
-        return cache.write_layout
-    except AttributeError:
-        layout = _layout_of(type(cache.store), cache.store.parts_dtype, cache.block_size)
-        if layout is not None:
-            cache.write_rule = (KINDS[cache.kind], int(cache.span or 0))     # fixed too: kind, window / chunk
-        cache.write_layout = layout
-        return layout
-
-
-def _common_layout(caches) -> str | None:
-    layout = _write_layout(caches[0])
-    if layout is None or any(_write_layout(c) != layout for c in caches[1:]):
-        return None
-    return layout
-
-
-def _reserve_plan(lens: list[int], caches, int8: bool) -> tuple:
-    if len(caches) == 1:        # one sequence: the lists built directly
-        c = caches[0]
-        first, q0 = c.reserve(lens[0])
-        b = c.store.parts
-        kind, span = c.write_rule
-        return ([b["k"]], [b["v"]], lens, [c.table], [q0], [first], [kind], [span],
-                [b["k_scale"]] if int8 else None, [b["v_scale"]] if int8 else None)
-    return plan_of(lens, caches, int8, [c.reserve(T) for c, T in zip(caches, lens)])
-
-
-def plan_of(lens: list[int], caches, int8: bool, plan: list[tuple[int, int]]) -> tuple:
-    """``write_plan``'s tuple for ``caches`` once they have reserved (``plan``: what each
-    ``reserve`` returned, ``(first_pos, q_pos0)``)."""
-    parts = [c.store.parts for c in caches]     # after every reserve: the pool may have grown
-    rules = [c.write_rule for c in caches]
-    return ([b["k"] for b in parts], [b["v"] for b in parts], lens,
-            [c.table for c in caches], [p[1] for p in plan], [p[0] for p in plan],
-            [r[0] for r in rules], [r[1] for r in rules],
-            [b["k_scale"] for b in parts] if int8 else None, [b["v_scale"] for b in parts] if int8 else None)
-
-
-def write_plan(batch: Batch, layer: int) -> tuple | None:
-    """The cache side of ``write_attend`` for every span's cache at ``layer``, after reserving
-    room for the span's rows in it: (K buffers, V buffers, lengths, block tables, query positions,
-    key positions, kinds, windows / chunks, int8 K scales, V scales), or None (nothing reserved)
-    unless every one keeps its K/V in blocks of the kernel's size (``KERNEL_BLOCK``) as plain
-    float buffers the kernel writes, or every one as int8 with row scales. Runs once per layer of
-    every step (a decode step of a small model: ~10 us a call is ~5% of the step), hence the one
-    pass and the memoized layout."""
-    spans = batch.spans
-    caches = [s.caches[layer] for s in spans]
-    layout = _common_layout(caches)
-    return None if layout is None else _reserve_plan([s.length for s in spans], caches, layout == "int8")
-
-
-def write_plans(batch: Batch, layers: int) -> list[tuple] | None:
-    """``write_plan`` for layers ``0 .. layers - 1`` in one pass (models/fused.py FusedStack runs
-    them all in one native call), or None, with nothing reserved, unless every layer's caches
-    take ``write_attend``: the layouts are checked for every layer before any layer reserves."""
-    spans = batch.spans
-    per_layer = list(zip(*[s.caches[:layers] for s in spans]))       # the spans' caches, layer by layer
-    layouts = [_common_layout(caches) for caches in per_layer]
-    if len(per_layer) != layers or None in layouts:
-        return None
-    lens = [s.length for s in spans]
-    return [_reserve_plan(lens, caches, layout == "int8") for caches, layout in zip(per_layer, layouts)]
 
 
 def native_kv(q: torch.Tensor, view: KVView, sinks: torch.Tensor | None = None):

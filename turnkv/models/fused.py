@@ -21,16 +21,16 @@ the three calls.
 
 from __future__ import annotations
 
-import operator
 import os
 
 import torch
 
 from .. import kernels
+from ..cache.write import KeptWrites, write_plan
 from ..kernels import reference
-from ..kernels.attention import KINDS, attention_isa
+from ..kernels.attention import attention_isa
 from ..kernels.norm import native_rms_norm
-from .base import attention_spans, plan_of, write_plan, write_plans
+from .base import attention_spans
 from .weights import GGUFPacked
 
 ACTS = {"silu": 0, "gelu_tanh": 1}
@@ -131,10 +131,11 @@ class FusedBlock:
               softcap: float | None = None) -> torch.Tensor:
         """The whole layer on the rows ``x`` (in place) with every span's attention over its own
         cache at layer ``i`` (``models.base.attention_spans``): one native call when the caches
-        take ``write_attend`` (``models.base.write_plan``), else ``qkv``, ``attention_spans`` and
+        take ``write_attend`` (``cache.write.write_plan``), else ``qkv``, ``attention_spans`` and
         ``out_mlp``. The same bits either way."""
         if self.native is not None and self.one_call:
-            plan = write_plan(batch, i)
+            spans = batch.spans
+            plan = write_plan([s.caches[i] for s in spans], [s.length for s in spans])
             if plan is not None:
                 cos, sin = rope
                 kernels._ext.fused_layer(self.native, x, cos.contiguous(), sin.contiguous(), *plan[:8], float(scale),
@@ -161,72 +162,15 @@ def fuse_llama_block(block) -> "FusedBlock | None":
                             wdown=m.wdown, post_ff=None)
 
 
-_table_of = operator.attrgetter("_table")
-
-
-def _same_tables(caches, tables) -> bool:
-    """Each cache still holds the block table tensor in ``tables`` (identity, looped in C)."""
-    return all(map(operator.is_, map(_table_of, caches), tables))
-
-
-_FULL, _SLIDING = KINDS["full"], KINDS["sliding"]
-
-
-class _Kept:
-    """A FusedStack's native plan of the last step and what it was built from: the spans'
-    lengths, each layer's block tables (a cache's own tensor, made again whenever its blocks
-    change: the same object means the same cache and the same blocks), what the caches'
-    ``reserve`` returned, by rule (``rules``: one ``[kind, window, reserved]`` per rule, full
-    attention or a sliding window of that size, ``reserved`` the (first, query) positions per span,
-    the same for every layer of the rule: a plan is kept only then; ``rule_of``: each layer's rule),
-    and the pools' stores with the parts they had (a pool that grows gets new parts). It holds no
-    cache, so it keeps no sequence's blocks alive."""
-
-    __slots__ = ("native", "lens", "tables", "rules", "rule_of", "int8", "stores")
-
-    def __init__(self, native, lens: list[int], plans: list[tuple], rules: list[list], rule_of: list[int],
-                 per_layer: list[tuple]):
-        self.native, self.lens, self.rules, self.rule_of = native, lens, rules, rule_of
-        self.tables = [p[3] for p in plans]
-        self.int8 = [p[8] is not None for p in plans]
-        stores = {id(c.store): c.store for caches in per_layer for c in caches}
-        self.stores = [(st, st.parts) for st in stores.values()]
-
-    def expected(self) -> list[list[tuple[int, int]]]:
-        """Per rule, what each span's ``reserve`` returns this step if its cache only moved on:
-        the query position on by the span's length; the first position the same (full attention)
-        or ``max(first, query - window + 1)`` (sliding: ``StackPlan.advance`` does the same)."""
-        out = []
-        for kind, window, reserved in self.rules:
-            if kind == _FULL:
-                out.append([(f, q + T) for (f, q), T in zip(reserved, self.lens)])
-            else:
-                out.append([(max(f, q + T - window + 1), q + T) for (f, q), T in zip(reserved, self.lens)])
-        return out
-
-    def moved_on(self, per_layer: list[tuple], reserved: list[list[tuple[int, int]]], expect: list) -> bool:
-        """After every cache reserved this step's rows: whether each one returned what its rule
-        expects (``expect``: ``expected()``), still holds the same blocks, and no pool grew, so
-        the plan differs from the last step's by what ``StackPlan.advance`` moves alone."""
-        return (all(r == expect[g] for r, g in zip(reserved, self.rule_of))
-                and all(map(_same_tables, per_layer, self.tables))
-                and all(st.parts is parts for st, parts in self.stores))
-
-
 class FusedStack:
     """Every layer of a decoder as one native call a step (``fused_layers``): the same
     ``fused_layer`` calls in the same order, looped in C++. What it saves is the Python between
     the layers (about 10 us a layer, several times that in situ: each layer's weights and K/V
     evict the interpreter's code and data from the caches) and, in the server, the GIL: the engine
-    thread takes it once a step instead of once a layer. The layers' cache plans are reserved in
-    one pass first (``write_plans``); when any layer's caches do not take ``write_attend``,
-    ``run`` does nothing and the family runs its layers one by one.
-
-    The plans live in a native ``StackPlan`` kept from step to step: when the step's spans are the
-    last step's caches with the same lengths and every one of them only moved on inside blocks it
-    owns (most decode steps; a sliding-window cache until a block leaves its window), the kept
-    plan moves its query positions on (and a sliding layer's first key positions with them) and
-    nothing else is built or converted (``_Kept``); any other step builds and keeps a new one."""
+    thread takes it once a step instead of once a layer. The caches reserve every layer's rows
+    in one pass first and keep the native ``StackPlan`` from step to step, advancing it where
+    every cache only moved on (cache/write.py ``KeptWrites``); when any layer's caches do not
+    take ``write_attend``, ``run`` does nothing and the family runs its layers one by one."""
 
     enabled = os.environ.get("TURNKV_FUSED_STACK", "1").strip() != "0"   # A/B, tests
 
@@ -237,7 +181,7 @@ class FusedStack:
         self.scales = [float(x) for x in scales]
         self.softcaps = [float(x) if x else 0.0 for x in softcaps]
         self.rope_of = [int(r) for r in rope_of]
-        self._kept: _Kept | None = None
+        self._writes = KeptWrites(_stack_plan)
 
     @classmethod
     def of(cls, layers, scales, softcaps, rope_of) -> "FusedStack | None":
@@ -255,62 +199,18 @@ class FusedStack:
         ``i``; False, with nothing done, when ``x`` or some layer's caches do not take it."""
         if not self.first.takes(x):
             return False
-        plan = self._plan(batch)
+        spans = batch.spans
+        plan = self._writes.plan([s.caches for s in spans], [s.length for s in spans], len(self.natives))
         if plan is None:
             return False
         kernels._ext.fused_layers(self.natives, x, [c.contiguous() for c, _ in ropes],
                                   [s.contiguous() for _, s in ropes], self.rope_of, plan, self.scales, self.softcaps)
         return True
 
-    def _plan(self, batch):
-        """The step's native plan, every cache's rows reserved; None, with nothing reserved, when
-        some layer's caches do not take ``write_attend``."""
-        n = len(self.natives)
-        spans = batch.spans
-        lens = [s.length for s in spans]
-        kept = self._kept
-        if kept is not None and kept.lens == lens:
-            per_layer = list(zip(*[s.caches[:n] for s in spans]))
-            if len(per_layer) == n and all(map(_same_tables, per_layer, kept.tables)):
-                # the caches the kept plan was made for (their layouts took write_attend then)
-                expect = kept.expected()
-                reserved = [[c.reserve(T) for c, T in zip(caches, lens)] for caches in per_layer]
-                if kept.moved_on(per_layer, reserved, expect):
-                    kept.native.advance()
-                    for rule, e in zip(kept.rules, expect):
-                        rule[2] = e
-                    return kept.native
-                plans = [plan_of(lens, caches, int8, r) for caches, int8, r in zip(per_layer, kept.int8, reserved)]
-                return self._keep(plans, lens, per_layer)
-        plans = write_plans(batch, n)
-        if plans is None:
-            self._kept = None
-            return None
-        return self._keep(plans, lens, list(zip(*[s.caches[:n] for s in spans])))
 
-    def _keep(self, plans: list[tuple], lens: list[int], per_layer: list[tuple]):
-        native = kernels._ext.StackPlan(plans)
-        # kept when every layer is full attention or sliding-window, one rule for all its spans,
-        # and every layer of a rule reserved alike (the usual lockstep of a sequence's layers); a
-        # chunked layer's plan (no fused family has one) is built every step
-        rules: dict[tuple[int, int], list] = {}
-        rule_of: list[int] = []
-        keep = True
-        for p in plans:
-            kinds, spans = p[6], p[7]
-            rule = (kinds[0], spans[0] if kinds[0] == _SLIDING else 0)
-            reserved = list(zip(p[5], p[4]))
-            if (rule[0] not in (_FULL, _SLIDING) or any(k != kinds[0] for k in kinds)
-                    or (rule[0] == _SLIDING and any(w != spans[0] for w in spans))):
-                keep = False
-                break
-            got = rules.setdefault(rule, [rule[0], rule[1], reserved])
-            if got[2] != reserved:
-                keep = False
-                break
-            rule_of.append(list(rules).index(rule))
-        self._kept = _Kept(native, lens, plans, list(rules.values()), rule_of, per_layer) if keep else None
-        return native
+def _stack_plan(plans: list[tuple]):
+    """The native plan of every layer's write plans (looked up at each call: tests count them)."""
+    return kernels._ext.StackPlan(plans)
 
 
 def stack_for(model, scales, softcaps, rope_of) -> "FusedStack | None":
