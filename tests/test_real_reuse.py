@@ -150,7 +150,7 @@ def test_int4_head_nominates_the_true_argmax(real):
     inside them (a margin of 4x), and the rescored head's pick must be the float32 pick."""
     from turnkv.cache.specs import make_caches
     from turnkv.models.base import linear
-    from turnkv.models.weights import INT4_HEAD_GROUP, RESCORE_TOP, Int4Weight, PackedWeight, RescoredHead
+    from turnkv.models.packed import INT4_HEAD_GROUP, RESCORE_TOP, Int4Weight, PackedWeight, RescoredHead
 
     name, model, ckpt = real
     table = model.lm_head.detach()

@@ -11,8 +11,8 @@ import torch
 from tests.tiny import tiny_gemma3, tiny_llama
 from turnkv.cache.specs import make_caches
 from turnkv.models.base import Model, embedding, linear
-from turnkv.models.weights import (FORMATS, Int4Weight, Int8Weight, PackedWeight, apply_format,
-                                   dequantize_int4, load_model, quantize_int4)
+from turnkv.models.packed import Int4Weight, Int8Weight, PackedWeight, dequantize_int4, quantize_int4
+from turnkv.models.weights import FORMATS, apply_format, load_model
 
 BUILDERS = {"llama": tiny_llama, "gemma3": lambda: tiny_gemma3(window=16)}
 

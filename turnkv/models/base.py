@@ -24,7 +24,7 @@ from ..kernels.attention import write_attend_ok
 from ..kernels.attention import native_ok as native_attention_ok
 from ..kernels.norm import native_rms_norm
 from .batch import Batch, Span, select_rows
-from .weights import PackedWeight
+from .packed import PackedWeight
 
 _native_norm = native_rms_norm()
 
