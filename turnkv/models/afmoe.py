@@ -21,6 +21,7 @@ from .batch import Batch, select_rows
 from .glm4_moe import MLP
 from .qwen3_next import _expert_weights
 from .rope_config import inv_freq_for, rope_params
+from .tensors import fused_weight, stored, weight
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -70,14 +71,14 @@ class Attention(nn.Module):
         self.eps = a.rms_norm_eps
         self.rotate = sliding   # the global (full) layers are NoPE
         # q | k | v | gate in one matmul; only q/k/v may have a bias
-        self.wqkvg = param(torch.cat([take(t, f"{p}.q_proj.weight"), take(t, f"{p}.k_proj.weight"),
-                                      take(t, f"{p}.v_proj.weight"), take(t, f"{p}.gate_proj.weight")]), dtype)
+        self.wqkvg = fused_weight([stored(t, f"{p}.q_proj.weight"), stored(t, f"{p}.k_proj.weight"),
+                                   stored(t, f"{p}.v_proj.weight"), stored(t, f"{p}.gate_proj.weight")], dtype)
         self.bqkvg = None
         if a.attention_bias:
             self.bqkvg = param(torch.cat([take(t, f"{p}.q_proj.bias"), take(t, f"{p}.k_proj.bias"),
                                           take(t, f"{p}.v_proj.bias"),
                                           torch.zeros(self.hq * self.d)]), dtype)
-        self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
+        self.wo = weight(stored(t, f"{p}.o_proj.weight"), dtype)
         self.bo = param(take(t, f"{p}.o_proj.bias"), dtype) if a.attention_bias else None
         self.q_norm = param(take(t, f"{p}.q_norm.weight"), torch.float32)
         self.k_norm = param(take(t, f"{p}.k_norm.weight"), torch.float32)
@@ -103,7 +104,7 @@ class MoE(nn.Module):
         self.w_router = param(take(t, f"{p}.router.gate.weight"), dtype)
         self.expert_bias = param(take(t, f"{p}.expert_bias"), torch.float32)   # float32 in transformers too
         gu, down = _expert_weights(t, p, a.num_experts)
-        self.experts = nn.ModuleList(MLP(gu[e], down[e], dtype) for e in range(a.num_experts))
+        self.experts = nn.ModuleList(MLP([gu[e]], down[e], dtype) for e in range(a.num_experts))
         self.shared = MLP.named(t, f"{p}.shared_experts", dtype)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,11 +156,11 @@ class AfmoeModel(Model):
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
         super().__init__()
         self.args, self.dtype = args, dtype
-        self.embed = param(take(tensors, "model.embed_tokens.weight"), dtype)
+        self.embed = weight(stored(tensors, "model.embed_tokens.weight"), dtype)
         self.layers = nn.ModuleList(Block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
         self.norm = param(take(tensors, "model.norm.weight"), torch.float32)
         head = tensors.get("lm_head.weight")
-        self.lm_head = self.embed if head is None or args.tie_word_embeddings else param(head, dtype)
+        self.lm_head = self.embed if head is None or args.tie_word_embeddings else weight(head, dtype)
         inv_freq, scaling = inv_freq_for(rope_params(config), args.head_dim)
         self.rope = Rope(args.head_dim, 0.0, dtype, inv_freq=inv_freq, attention_scaling=scaling)
 

@@ -51,6 +51,7 @@ from .batch import Batch, Span, spans_apply
 from .kimi_linear import MoE, _mlp, kda_chunked, kda_step, l2norm
 from .rope_config import inv_freq_for, rope_params
 from .ssm import causal_conv1d
+from .tensors import fused_weight, stored, weight
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -176,18 +177,18 @@ class DeltaAttention(nn.Module):
         self.safe, self.lower = a.kda_safe_gate, float(a.kda_lower_bound)
         w = lambda name: take(t, f"{p}.{name}.weight")   # noqa: E731
         # one matmul: q | k | v | forget gate | beta | output gate
-        self.w_in = param(torch.cat([w("q_proj"), w("k_proj"), w("v_proj"), w("forget_gate.f_proj"),
-                                     w("b_proj"), w("g_proj")]), dtype)
+        self.w_in = fused_weight([stored(t, f"{p}.{n}.weight") for n in ("q_proj", "k_proj", "v_proj",
+                                  "forget_gate.f_proj", "b_proj", "g_proj")], dtype)
         # transformers keeps the conv, dt_bias and A_log in float32 in any dtype
         self.w_conv = param(w("conv1d").reshape(3 * self.dim, self.kernel), torch.float32)
         self.dt_bias = param(take(t, f"{p}.forget_gate.dt_bias").reshape(self.h, self.d), torch.float32)
         if f"{p}.forget_gate.exp_A_log" in t:   # llama.cpp's GGUF holds exp(A_log) itself (ssm_a)
-            rate = t[f"{p}.forget_gate.exp_A_log"].float()
+            rate = take(t, f"{p}.forget_gate.exp_A_log").float()
         else:
             rate = take(t, f"{p}.forget_gate.A_log").float().exp()
         self.rate = param(rate.reshape(self.h, 1), torch.float32)
         self.w_norm = param(w("o_norm"), dtype)
-        self.w_out = param(w("o_proj"), dtype)
+        self.w_out = weight(stored(t, f"{p}.o_proj.weight"), dtype)
 
     def state_fields(self) -> dict[str, tuple[int, ...]]:
         return {"conv": (self.kernel - 1, 3 * self.dim), "recurrent": (self.h, self.d, self.d)}
@@ -235,7 +236,7 @@ class LatentAttention(nn.Module):
         bias = a.attention_bias
         self.q_lora = a.q_lora_rank is not None
         if self.q_lora:
-            self.w_q_a = param(take(t, f"{p}.q_a_proj.weight"), dtype)
+            self.w_q_a = weight(stored(t, f"{p}.q_a_proj.weight"), dtype)
             self.b_q_a = param(take(t, f"{p}.q_a_proj.bias"), dtype) if bias else None
             self.ln_q_a = param(take(t, f"{p}.q_a_layernorm.weight"), dtype)
             self.w_q_b = param(deinterleave(take(t, f"{p}.q_b_proj.weight"), self.dqk, self.r), dtype)
@@ -246,9 +247,9 @@ class LatentAttention(nn.Module):
         self.b_kv_a = (param(deinterleave(take(t, f"{p}.kv_a_proj_with_mqa.bias"), kv_a, self.r), dtype)
                        if bias else None)
         self.ln_kv_a = param(take(t, f"{p}.kv_a_layernorm.weight"), dtype)
-        self.w_kv_b = param(take(t, f"{p}.kv_b_proj.weight"), dtype)
-        self.w_gate = param(take(t, f"{p}.g_proj.weight"), dtype)
-        self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
+        self.w_kv_b = weight(stored(t, f"{p}.kv_b_proj.weight"), dtype)
+        self.w_gate = weight(stored(t, f"{p}.g_proj.weight"), dtype)
+        self.wo = weight(stored(t, f"{p}.o_proj.weight"), dtype)
         self.bo = param(take(t, f"{p}.o_proj.bias"), dtype) if bias else None
 
     def cache_dims(self) -> tuple[int, int]:
@@ -335,11 +336,11 @@ class BailingHybridModel(Model):
             factor = float(params["factor"])   # DeepSeek's YaRN: the score scale takes mscale^2
             m = 0.1 * float(params["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
             scale = scale * m * m
-        self.embed = param(take(t, "model.embed_tokens.weight"), dtype)
+        self.embed = weight(stored(t, "model.embed_tokens.weight"), dtype)
         self.layers = nn.ModuleList(Block(args, t, i, dtype, scale) for i in range(args.num_hidden_layers))
         self.norm = param(take(t, "model.norm.weight"), dtype)
         head = t.get("lm_head.weight")
-        self.lm_head = self.embed if head is None or args.tie_word_embeddings else param(head, dtype)
+        self.lm_head = self.embed if head is None or args.tie_word_embeddings else weight(head, dtype)
 
     @classmethod
     def from_checkpoint(cls, config, tensors, dtype):

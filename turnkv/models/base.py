@@ -25,6 +25,7 @@ from ..kernels.attention import native_ok as native_attention_ok
 from ..kernels.norm import native_rms_norm
 from .batch import Batch, Span, select_rows
 from .packed import PackedWeight
+from .tensors import param, stored, take, weight
 
 _native_norm = native_rms_norm()
 
@@ -80,11 +81,11 @@ class Model(nn.Module, ABC):
         """The embedding, the blocks (``block(args, tensors, i, dtype)``), the final norm and the
         lm_head (tied to the embedding when the checkpoint has none or the config says so), under
         HF's ``model.*`` / ``lm_head`` names."""
-        self.embed = param(take(tensors, "model.embed_tokens.weight"), dtype)
+        self.embed = weight(stored(tensors, "model.embed_tokens.weight"), dtype)
         self.layers = nn.ModuleList(block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
         self.norm = param(take(tensors, "model.norm.weight"), dtype)
         head = tensors.get("lm_head.weight")
-        self.lm_head = self.embed if head is None or args.tie_word_embeddings else param(head, dtype)
+        self.lm_head = self.embed if head is None or args.tie_word_embeddings else weight(head, dtype)
 
     def run_decoder(self, x: torch.Tensor, batch: Batch, *extra) -> torch.Tensor | None:
         """Every block over the residual ``x`` (``block.forward(x, batch, i, *extra)``), then the
@@ -99,21 +100,6 @@ class Model(nn.Module, ABC):
         if x is None:
             return None
         return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
-
-
-class MissingWeight(KeyError):
-    pass
-
-
-def take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    try:
-        return tensors[name]
-    except KeyError:
-        raise MissingWeight(f"checkpoint has no tensor {name!r}") from None
-
-
-def param(t: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(t.to(dtype).contiguous(), requires_grad=False)
 
 
 # --- RoPE -----------------------------------------------------------------------------------------

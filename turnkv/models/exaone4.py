@@ -15,6 +15,7 @@ from ..cache import specs
 from .batch import Batch
 from .base import BaseArgs, Model, Rope, apply_rope, attention_spans, embedding, linear, param, rms_norm, take
 from .rope_config import inv_freq_for, rope_params
+from .tensors import fused_weight, stored, weight
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -64,9 +65,9 @@ class Attention(nn.Module):
         # NoPE global layers when the model has a window (transformers: ``sliding_window is None
         # or is_sliding``)
         self.rotate = a.sliding_window is None or sliding
-        self.wqkv = param(torch.cat([take(t, f"{p}.q_proj.weight"), take(t, f"{p}.k_proj.weight"),
-                                     take(t, f"{p}.v_proj.weight")]), dtype)
-        self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
+        self.wqkv = fused_weight([stored(t, f"{p}.q_proj.weight"), stored(t, f"{p}.k_proj.weight"),
+                                  stored(t, f"{p}.v_proj.weight")], dtype)
+        self.wo = weight(stored(t, f"{p}.o_proj.weight"), dtype)
         # q_norm over the query heads and k_norm over the kv heads, [hq + hk, 1, D]: one op for both
         q_norm = take(t, f"{p}.q_norm.weight")[None].expand(self.hq, -1)
         k_norm = take(t, f"{p}.k_norm.weight")[None].expand(self.hk, -1)
@@ -86,8 +87,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, t: dict, p: str, dtype):
         super().__init__()
-        self.wgu = param(torch.cat([take(t, f"{p}.gate_proj.weight"), take(t, f"{p}.up_proj.weight")]), dtype)
-        self.wdown = param(take(t, f"{p}.down_proj.weight"), dtype)
+        self.wgu = fused_weight([stored(t, f"{p}.gate_proj.weight"), stored(t, f"{p}.up_proj.weight")], dtype)
+        self.wdown = weight(stored(t, f"{p}.down_proj.weight"), dtype)
 
     def forward(self, x):
         g, u = linear(x, self.wgu).chunk(2, dim=-1)

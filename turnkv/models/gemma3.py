@@ -15,6 +15,7 @@ from .fused import FusedBlock, FusedSlot, stack_for
 from .base import (BaseArgs, Model, Rope, apply_rope, attention, attention_spans, embedding, linear, param,
                    rms_norm, take)
 from .rope_config import inv_freq_for, rope_params
+from .tensors import fused_weight, stored, weight
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -57,9 +58,9 @@ class Attention(nn.Module):
         self.softcap = a.attn_logit_softcapping
         self.eps = a.rms_norm_eps
         self.sliding = sliding
-        self.wqkv = param(torch.cat([take(t, f"{p}.q_proj.weight"), take(t, f"{p}.k_proj.weight"),
-                                     take(t, f"{p}.v_proj.weight")]), dtype)
-        self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
+        self.wqkv = fused_weight([stored(t, f"{p}.q_proj.weight"), stored(t, f"{p}.k_proj.weight"),
+                                  stored(t, f"{p}.v_proj.weight")], dtype)
+        self.wo = weight(stored(t, f"{p}.o_proj.weight"), dtype)
         # q_norm repeated over the query heads and k_norm over the kv heads, [hq + hk, 1, D]: q and k
         # are normalized (and then rotated) together, one op each instead of two
         q_norm = take(t, f"{p}.q_norm.weight")[None].expand(self.hq, -1)
@@ -137,8 +138,8 @@ def image_rows_attention(q, view, rows, same, scale, softcap):
 class MLP(nn.Module):
     def __init__(self, t: dict, p: str, dtype):
         super().__init__()
-        self.wgu = param(torch.cat([take(t, f"{p}.gate_proj.weight"), take(t, f"{p}.up_proj.weight")]), dtype)
-        self.wdown = param(take(t, f"{p}.down_proj.weight"), dtype)
+        self.wgu = fused_weight([stored(t, f"{p}.gate_proj.weight"), stored(t, f"{p}.up_proj.weight")], dtype)
+        self.wdown = weight(stored(t, f"{p}.down_proj.weight"), dtype)
 
     def forward(self, x):
         g, u = linear(x, self.wgu).chunk(2, dim=-1)
@@ -194,13 +195,13 @@ class Gemma3Model(Model):
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
         super().__init__()
         self.args, self.dtype = args, dtype
-        self.embed = param(take(tensors, "model.embed_tokens.weight"), dtype)
+        self.embed = weight(stored(tensors, "model.embed_tokens.weight"), dtype)
         self.embed_scale = torch.tensor(args.hidden_size ** 0.5).to(dtype)
         self.layers = nn.ModuleList(Block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
         self.norm = _norm_weight(take(tensors, "model.norm.weight"), dtype)
         head = tensors.get("lm_head.weight")
         # tied (transformers ignores a stored lm_head then): one table, packed once by weight formats
-        self.lm_head = self.embed if head is None or args.tie_word_embeddings else param(head, dtype)
+        self.lm_head = self.embed if head is None or args.tie_word_embeddings else weight(head, dtype)
         self.rope_global = self._rope(config, FULL, default_theta=1_000_000.0)
         self.rope_local = self._rope(config, SLIDING, default_theta=config.get("rope_local_base_freq", 10_000.0))
 

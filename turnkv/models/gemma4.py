@@ -28,6 +28,7 @@ from ..cache.kv import KVView
 from .batch import LAST, Batch, Span
 from .base import BaseArgs, Model, Rope, apply_rope, attention, embedding, linear, param, take
 from .rope_config import inv_freq_for, rope_params
+from .tensors import fused_weight, stored, weight
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
@@ -153,14 +154,14 @@ class Attention(nn.Module):
         bias = a.attention_bias
         self.q_norm = param(take(t, f"{p}.q_norm.weight"), dtype)
         if self.shared:
-            self.wq = param(take(t, f"{p}.q_proj.weight"), dtype)
+            self.wq = weight(stored(t, f"{p}.q_proj.weight"), dtype)
             self.bq = param(take(t, f"{p}.q_proj.bias"), dtype) if bias else None
         else:
             names = ["q_proj", "k_proj"] + ([] if self.k_eq_v else ["v_proj"])
-            self.wqkv = param(torch.cat([take(t, f"{p}.{n}.weight") for n in names]), dtype)
+            self.wqkv = fused_weight([stored(t, f"{p}.{n}.weight") for n in names], dtype)
             self.bqkv = param(torch.cat([take(t, f"{p}.{n}.bias") for n in names]), dtype) if bias else None
             self.k_norm = param(take(t, f"{p}.k_norm.weight"), dtype)
-        self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
+        self.wo = weight(stored(t, f"{p}.o_proj.weight"), dtype)
         self.bo = param(take(t, f"{p}.o_proj.bias"), dtype) if bias else None
 
     def forward(self, x, parts: list[Part], cache: int, rope, views: dict):
@@ -191,8 +192,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, t: dict, p: str, dtype):
         super().__init__()
-        self.wgu = param(torch.cat([take(t, f"{p}.gate_proj.weight"), take(t, f"{p}.up_proj.weight")]), dtype)
-        self.wdown = param(take(t, f"{p}.down_proj.weight"), dtype)
+        self.wgu = fused_weight([stored(t, f"{p}.gate_proj.weight"), stored(t, f"{p}.up_proj.weight")], dtype)
+        self.wdown = weight(stored(t, f"{p}.down_proj.weight"), dtype)
 
     def forward(self, x):
         g, u = linear(x, self.wgu).chunk(2, dim=-1)
@@ -255,7 +256,8 @@ class Block(nn.Module):
             self.ln_post_ff1, self.ln_post_ff2 = w("post_feedforward_layernorm_1"), w("post_feedforward_layernorm_2")
         self.ple = bool(a.hidden_size_per_layer_input)
         if self.ple:
-            self.w_ple_gate, self.w_ple_proj = w("per_layer_input_gate"), w("per_layer_projection")
+            self.w_ple_gate = weight(stored(t, f"{p}.per_layer_input_gate.weight"), dtype)
+            self.w_ple_proj = weight(stored(t, f"{p}.per_layer_projection.weight"), dtype)
             self.ln_ple = w("post_per_layer_input_norm")
         scalar = t.get(f"{p}.layer_scalar")
         self.layer_scalar = param(scalar if scalar is not None else torch.ones(1), dtype)
@@ -301,17 +303,17 @@ class Gemma4Model(Model):
         super().__init__()
         a = args
         self.args, self.dtype = a, dtype
-        self.embed = param(take(tensors, "model.embed_tokens.weight"), dtype)
+        self.embed = weight(stored(tensors, "model.embed_tokens.weight"), dtype)
         self.embed_scale = torch.tensor(a.hidden_size ** 0.5).to(dtype)
         self.layers = nn.ModuleList(Block(a, tensors, i, dtype) for i in range(a.num_hidden_layers))
         self.norm = param(take(tensors, "model.norm.weight"), dtype)
         head = tensors.get("lm_head.weight")
-        self.lm_head = self.embed if head is None or a.tie_word_embeddings else param(head, dtype)
+        self.lm_head = self.embed if head is None or a.tie_word_embeddings else weight(head, dtype)
         self.P = a.hidden_size_per_layer_input
         if self.P:
-            self.embed_ple = param(take(tensors, "model.embed_tokens_per_layer.weight"), dtype)
+            self.embed_ple = weight(stored(tensors, "model.embed_tokens_per_layer.weight"), dtype)
             self.ple_scale = torch.tensor(self.P ** 0.5).to(dtype)
-            self.w_ple_model = param(take(tensors, "model.per_layer_model_projection.weight"), dtype)
+            self.w_ple_model = weight(stored(tensors, "model.per_layer_model_projection.weight"), dtype)
             self.ln_ple_model = param(take(tensors, "model.per_layer_projection_norm.weight"), dtype)
         # one cache per owning layer; shared layers read their producer's
         owners = [i for i in range(a.num_hidden_layers) if i < a.first_shared]

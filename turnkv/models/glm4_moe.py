@@ -24,6 +24,7 @@ from .base import BaseArgs, Model, Rope, attention_spans, embedding, linear, par
 from .batch import Batch
 from .qwen3_next import _expert_weights, apply_partial_rope
 from .rope_config import inv_freq_for, rope_params
+from .tensors import fused_weight, stored, weight
 
 DEFAULT_PARTIAL_ROTARY = 0.5
 
@@ -62,11 +63,11 @@ class Attention(nn.Module):
         self.hq, self.hk, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         self.scale = self.d ** -0.5
         self.eps = a.rms_norm_eps
-        self.wqkv = param(torch.cat([take(t, f"{p}.q_proj.weight"), take(t, f"{p}.k_proj.weight"),
-                                     take(t, f"{p}.v_proj.weight")]), dtype)
+        self.wqkv = fused_weight([stored(t, f"{p}.q_proj.weight"), stored(t, f"{p}.k_proj.weight"),
+                                  stored(t, f"{p}.v_proj.weight")], dtype)
         self.bqkv = (param(torch.cat([take(t, f"{p}.q_proj.bias"), take(t, f"{p}.k_proj.bias"),
                                       take(t, f"{p}.v_proj.bias")]), dtype) if a.attention_bias else None)
-        self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)            # o_proj never has a bias
+        self.wo = weight(stored(t, f"{p}.o_proj.weight"), dtype)            # o_proj never has a bias
         self.q_norm = self.k_norm = None
         if a.use_qk_norm:
             self.q_norm = param(take(t, f"{p}.q_norm.weight"), dtype)
@@ -87,14 +88,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU without biases: the dense layers, every routed expert and the shared experts."""
 
-    def __init__(self, wgu: torch.Tensor, wdown: torch.Tensor, dtype):
+    def __init__(self, gate_up: list, down, dtype):
         super().__init__()
-        self.wgu, self.wdown = param(wgu, dtype), param(wdown, dtype)
+        self.wgu, self.wdown = fused_weight(gate_up, dtype), weight(down, dtype)
 
     @classmethod
     def named(cls, t: dict, p: str, dtype) -> "MLP":
-        return cls(torch.cat([take(t, f"{p}.gate_proj.weight"), take(t, f"{p}.up_proj.weight")]),
-                   take(t, f"{p}.down_proj.weight"), dtype)
+        return cls([stored(t, f"{p}.gate_proj.weight"), stored(t, f"{p}.up_proj.weight")],
+                   stored(t, f"{p}.down_proj.weight"), dtype)
 
     def forward(self, x):
         g, u = linear(x, self.wgu).chunk(2, dim=-1)
@@ -112,7 +113,7 @@ class MoE(nn.Module):
         bias = t.get(f"{p}.gate.e_score_correction_bias")
         self.score_bias = param(bias if bias is not None else torch.zeros(self.n_experts), torch.float32)
         gu, down = _expert_weights(t, p, self.n_experts)
-        self.experts = nn.ModuleList(MLP(gu[e], down[e], dtype) for e in range(self.n_experts))
+        self.experts = nn.ModuleList(MLP([gu[e]], down[e], dtype) for e in range(self.n_experts))
         self.shared = MLP.named(t, f"{p}.shared_experts", dtype)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,8 +17,9 @@ from torch import nn
 
 from ..cache import specs
 from .batch import Batch
-from .base import BaseArgs, Model, MissingWeight, Rope, apply_rope, attention_spans, embedding, linear, param, rms_norm, take
+from .base import BaseArgs, Model, Rope, apply_rope, attention_spans, embedding, linear, param, rms_norm, take
 from .rope_config import inv_freq_for, rope_params
+from .tensors import MissingWeight, fused_weight, stored, weight
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 DEFAULT_THETA = 150_000.0
@@ -72,7 +73,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype=torch.flo
 def expert_tensor(t: dict, name: str) -> torch.Tensor:
     """``name`` ([E, in, out]) from the float tensor, or from its MXFP4 blocks and scales."""
     if name in t:
-        return t[name]
+        return take(t, name)
     if f"{name}_blocks" in t and f"{name}_scales" in t:
         return dequantize_mxfp4(t[f"{name}_blocks"], t[f"{name}_scales"])
     raise MissingWeight(f"checkpoint has no tensor {name!r} (nor {name}_blocks / {name}_scales)")
@@ -83,11 +84,11 @@ class Attention(nn.Module):
         super().__init__()
         self.hq, self.hk, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         self.scale = self.d ** -0.5
-        self.wqkv = param(torch.cat([take(t, f"{p}.q_proj.weight"), take(t, f"{p}.k_proj.weight"),
-                                     take(t, f"{p}.v_proj.weight")]), dtype)
+        self.wqkv = fused_weight([stored(t, f"{p}.q_proj.weight"), stored(t, f"{p}.k_proj.weight"),
+                                  stored(t, f"{p}.v_proj.weight")], dtype)
         self.bqkv = (param(torch.cat([take(t, f"{p}.q_proj.bias"), take(t, f"{p}.k_proj.bias"),
                                       take(t, f"{p}.v_proj.bias")]), dtype) if a.attention_bias else None)
-        self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
+        self.wo = weight(stored(t, f"{p}.o_proj.weight"), dtype)
         self.bo = param(take(t, f"{p}.o_proj.bias"), dtype) if a.attention_bias else None
         self.sinks = param(take(t, f"{p}.sinks"), dtype)
 

@@ -32,9 +32,10 @@ from torch import nn
 
 from ..cache import specs
 from ..cache.kv import KVView
-from .base import BaseArgs, Model, MissingWeight, attention, embedding, linear, param, rms_norm, take
+from .base import BaseArgs, Model, attention, embedding, linear, param, rms_norm, take
 from .batch import Batch, Span, select_rows, spans_apply
 from .ssm import causal_conv1d
+from .tensors import MissingWeight, as_float, fused_weight, stored, weight
 
 LINEAR, FULL = "linear_attention", "full_attention"
 KDA_CHUNK = 64
@@ -169,25 +170,26 @@ class DeltaAttention(nn.Module):
         self.kernel = a.linear_conv_kernel_dim
         self.eps = a.rms_norm_eps
         w = lambda name: take(t, f"{p}.{name}.weight")   # noqa: E731
+        s = lambda name: stored(t, f"{p}.{name}.weight")   # noqa: E731
         # one matmul: q | k | v | forget-gate down | beta | output-gate down
-        self.w_in = param(torch.cat([w("q_proj"), w("k_proj"), w("v_proj"),
-                                     _first(t, f"{p}.f_a_proj.weight", f"{p}.forget_gate.f_a_proj.weight"),
-                                     w("b_proj"), w("g_a_proj")]), dtype)
-        self.w_f_b = param(_first(t, f"{p}.f_b_proj.weight", f"{p}.forget_gate.f_b_proj.weight"), dtype)
-        self.w_g_b = param(w("g_b_proj"), dtype)
+        self.w_in = fused_weight([s("q_proj"), s("k_proj"), s("v_proj"),
+                                  _first(t, f"{p}.f_a_proj.weight", f"{p}.forget_gate.f_a_proj.weight"),
+                                  s("b_proj"), s("g_a_proj")], dtype)
+        self.w_f_b = weight(_first(t, f"{p}.f_b_proj.weight", f"{p}.forget_gate.f_b_proj.weight"), dtype)
+        self.w_g_b = weight(s("g_b_proj"), dtype)
         if f"{p}.conv1d.weight" in t:
-            conv = t[f"{p}.conv1d.weight"]
+            conv = take(t, f"{p}.conv1d.weight")
         else:
             conv = torch.cat([w("q_conv1d"), w("k_conv1d"), w("v_conv1d")])
         self.w_conv = param(conv.reshape(3 * self.dim, self.kernel), dtype)
-        self.dt_bias = param(_first(t, f"{p}.dt_bias", f"{p}.forget_gate.dt_bias"), torch.float32)
+        self.dt_bias = param(as_float(_first(t, f"{p}.dt_bias", f"{p}.forget_gate.dt_bias")), torch.float32)
         if f"{p}.neg_exp_A_log" in t:   # llama.cpp's GGUF holds -exp(A_log) itself (ssm_a)
-            neg_a = t[f"{p}.neg_exp_A_log"].float()
+            neg_a = take(t, f"{p}.neg_exp_A_log").float()
         else:
-            neg_a = -_first(t, f"{p}.A_log", f"{p}.forget_gate.A_log").float().exp()
+            neg_a = -as_float(_first(t, f"{p}.A_log", f"{p}.forget_gate.A_log")).float().exp()
         self.neg_A = param(neg_a.reshape(self.h, 1), torch.float32)
         self.w_norm = param(w("o_norm"), dtype)
-        self.w_out = param(w("o_proj"), dtype)
+        self.w_out = weight(s("o_proj"), dtype)
 
     def state_fields(self) -> dict[str, tuple[int, ...]]:
         return {"conv": (self.kernel - 1, 3 * self.dim), "recurrent": (self.h, self.d, self.d)}
@@ -236,20 +238,20 @@ class LatentAttention(nn.Module):
         bias = a.attention_bias
         self.q_lora = a.q_lora_rank is not None
         if self.q_lora:
-            self.w_q_a = param(take(t, f"{p}.q_a_proj.weight"), dtype)
+            self.w_q_a = weight(stored(t, f"{p}.q_a_proj.weight"), dtype)
             self.b_q_a = param(take(t, f"{p}.q_a_proj.bias"), dtype) if bias else None
             self.ln_q_a = param(take(t, f"{p}.q_a_layernorm.weight"), dtype)
-            self.w_q_b = param(take(t, f"{p}.q_b_proj.weight"), dtype)
+            self.w_q_b = weight(stored(t, f"{p}.q_b_proj.weight"), dtype)
         else:
-            self.wq = param(take(t, f"{p}.q_proj.weight"), dtype)
-        self.w_kv_a = param(take(t, f"{p}.kv_a_proj_with_mqa.weight"), dtype)
+            self.wq = weight(stored(t, f"{p}.q_proj.weight"), dtype)
+        self.w_kv_a = weight(stored(t, f"{p}.kv_a_proj_with_mqa.weight"), dtype)
         self.b_kv_a = param(take(t, f"{p}.kv_a_proj_with_mqa.bias"), dtype) if bias else None
         self.ln_kv_a = param(take(t, f"{p}.kv_a_layernorm.weight"), dtype)
         # kv_b_proj per head, split: k_b [H, nope, R] (absorbed into the queries), v_b [H, dv, R]
         # (applied to the attention output over the latent)
         kv_b = take(t, f"{p}.kv_b_proj.weight").view(self.h, self.nope + self.dv, self.R)
         self.k_b, self.v_b = param(kv_b[:, :self.nope], dtype), param(kv_b[:, self.nope:], dtype)
-        self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
+        self.wo = weight(stored(t, f"{p}.o_proj.weight"), dtype)
         self.bo = param(take(t, f"{p}.o_proj.bias"), dtype) if bias else None
 
     def cache_dims(self) -> tuple[int, int]:
@@ -291,8 +293,8 @@ class LatentAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, wg, wu, wd, dtype):
         super().__init__()
-        self.wgu = param(torch.cat([wg, wu]), dtype)
-        self.wdown = param(wd, dtype)
+        self.wgu = fused_weight([wg, wu], dtype)
+        self.wdown = weight(wd, dtype)
 
     def forward(self, x):
         g, u = linear(x, self.wgu).chunk(2, dim=-1)
@@ -300,7 +302,7 @@ class MLP(nn.Module):
 
 
 def _mlp(t: dict, p: str, dtype) -> MLP:
-    return MLP(take(t, f"{p}.gate_proj.weight"), take(t, f"{p}.up_proj.weight"), take(t, f"{p}.down_proj.weight"),
+    return MLP(stored(t, f"{p}.gate_proj.weight"), stored(t, f"{p}.up_proj.weight"), stored(t, f"{p}.down_proj.weight"),
                dtype)
 
 
@@ -314,14 +316,14 @@ class MoE(nn.Module):
         self.score_bias = param(bias if bias is not None else torch.zeros(self.E), torch.float32)
         experts = []
         if f"{p}.experts.gate_up_proj" in t:
-            gu, down = t[f"{p}.experts.gate_up_proj"], take(t, f"{p}.experts.down_proj")
+            gu, down = take(t, f"{p}.experts.gate_up_proj"), take(t, f"{p}.experts.down_proj")
             for e in range(self.E):
                 g, u = gu[e].chunk(2, dim=0)
                 experts.append(MLP(g, u, down[e], dtype))
         else:
             for e in range(self.E):
                 q = f"{p}.experts.{e}"
-                experts.append(MLP(take(t, f"{q}.w1.weight"), take(t, f"{q}.w3.weight"), take(t, f"{q}.w2.weight"),
+                experts.append(MLP(stored(t, f"{q}.w1.weight"), stored(t, f"{q}.w3.weight"), stored(t, f"{q}.w2.weight"),
                                    dtype))
         self.experts = nn.ModuleList(experts)
         self.shared = _mlp(t, f"{p}.shared_experts", dtype)

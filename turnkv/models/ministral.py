@@ -16,6 +16,7 @@ from .batch import Batch, select_rows
 from .fused import FusedSlot, fuse_llama_block
 from .base import BaseArgs, Model, Rope, apply_rope, attention_spans, embedding, linear, param, rms_norm, take
 from .rope_config import inv_freq_for, rope_params
+from .tensors import fused_weight, stored, weight
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -58,9 +59,9 @@ class Attention(nn.Module):
         super().__init__()
         self.hq, self.hk, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         self.scale = self.d ** -0.5
-        self.wqkv = param(torch.cat([take(t, f"{p}.q_proj.weight"), take(t, f"{p}.k_proj.weight"),
-                                     take(t, f"{p}.v_proj.weight")]), dtype)
-        self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
+        self.wqkv = fused_weight([stored(t, f"{p}.q_proj.weight"), stored(t, f"{p}.k_proj.weight"),
+                                  stored(t, f"{p}.v_proj.weight")], dtype)
+        self.wo = weight(stored(t, f"{p}.o_proj.weight"), dtype)
 
     def forward(self, x, batch: Batch, i: int, rope, q_scale):
         hq, hk = self.hq, self.hk
@@ -75,8 +76,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, t: dict, p: str, dtype):
         super().__init__()
-        self.wgu = param(torch.cat([take(t, f"{p}.gate_proj.weight"), take(t, f"{p}.up_proj.weight")]), dtype)
-        self.wdown = param(take(t, f"{p}.down_proj.weight"), dtype)
+        self.wgu = fused_weight([stored(t, f"{p}.gate_proj.weight"), stored(t, f"{p}.up_proj.weight")], dtype)
+        self.wdown = weight(stored(t, f"{p}.down_proj.weight"), dtype)
 
     def forward(self, x):
         g, u = linear(x, self.wgu).chunk(2, dim=-1)

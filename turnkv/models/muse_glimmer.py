@@ -28,6 +28,7 @@ from ..cache import specs
 from .base import BaseArgs, Model, Rope, apply_rope, attention_spans, embedding, gelu_tanh, linear, param, take
 from .batch import select_rows
 from .rope_config import inv_freq_for, rope_params
+from .tensors import fused_weight, stored, weight
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 PREFIX = "model.language_model."
@@ -113,13 +114,13 @@ class Attention(nn.Module):
         self.scale = self.d ** -0.5
         self.eps, self.q_mult, self.rotate = a.rms_norm_eps, a.qk_scale_factor, rotate
         names = ("q_proj", "k_proj", "v_proj", "gate_proj")
-        self.w_in = param(torch.cat([take(t, f"{p}.{n}.weight") for n in names]), dtype)
+        self.w_in = fused_weight([stored(t, f"{p}.{n}.weight") for n in names], dtype)
         if a.attention_bias:   # gate_proj has no bias
             gate_zero = torch.zeros(self.hq * self.d)
             self.b_in = param(torch.cat([take(t, f"{p}.{n}.bias") for n in names[:3]] + [gate_zero]), dtype)
         else:
             self.b_in = None
-        self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
+        self.wo = weight(stored(t, f"{p}.o_proj.weight"), dtype)
         self.bo = param(take(t, f"{p}.o_proj.bias"), dtype) if a.attention_bias else None
 
     def forward(self, x, batch, i: int, rope):
@@ -137,8 +138,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, t: dict, p: str, dtype, act):
         super().__init__()
-        self.wgu = param(torch.cat([take(t, f"{p}.gate_proj.weight"), take(t, f"{p}.up_proj.weight")]), dtype)
-        self.wdown = param(take(t, f"{p}.down_proj.weight"), dtype)
+        self.wgu = fused_weight([stored(t, f"{p}.gate_proj.weight"), stored(t, f"{p}.up_proj.weight")], dtype)
+        self.wdown = weight(stored(t, f"{p}.down_proj.weight"), dtype)
         self.act = act
 
     def forward(self, x):
@@ -174,11 +175,11 @@ class MuseGlimmerModel(Model):
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
         super().__init__()
         self.args, self.dtype = args, dtype
-        self.embed = param(take(tensors, "model.embed_tokens.weight"), dtype)
+        self.embed = weight(stored(tensors, "model.embed_tokens.weight"), dtype)
         self.layers = nn.ModuleList(Block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
         self.norm = param(take(tensors, "model.norm.weight"), torch.float32)
         head = tensors.get("lm_head.weight")
-        self.lm_head = self.embed if head is None or args.tie_word_embeddings else param(head, dtype)
+        self.lm_head = self.embed if head is None or args.tie_word_embeddings else weight(head, dtype)
         # one rotary table for every rotated layer, as transformers (a non-zero layer_rope_theta only
         # switches RoPE on; the frequencies come from rope_parameters)
         inv_freq, scaling = inv_freq_for(rope_params(config), args.head_dim)

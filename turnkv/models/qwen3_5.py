@@ -18,19 +18,16 @@ too, the vision tower and the MTP head are ignored."""
 
 from __future__ import annotations
 
-import torch
-
 from . import qwen3_next
-from .base import take
+from .tensors import stored
 
 VLM_TEXT_PREFIX = "model.language_model."
 
 
 class GatedDeltaNet(qwen3_next.GatedDeltaNet):
-    def input_weight(self, t: dict, p: str, H: int) -> torch.Tensor:
+    def input_parts(self, t: dict, p: str, H: int) -> list:
         # already [q_all, k_all, v_all] | z_all | b_all | a_all: no regrouping
-        return torch.cat([take(t, f"{p}.in_proj_qkv.weight"), take(t, f"{p}.in_proj_z.weight"),
-                          take(t, f"{p}.in_proj_b.weight"), take(t, f"{p}.in_proj_a.weight")])
+        return [stored(t, f"{p}.in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")]
 
 
 class Block(qwen3_next.Block):

@@ -15,6 +15,7 @@ from .batch import Batch, Span, select_rows, spans_apply
 from .base import BaseArgs, Model, Rope, apply_rope, attention_spans, embedding, linear, param, rms_norm, take
 from .rope_config import inv_freq_for, rope_params
 from .ssm import causal_conv1d, gated_delta_chunked, gated_delta_step, l2norm
+from .tensors import fused_weight, stored, weight
 
 LINEAR, FULL = "linear_attention", "full_attention"
 DELTA_CHUNK = 64  # the chunk transformers' torch path uses; any size gives the same result
@@ -84,14 +85,14 @@ class GatedDeltaNet(nn.Module):
         self.kernel = a.linear_conv_kernel_dim
         self.eps = a.rms_norm_eps
         self.tiled = a.linear_value_heads_tiled
-        self.w_in = param(self.input_weight(t, p, a.hidden_size), dtype)
+        self.w_in = fused_weight(self.input_parts(t, p, a.hidden_size), dtype)
         self.w_conv = param(take(t, f"{p}.conv1d.weight").reshape(self.conv_dim, self.kernel), dtype)
         self.dt_bias = param(take(t, f"{p}.dt_bias"), torch.float32)
         self.neg_A = param(-take(t, f"{p}.A_log").float().exp(), torch.float32)
         self.w_norm = param(take(t, f"{p}.norm.weight"), dtype)
-        self.w_out = param(take(t, f"{p}.out_proj.weight"), dtype)
+        self.w_out = weight(stored(t, f"{p}.out_proj.weight"), dtype)
 
-    def input_weight(self, t: dict, p: str, H: int) -> torch.Tensor:
+    def input_parts(self, t: dict, p: str, H: int) -> list:
         """The fused input projection, rows [q_all, k_all, v_all, z_all, b_all, a_all]."""
         r = self.nv // self.nk
         # transformers interleaves q|k|v|z (and b|a) per key-head group; regroup the rows once so one
@@ -99,7 +100,7 @@ class GatedDeltaNet(nn.Module):
         qkvz = take(t, f"{p}.in_proj_qkvz.weight").view(self.nk, 2 * self.dk + 2 * r * self.dv, H)
         q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=1)
         b, a_ = take(t, f"{p}.in_proj_ba.weight").view(self.nk, 2 * r, H).split([r, r], dim=1)
-        return torch.cat([w.reshape(-1, H) for w in (q, k, v, z, b, a_)])
+        return [torch.cat([w.reshape(-1, H) for w in (q, k, v, z, b, a_)])]
 
     def state_fields(self) -> dict[str, tuple[int, ...]]:
         return {"conv": (self.kernel - 1, self.conv_dim), "recurrent": (self.nv, self.dk, self.dv)}
@@ -158,7 +159,7 @@ class Attention(nn.Module):
             qb, gb = take(t, f"{p}.q_proj.bias").view(self.hq, 2, self.d).unbind(1)
             self.bqkvg = param(torch.cat([qb.reshape(-1), take(t, f"{p}.k_proj.bias"),
                                           take(t, f"{p}.v_proj.bias"), gb.reshape(-1)]), dtype)
-        self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
+        self.wo = weight(stored(t, f"{p}.o_proj.weight"), dtype)
         self.bo = param(take(t, f"{p}.o_proj.bias"), dtype) if a.attention_bias else None
         self.q_norm = _norm_weight(take(t, f"{p}.q_norm.weight"), dtype)
         self.k_norm = _norm_weight(take(t, f"{p}.k_norm.weight"), dtype)
@@ -178,8 +179,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, t: dict, p: str, dtype):
         super().__init__()
-        self.wgu = param(torch.cat([take(t, f"{p}.gate_proj.weight"), take(t, f"{p}.up_proj.weight")]), dtype)
-        self.wdown = param(take(t, f"{p}.down_proj.weight"), dtype)
+        self.wgu = fused_weight([stored(t, f"{p}.gate_proj.weight"), stored(t, f"{p}.up_proj.weight")], dtype)
+        self.wdown = weight(stored(t, f"{p}.down_proj.weight"), dtype)
 
     def forward(self, x):
         g, u = linear(x, self.wgu).chunk(2, dim=-1)
@@ -190,7 +191,7 @@ def _expert_weights(t: dict, p: str, n: int) -> tuple[torch.Tensor, torch.Tensor
     """([E, 2I, H] gate|up, [E, H, I] down) from either transformers' fused in-memory names
     (``experts.gate_up_proj``) or the per-expert names save_pretrained and the Hub files use."""
     if f"{p}.experts.gate_up_proj" in t:
-        return t[f"{p}.experts.gate_up_proj"], take(t, f"{p}.experts.down_proj")
+        return take(t, f"{p}.experts.gate_up_proj"), take(t, f"{p}.experts.down_proj")
     gu = torch.stack([torch.cat([take(t, f"{p}.experts.{e}.gate_proj.weight"),
                                  take(t, f"{p}.experts.{e}.up_proj.weight")]) for e in range(n)])
     down = torch.stack([take(t, f"{p}.experts.{e}.down_proj.weight") for e in range(n)])
@@ -256,11 +257,11 @@ class Qwen3NextModel(Model):
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
         super().__init__()
         self.args, self.dtype = args, dtype
-        self.embed = param(take(tensors, "model.embed_tokens.weight"), dtype)
+        self.embed = weight(stored(tensors, "model.embed_tokens.weight"), dtype)
         self.layers = nn.ModuleList(self.block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
         self.norm = _norm_weight(take(tensors, "model.norm.weight"), dtype)
         head = tensors.get("lm_head.weight")
-        self.lm_head = self.embed if head is None or args.tie_word_embeddings else param(head, dtype)
+        self.lm_head = self.embed if head is None or args.tie_word_embeddings else weight(head, dtype)
         params = rope_params(config)
         partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
         inv_freq, scaling = inv_freq_for(params, args.head_dim, partial)

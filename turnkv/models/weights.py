@@ -61,9 +61,9 @@ the float32 checkpoint tensors, whatever the compute dtype.
 (``GGUFWeight``: activations quantized to int8 per block, integer dot products, the same
 reduction order whatever the number of rows). No float copy of a quantized tensor is made: the
 loader hands over the raw blocks (``load_checkpoint(..., keep_quantized=True)``) and the family
-is built around meta-device placeholders for them (``_build_with_placeholders``), whose
-``torch.cat`` fusions (q/k/v, gate/up) are traced so the fused weight is ``GGUFWeight.cat`` of the
-same parts in the same order. Parts of different quantization types (Gemma 3's Q4_K_M mixes
+is built on them: where it fuses a matmul weight it says so with ``models.tensors.fused_weight``
+(q/k/v, gate/up, or one part), which makes the weight ``GGUFWeight.cat`` of those parts in that
+order; any other use of a quantized tensor (``take``) dequantizes it. Parts of different quantization types (Gemma 3's Q4_K_M mixes
 Q5_0 q/k with a Q8_0 v) stay separate ``GGUFWeight``s run one after the other into one output
 (``GGUFPacked`` with several parts): still the GGUF's blocks, one activation quantization per
 part. The lm_head is a plain ``GGUFWeight`` matmul (the GGUF's head is the model's head; float32
