@@ -89,7 +89,8 @@ def test_cache_specs(request, variant):
 
 
 def test_feed_forward_kind(dense, moe):
-    from turnkv.models.qwen3_next import MLP, SparseMoE
+    from turnkv.models.decoder import GatedMLP as MLP
+    from turnkv.models.qwen3_next import SparseMoE
     assert all(isinstance(layer.mlp, MLP) for layer in dense[0].layers)
     assert all(isinstance(layer.mlp, SparseMoE) for layer in moe[0].layers)
 

@@ -16,15 +16,12 @@ import torch
 from torch import nn
 
 from ..cache import specs
-from .base import BaseArgs, Model, Rope, apply_rope, attention_spans, embedding, linear, param, rms_norm, take
+from .base import BaseArgs, Model, apply_rope, attention_spans, embedding, linear, rms_norm
 from .batch import Batch, select_rows
-from .glm4_moe import MLP
+from .decoder import FULL, SLIDING, GatedMLP, out_weights, rope_for
 from .qwen3_next import _expert_weights
-from .rope_config import inv_freq_for, rope_params
-from .tensors import fused_weight, stored, weight
-
-SLIDING, FULL = "sliding_attention", "full_attention"
-
+from .rope_config import rope_params
+from .tensors import fused_weight, param, stored, take, weight
 
 def norm32(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers keeps AFMoE's RMSNorms in float32 whatever the model's dtype
@@ -78,8 +75,7 @@ class Attention(nn.Module):
             self.bqkvg = param(torch.cat([take(t, f"{p}.q_proj.bias"), take(t, f"{p}.k_proj.bias"),
                                           take(t, f"{p}.v_proj.bias"),
                                           torch.zeros(self.hq * self.d)]), dtype)
-        self.wo = weight(stored(t, f"{p}.o_proj.weight"), dtype)
-        self.bo = param(take(t, f"{p}.o_proj.bias"), dtype) if a.attention_bias else None
+        self.wo, self.bo = out_weights(t, p, dtype, a.attention_bias)
         self.q_norm = param(take(t, f"{p}.q_norm.weight"), torch.float32)
         self.k_norm = param(take(t, f"{p}.k_norm.weight"), torch.float32)
 
@@ -104,8 +100,8 @@ class MoE(nn.Module):
         self.w_router = param(take(t, f"{p}.router.gate.weight"), dtype)
         self.expert_bias = param(take(t, f"{p}.expert_bias"), torch.float32)   # float32 in transformers too
         gu, down = _expert_weights(t, p, a.num_experts)
-        self.experts = nn.ModuleList(MLP([gu[e]], down[e], dtype) for e in range(a.num_experts))
-        self.shared = MLP.named(t, f"{p}.shared_experts", dtype)
+        self.experts = nn.ModuleList(GatedMLP([gu[e]], down[e], dtype) for e in range(a.num_experts))
+        self.shared = GatedMLP.named(t, f"{p}.shared_experts", dtype)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] float32, experts [N, k]) exactly as transformers' AfmoeTokenChoiceRouter."""
@@ -138,7 +134,7 @@ class Block(nn.Module):
         self.ln_pre_mlp = param(take(t, f"{p}.pre_mlp_layernorm.weight"), f32)
         self.ln_post_mlp = param(take(t, f"{p}.post_mlp_layernorm.weight"), f32)
         self.attn = Attention(a, t, f"{p}.self_attn", dtype, self.sliding)
-        self.mlp = MoE(a, t, f"{p}.mlp", dtype) if i >= a.num_dense_layers else MLP.named(t, f"{p}.mlp", dtype)
+        self.mlp = MoE(a, t, f"{p}.mlp", dtype) if i >= a.num_dense_layers else GatedMLP.named(t, f"{p}.mlp", dtype)
 
     def forward(self, x, batch, i, rope):
         h = self.attn.forward(norm32(x, self.ln_in, self.eps), batch, i, rope)
@@ -149,6 +145,7 @@ class Block(nn.Module):
 
 class AfmoeModel(Model):
     family = "afmoe"
+    Args = ModelArgs
     packable_weights = ("wqkvg", "wo", "wgu", "wdown")
     head_weights = ("lm_head",)
     embedding_weights = ("embed",)
@@ -161,12 +158,7 @@ class AfmoeModel(Model):
         self.norm = param(take(tensors, "model.norm.weight"), torch.float32)
         head = tensors.get("lm_head.weight")
         self.lm_head = self.embed if head is None or args.tie_word_embeddings else weight(head, dtype)
-        inv_freq, scaling = inv_freq_for(rope_params(config), args.head_dim)
-        self.rope = Rope(args.head_dim, 0.0, dtype, inv_freq=inv_freq, attention_scaling=scaling)
-
-    @classmethod
-    def from_checkpoint(cls, config, tensors, dtype):
-        return cls(ModelArgs.from_dict(config), config, tensors, dtype)
+        self.rope = rope_for(rope_params(config), args.head_dim, dtype)
 
     def cache_specs(self):
         a = self.args

@@ -46,12 +46,13 @@ from torch import nn
 
 from ..cache import specs
 from ..cache.kv import KVView
-from .base import BaseArgs, Model, Rope, apply_rope, attention, embedding, linear, param, rms_norm, take
+from .base import BaseArgs, Model, apply_rope, attention, embedding, linear, rms_norm
 from .batch import Batch, Span, spans_apply
-from .kimi_linear import MoE, _mlp, kda_chunked, kda_step, l2norm
-from .rope_config import inv_freq_for, rope_params
+from .decoder import GatedMLP, rope_for
+from .kimi_linear import MoE, kda_chunked, kda_step, l2norm
+from .rope_config import rope_params
 from .ssm import causal_conv1d
-from .tensors import fused_weight, stored, weight
+from .tensors import fused_weight, param, stored, take, weight
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -308,7 +309,7 @@ class Block(nn.Module):
         else:
             raise ValueError(f"unknown Bailing hybrid layer type {self.kind!r}")
         q = f"{p}.mlp"
-        self.mlp = MoE(a, t, q, dtype) if a.mlp_layer_types[i] == "sparse" else _mlp(t, q, dtype)
+        self.mlp = MoE(a, t, q, dtype) if a.mlp_layer_types[i] == "sparse" else GatedMLP.named(t, q, dtype)
 
     def forward(self, x, batch, i, rope):
         h = rms_norm(x, self.ln_in, self.eps)
@@ -319,6 +320,7 @@ class Block(nn.Module):
 
 class BailingHybridModel(Model):
     family = "bailing_hybrid"
+    Args = ModelArgs
     packable_weights = ("w_in", "w_out", "wq", "w_q_a", "w_q_b", "w_kv_a", "w_kv_b", "w_gate", "wo",
                         "wgu", "wdown")
     head_weights = ("lm_head",)
@@ -329,8 +331,7 @@ class BailingHybridModel(Model):
         self.args, self.dtype = args, dtype
         t = canonical_names(tensors, args.num_hidden_layers)
         params = rope_params(config)
-        inv_freq, scaling = inv_freq_for(params, args.qk_rope_head_dim)
-        self.rope = Rope(args.qk_rope_head_dim, 0.0, dtype, inv_freq=inv_freq, attention_scaling=scaling)
+        self.rope = rope_for(params, args.qk_rope_head_dim, dtype)
         scale = (args.qk_nope_head_dim + args.qk_rope_head_dim) ** -0.5
         if params.get("rope_type", "default") != "default" and params.get("mscale_all_dim"):
             factor = float(params["factor"])   # DeepSeek's YaRN: the score scale takes mscale^2
@@ -341,10 +342,6 @@ class BailingHybridModel(Model):
         self.norm = param(take(t, "model.norm.weight"), dtype)
         head = t.get("lm_head.weight")
         self.lm_head = self.embed if head is None or args.tie_word_embeddings else weight(head, dtype)
-
-    @classmethod
-    def from_checkpoint(cls, config, tensors, dtype):
-        return cls(ModelArgs.from_dict(config), config, tensors, dtype)
 
     def cache_specs(self):
         out = []

@@ -7,7 +7,6 @@ behaviour beyond the ``Model`` interface.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
@@ -25,7 +24,6 @@ from ..kernels.attention import native_ok as native_attention_ok
 from ..kernels.norm import native_rms_norm
 from .batch import Batch, Span, select_rows
 from .packed import PackedWeight
-from .tensors import param, stored, take, weight
 
 _native_norm = native_rms_norm()
 
@@ -41,6 +39,7 @@ class BaseArgs:
 
 class Model(nn.Module, ABC):
     family: ClassVar[str]
+    Args: ClassVar[type[BaseArgs]]     # the family's config fields (``from_checkpoint``)
     # Attribute names of the weights a non-native weight format may pack (models/weights.py).
     # ``packable_weights``: projections, only ever used through ``linear`` (empty = the family
     # supports native weights only); ``head_weights``: the lm_head (``linear``, one row in prefill);
@@ -64,8 +63,9 @@ class Model(nn.Module, ABC):
         return out[0] if logits == "last" else out
 
     @classmethod
-    @abstractmethod
-    def from_checkpoint(cls, config: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> "Model": ...
+    def from_checkpoint(cls, config: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> "Model":
+        """The family's ``Args`` read from ``config``, then ``cls(args, config, tensors, dtype)``."""
+        return cls(cls.Args.from_dict(config), config, tensors, dtype)
 
     @property
     def vocab_size(self) -> int:
@@ -77,16 +77,6 @@ class Model(nn.Module, ABC):
         return sum(bool(m.fuse()) for m in self.modules() if m is not self and callable(getattr(m, "fuse", None)))
 
     # --- the decoder skeleton most families share ---------------------------------------------
-    def decoder_weights(self, tensors: dict, args, dtype: torch.dtype, block) -> None:
-        """The embedding, the blocks (``block(args, tensors, i, dtype)``), the final norm and the
-        lm_head (tied to the embedding when the checkpoint has none or the config says so), under
-        HF's ``model.*`` / ``lm_head`` names."""
-        self.embed = weight(stored(tensors, "model.embed_tokens.weight"), dtype)
-        self.layers = nn.ModuleList(block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
-        self.norm = param(take(tensors, "model.norm.weight"), dtype)
-        head = tensors.get("lm_head.weight")
-        self.lm_head = self.embed if head is None or args.tie_word_embeddings else weight(head, dtype)
-
     def run_decoder(self, x: torch.Tensor, batch: Batch, *extra) -> torch.Tensor | None:
         """Every block over the residual ``x`` (``block.forward(x, batch, i, *extra)``), then the
         final RMS norm and the lm_head on the rows that want logits."""
@@ -285,10 +275,3 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
-
-def default_head_dim(hidden: int, heads: int) -> int:
-    return hidden // heads
-
-
-def sqrt(x: float) -> float:
-    return math.sqrt(x)

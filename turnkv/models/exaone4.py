@@ -8,37 +8,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..cache import specs
+from .base import Model, apply_rope, attention_spans, embedding, linear, rms_norm
 from .batch import Batch
-from .base import BaseArgs, Model, Rope, apply_rope, attention_spans, embedding, linear, param, rms_norm, take
-from .rope_config import inv_freq_for, rope_params
-from .tensors import fused_weight, stored, weight
+from .decoder import (FULL, SLIDING, DecoderArgs, GatedMLP, attention_specs, decoder_weights, out_weights, qk_norm_rows,
+                      qkv_weights, rope_for)
+from .rope_config import rope_params
+from .tensors import param, take
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 
-
-@dataclass
-class ModelArgs(BaseArgs):
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    vocab_size: int
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    rms_norm_eps: float = 1e-5
+@dataclass(kw_only=True)
+class ModelArgs(DecoderArgs):
     sliding_window: int | None = 4096
     sliding_window_pattern: int | str | None = 4
     layer_types: list | None = None
     hidden_act: str = "silu"
-    tie_word_embeddings: bool = False
 
     def __post_init__(self):
-        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
-        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        super().__post_init__()
         if self.hidden_act != "silu":
             raise ValueError(f"exaone4: hidden_act {self.hidden_act!r} is not supported (silu only)")
         if self.sliding_window is None:
@@ -65,13 +53,9 @@ class Attention(nn.Module):
         # NoPE global layers when the model has a window (transformers: ``sliding_window is None
         # or is_sliding``)
         self.rotate = a.sliding_window is None or sliding
-        self.wqkv = fused_weight([stored(t, f"{p}.q_proj.weight"), stored(t, f"{p}.k_proj.weight"),
-                                  stored(t, f"{p}.v_proj.weight")], dtype)
-        self.wo = weight(stored(t, f"{p}.o_proj.weight"), dtype)
-        # q_norm over the query heads and k_norm over the kv heads, [hq + hk, 1, D]: one op for both
-        q_norm = take(t, f"{p}.q_norm.weight")[None].expand(self.hq, -1)
-        k_norm = take(t, f"{p}.k_norm.weight")[None].expand(self.hk, -1)
-        self.qk_norm = param(torch.cat([q_norm, k_norm])[:, None], dtype)
+        self.wqkv, _ = qkv_weights(t, p, dtype)
+        self.wo, _ = out_weights(t, p, dtype)
+        self.qk_norm = param(qk_norm_rows(t, p, self.hq, self.hk), dtype)
 
     def forward(self, x, batch: Batch, i: int, rope):
         hq, hk = self.hq, self.hk
@@ -84,17 +68,6 @@ class Attention(nn.Module):
         return linear(attention_spans(batch, i, qk[:hq], qk[hq:], qkv[hq + hk:], self.scale), self.wo)
 
 
-class MLP(nn.Module):
-    def __init__(self, t: dict, p: str, dtype):
-        super().__init__()
-        self.wgu = fused_weight([stored(t, f"{p}.gate_proj.weight"), stored(t, f"{p}.up_proj.weight")], dtype)
-        self.wdown = weight(stored(t, f"{p}.down_proj.weight"), dtype)
-
-    def forward(self, x):
-        g, u = linear(x, self.wgu).chunk(2, dim=-1)
-        return linear(F.silu(g, inplace=True).mul_(u), self.wdown)
-
-
 class Block(nn.Module):
     def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
         super().__init__()
@@ -104,7 +77,7 @@ class Block(nn.Module):
         self.ln_post_attn = param(take(t, f"{p}.post_attention_layernorm.weight"), dtype)
         self.ln_post_ff = param(take(t, f"{p}.post_feedforward_layernorm.weight"), dtype)
         self.attn = Attention(a, t, f"{p}.self_attn", dtype, self.sliding)
-        self.mlp = MLP(t, f"{p}.mlp", dtype)
+        self.mlp = GatedMLP.named(t, f"{p}.mlp", dtype)
 
     def forward(self, x, batch, i, rope):
         # post-norm branches: the attention and the MLP read the raw residual stream
@@ -115,6 +88,7 @@ class Block(nn.Module):
 
 class Exaone4Model(Model):
     family = "exaone4"
+    Args = ModelArgs
     packable_weights = ("wqkv", "wo", "wgu", "wdown")
     head_weights = ("lm_head",)
     embedding_weights = ("embed",)
@@ -122,18 +96,12 @@ class Exaone4Model(Model):
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
         super().__init__()
         self.args, self.dtype = args, dtype
-        self.decoder_weights(tensors, args, dtype, Block)
-        inv_freq, scaling = inv_freq_for(rope_params(config), args.head_dim)
-        self.rope = Rope(args.head_dim, 0.0, dtype, inv_freq=inv_freq, attention_scaling=scaling)
-
-    @classmethod
-    def from_checkpoint(cls, config, tensors, dtype):
-        return cls(ModelArgs.from_dict(config), config, tensors, dtype)
+        decoder_weights(self, tensors, args, dtype, Block)
+        self.rope = rope_for(rope_params(config), args.head_dim, dtype)
 
     def cache_specs(self):
         a = self.args
-        return [specs.sliding(a.num_key_value_heads, a.head_dim, a.sliding_window) if lt == SLIDING
-                else specs.full(a.num_key_value_heads, a.head_dim) for lt in a.layer_types]
+        return attention_specs(a.layer_types, a.num_key_value_heads, a.head_dim, a.sliding_window)
 
     def forward(self, batch):
         return self.run_decoder(embedding(batch.tokens, self.embed, self.dtype), batch, self.rope.rows(batch))

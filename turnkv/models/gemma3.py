@@ -8,25 +8,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..cache import specs
 from ..images import IMAGE_KEY_BASE
+from .base import Model, Rope, apply_rope, attention, attention_spans, embedding, linear, rms_norm
 from .batch import Batch, Span, select_rows, spans_apply
+from .decoder import (FULL, SLIDING, DecoderArgs, GatedMLP, attention_specs, decoder_weights, gelu_tanh_,
+                      out_weights, qk_norm_rows, qkv_weights, rope_for)
 from .fused import FusedBlock, FusedSlot, stack_for
-from .base import (BaseArgs, Model, Rope, apply_rope, attention, attention_spans, embedding, linear, param,
-                   rms_norm, take)
-from .rope_config import inv_freq_for, rope_params
-from .tensors import fused_weight, stored, weight
-
-SLIDING, FULL = "sliding_attention", "full_attention"
+from .rope_config import rope_params
+from .tensors import param, take
 
 
-@dataclass
-class ModelArgs(BaseArgs):
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    vocab_size: int
+@dataclass(kw_only=True)
+class ModelArgs(DecoderArgs):
     num_key_value_heads: int = 1
     head_dim: int = 256
     rms_norm_eps: float = 1e-6
@@ -40,6 +33,7 @@ class ModelArgs(BaseArgs):
     tie_word_embeddings: bool = True
 
     def __post_init__(self):
+        super().__post_init__()
         if not self.layer_types:
             n = self.sliding_window_pattern
             self.layer_types = [FULL if (i + 1) % n == 0 else SLIDING for i in range(self.num_hidden_layers)]
@@ -58,14 +52,9 @@ class Attention(nn.Module):
         self.softcap = a.attn_logit_softcapping
         self.eps = a.rms_norm_eps
         self.sliding = sliding
-        self.wqkv = fused_weight([stored(t, f"{p}.q_proj.weight"), stored(t, f"{p}.k_proj.weight"),
-                                  stored(t, f"{p}.v_proj.weight")], dtype)
-        self.wo = weight(stored(t, f"{p}.o_proj.weight"), dtype)
-        # q_norm repeated over the query heads and k_norm over the kv heads, [hq + hk, 1, D]: q and k
-        # are normalized (and then rotated) together, one op each instead of two
-        q_norm = take(t, f"{p}.q_norm.weight")[None].expand(self.hq, -1)
-        k_norm = take(t, f"{p}.k_norm.weight")[None].expand(self.hk, -1)
-        self.qk_norm = _norm_weight(torch.cat([q_norm, k_norm])[:, None], dtype)
+        self.wqkv, _ = qkv_weights(t, p, dtype)
+        self.wo, _ = out_weights(t, p, dtype)
+        self.qk_norm = _norm_weight(qk_norm_rows(t, p, self.hq, self.hk), dtype)
 
     def forward(self, x, batch: Batch, i: int, rope, blocks: dict | None = None):
         hq, hk = self.hq, self.hk
@@ -135,18 +124,6 @@ def image_rows_attention(q, view, rows, same, scale, softcap):
     return out.transpose(0, 1).reshape(len(rows), -1)
 
 
-class MLP(nn.Module):
-    def __init__(self, t: dict, p: str, dtype):
-        super().__init__()
-        self.wgu = fused_weight([stored(t, f"{p}.gate_proj.weight"), stored(t, f"{p}.up_proj.weight")], dtype)
-        self.wdown = weight(stored(t, f"{p}.down_proj.weight"), dtype)
-
-    def forward(self, x):
-        g, u = linear(x, self.wgu).chunk(2, dim=-1)
-        # in place on the fresh gate/up output: no extra [T, intermediate] allocations
-        return linear(torch.ops.aten.gelu_(g, approximate="tanh").mul_(u), self.wdown)
-
-
 class Block(nn.Module):
     def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
         super().__init__()
@@ -158,7 +135,7 @@ class Block(nn.Module):
         self.ln_pre_ff = _norm_weight(take(t, f"{p}.pre_feedforward_layernorm.weight"), dtype)
         self.ln_post_ff = _norm_weight(take(t, f"{p}.post_feedforward_layernorm.weight"), dtype)
         self.attn = Attention(a, t, f"{p}.self_attn", dtype, self.sliding)
-        self.mlp = MLP(t, f"{p}.mlp", dtype)
+        self.mlp = GatedMLP.named(t, f"{p}.mlp", dtype, gelu_tanh_)
 
     fused = FusedSlot()     # its FusedBlock, or None
 
@@ -188,6 +165,7 @@ class Block(nn.Module):
 
 class Gemma3Model(Model):
     family = "gemma3"
+    Args = ModelArgs
     packable_weights = ("wqkv", "wo", "wgu", "wdown")
     head_weights = ("lm_head",)
     embedding_weights = ("embed",)
@@ -195,13 +173,9 @@ class Gemma3Model(Model):
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
         super().__init__()
         self.args, self.dtype = args, dtype
-        self.embed = weight(stored(tensors, "model.embed_tokens.weight"), dtype)
-        self.embed_scale = torch.tensor(args.hidden_size ** 0.5).to(dtype)
-        self.layers = nn.ModuleList(Block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
-        self.norm = _norm_weight(take(tensors, "model.norm.weight"), dtype)
-        head = tensors.get("lm_head.weight")
         # tied (transformers ignores a stored lm_head then): one table, packed once by weight formats
-        self.lm_head = self.embed if head is None or args.tie_word_embeddings else weight(head, dtype)
+        decoder_weights(self, tensors, args, dtype, Block, norm=_norm_weight)
+        self.embed_scale = torch.tensor(args.hidden_size ** 0.5).to(dtype)
         self.rope_global = self._rope(config, FULL, default_theta=1_000_000.0)
         self.rope_local = self._rope(config, SLIDING, default_theta=config.get("rope_local_base_freq", 10_000.0))
 
@@ -210,17 +184,11 @@ class Gemma3Model(Model):
         if "rope_parameters" not in config or layer_type not in (config.get("rope_parameters") or {}):
             if layer_type == SLIDING:
                 params = {"rope_theta": default_theta, "rope_type": "default"}
-        inv_freq, scaling = inv_freq_for(params, self.args.head_dim)
-        return Rope(self.args.head_dim, 0.0, self.dtype, inv_freq=inv_freq, attention_scaling=scaling)
-
-    @classmethod
-    def from_checkpoint(cls, config, tensors, dtype):
-        return cls(ModelArgs.from_dict(config), config, tensors, dtype)
+        return rope_for(params, self.args.head_dim, self.dtype)
 
     def cache_specs(self):
         a = self.args
-        return [specs.sliding(a.num_key_value_heads, a.head_dim, a.sliding_window) if lt == SLIDING
-                else specs.full(a.num_key_value_heads, a.head_dim) for lt in a.layer_types]
+        return attention_specs(a.layer_types, a.num_key_value_heads, a.head_dim, a.sliding_window)
 
     def forward(self, batch):
         return self.forward_embeds(embedding(batch.tokens, self.embed, self.dtype) * self.embed_scale, batch)

@@ -19,10 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..images import ImageInput, content_digest, image_id_of, merge_embeddings
-from .base import Model, embedding, param, take
+from .base import Model, embedding
 from .gemma3 import Gemma3Model, image_blocks
 from .gemma3 import ModelArgs as TextArgs
 from .idefics3 import VisionArgs, VisionLayer
+from .tensors import param, take
 from .vision_settings import expect, read_settings, salt, transformers_processor
 
 

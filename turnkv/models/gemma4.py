@@ -26,11 +26,11 @@ from torch import nn
 from ..cache import specs
 from ..cache.kv import KVView
 from .batch import LAST, Batch, Span
-from .base import BaseArgs, Model, Rope, apply_rope, attention, embedding, linear, param, take
+from .base import BaseArgs, Model, Rope, apply_rope, attention, embedding, linear
+from .decoder import FULL, SLIDING, GatedMLP, gelu_tanh_
 from .rope_config import inv_freq_for, rope_params
-from .tensors import fused_weight, stored, weight
+from .tensors import fused_weight, param, stored, take, weight
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
                 FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
 
@@ -189,27 +189,6 @@ class Attention(nn.Module):
         return linear(out, self.wo, self.bo)
 
 
-class MLP(nn.Module):
-    def __init__(self, t: dict, p: str, dtype):
-        super().__init__()
-        self.wgu = fused_weight([stored(t, f"{p}.gate_proj.weight"), stored(t, f"{p}.up_proj.weight")], dtype)
-        self.wdown = weight(stored(t, f"{p}.down_proj.weight"), dtype)
-
-    def forward(self, x):
-        g, u = linear(x, self.wgu).chunk(2, dim=-1)
-        return linear(_gelu(g) * u, self.wdown)
-
-
-class Expert(nn.Module):
-    def __init__(self, wgu: torch.Tensor, wdown: torch.Tensor, dtype):
-        super().__init__()
-        self.wgu, self.wdown = param(wgu, dtype), param(wdown, dtype)
-
-    def forward(self, x):
-        g, u = linear(x, self.wgu).chunk(2, dim=-1)
-        return linear(_gelu(g) * u, self.wdown)
-
-
 class MoE(nn.Module):
     """The MoE block that runs beside the dense MLP: a router over the (un-normed) residual, a
     softmax over all experts, top-k renormalised and scaled per expert, GELU-tanh experts."""
@@ -221,7 +200,7 @@ class MoE(nn.Module):
         self.router_scale = param(take(t, f"{p}.router.scale"), dtype)
         self.per_expert_scale = param(take(t, f"{p}.router.per_expert_scale"), dtype)
         gu, down = take(t, f"{p}.experts.gate_up_proj"), take(t, f"{p}.experts.down_proj")
-        self.experts = nn.ModuleList(Expert(gu[e], down[e], dtype) for e in range(gu.shape[0]))
+        self.experts = nn.ModuleList(GatedMLP([gu[e]], down[e], dtype, gelu_tanh_) for e in range(gu.shape[0]))
         self.ln_pre = param(take(t, f"{p}.pre_feedforward_layernorm_2.weight"), dtype)
 
     def forward(self, residual):
@@ -249,7 +228,7 @@ class Block(nn.Module):
         self.ln_in, self.ln_post_attn = w("input_layernorm"), w("post_attention_layernorm")
         self.ln_pre_ff, self.ln_post_ff = w("pre_feedforward_layernorm"), w("post_feedforward_layernorm")
         self.attn = Attention(a, t, f"{p}.self_attn", i, dtype)
-        self.mlp = MLP(t, f"{p}.mlp", dtype)
+        self.mlp = GatedMLP.named(t, f"{p}.mlp", dtype, gelu_tanh_)
         self.moe = None
         if a.enable_moe_block:
             self.moe = MoE(a, t, p, dtype)

@@ -20,11 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
-from .base import BaseArgs, Model, Rope, attention_spans, embedding, linear, param, rms_norm, take
+from .base import BaseArgs, Model, attention_spans, embedding, linear, rms_norm
 from .batch import Batch
+from .decoder import GatedMLP, decoder_weights, qkv_weights, rope_for
 from .qwen3_next import _expert_weights, apply_partial_rope
-from .rope_config import inv_freq_for, rope_params
-from .tensors import fused_weight, stored, weight
+from .rope_config import rope_params
+from .tensors import param, stored, take, weight
 
 DEFAULT_PARTIAL_ROTARY = 0.5
 
@@ -63,10 +64,7 @@ class Attention(nn.Module):
         self.hq, self.hk, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         self.scale = self.d ** -0.5
         self.eps = a.rms_norm_eps
-        self.wqkv = fused_weight([stored(t, f"{p}.q_proj.weight"), stored(t, f"{p}.k_proj.weight"),
-                                  stored(t, f"{p}.v_proj.weight")], dtype)
-        self.bqkv = (param(torch.cat([take(t, f"{p}.q_proj.bias"), take(t, f"{p}.k_proj.bias"),
-                                      take(t, f"{p}.v_proj.bias")]), dtype) if a.attention_bias else None)
+        self.wqkv, self.bqkv = qkv_weights(t, p, dtype, a.attention_bias)
         self.wo = weight(stored(t, f"{p}.o_proj.weight"), dtype)            # o_proj never has a bias
         self.q_norm = self.k_norm = None
         if a.use_qk_norm:
@@ -85,23 +83,6 @@ class Attention(nn.Module):
         return linear(attention_spans(batch, i, q, k, qkv[hq + hk:], self.scale), self.wo)
 
 
-class MLP(nn.Module):
-    """SwiGLU without biases: the dense layers, every routed expert and the shared experts."""
-
-    def __init__(self, gate_up: list, down, dtype):
-        super().__init__()
-        self.wgu, self.wdown = fused_weight(gate_up, dtype), weight(down, dtype)
-
-    @classmethod
-    def named(cls, t: dict, p: str, dtype) -> "MLP":
-        return cls([stored(t, f"{p}.gate_proj.weight"), stored(t, f"{p}.up_proj.weight")],
-                   stored(t, f"{p}.down_proj.weight"), dtype)
-
-    def forward(self, x):
-        g, u = linear(x, self.wgu).chunk(2, dim=-1)
-        return linear(F.silu(g) * u, self.wdown)
-
-
 class MoE(nn.Module):
     def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
         super().__init__()
@@ -113,8 +94,8 @@ class MoE(nn.Module):
         bias = t.get(f"{p}.gate.e_score_correction_bias")
         self.score_bias = param(bias if bias is not None else torch.zeros(self.n_experts), torch.float32)
         gu, down = _expert_weights(t, p, self.n_experts)
-        self.experts = nn.ModuleList(MLP([gu[e]], down[e], dtype) for e in range(self.n_experts))
-        self.shared = MLP.named(t, f"{p}.shared_experts", dtype)
+        self.experts = nn.ModuleList(GatedMLP([gu[e]], down[e], dtype) for e in range(self.n_experts))
+        self.shared = GatedMLP.named(t, f"{p}.shared_experts", dtype)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] float32, experts [N, k]) exactly as transformers' Glm4MoeTopkRouter."""
@@ -150,7 +131,7 @@ class Block(nn.Module):
         self.ln_attn = param(take(t, f"{p}.input_layernorm.weight"), dtype)
         self.ln_mlp = param(take(t, f"{p}.post_attention_layernorm.weight"), dtype)
         self.attn = Attention(a, t, f"{p}.self_attn", dtype)
-        self.mlp = MoE(a, t, f"{p}.mlp", dtype) if i >= a.first_k_dense_replace else MLP.named(t, f"{p}.mlp", dtype)
+        self.mlp = MoE(a, t, f"{p}.mlp", dtype) if i >= a.first_k_dense_replace else GatedMLP.named(t, f"{p}.mlp", dtype)
 
     def forward(self, x, batch, i, rope):
         x += self.attn.forward(rms_norm(x, self.ln_attn, self.eps), batch, i, rope)
@@ -160,6 +141,7 @@ class Block(nn.Module):
 
 class Glm4MoeModel(Model):
     family = "glm4_moe"
+    Args = ModelArgs
     packable_weights = ("wqkv", "wo", "wgu", "wdown")
     head_weights = ("lm_head",)
     embedding_weights = ("embed",)
@@ -167,15 +149,10 @@ class Glm4MoeModel(Model):
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
         super().__init__()
         self.args, self.dtype = args, dtype
-        self.decoder_weights(tensors, args, dtype, Block)
+        decoder_weights(self, tensors, args, dtype, Block)
         params = rope_params(config)
         partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", DEFAULT_PARTIAL_ROTARY))
-        inv_freq, scaling = inv_freq_for(params, args.head_dim, partial)
-        self.rope = Rope(args.head_dim, 0.0, dtype, inv_freq=inv_freq, attention_scaling=scaling)
-
-    @classmethod
-    def from_checkpoint(cls, config, tensors, dtype):
-        return cls(ModelArgs.from_dict(config), config, tensors, dtype)
+        self.rope = rope_for(params, args.head_dim, dtype, partial)
 
     def cache_specs(self):
         a = self.args

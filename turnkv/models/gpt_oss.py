@@ -15,13 +15,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..cache import specs
 from .batch import Batch
-from .base import BaseArgs, Model, Rope, apply_rope, attention_spans, embedding, linear, param, rms_norm, take
-from .rope_config import inv_freq_for, rope_params
-from .tensors import MissingWeight, fused_weight, stored, weight
+from .base import BaseArgs, Model, apply_rope, attention_spans, embedding, linear, rms_norm
+from .decoder import FULL, SLIDING, attention_specs, decoder_weights, out_weights, qkv_weights, rope_for
+from .rope_config import rope_params
+from .tensors import MissingWeight, param, take, weight
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 DEFAULT_THETA = 150_000.0
 
 # the 16 values of an FP4 (e2m1) nibble, as transformers' integrations/mxfp4.py lists them
@@ -84,12 +83,8 @@ class Attention(nn.Module):
         super().__init__()
         self.hq, self.hk, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         self.scale = self.d ** -0.5
-        self.wqkv = fused_weight([stored(t, f"{p}.q_proj.weight"), stored(t, f"{p}.k_proj.weight"),
-                                  stored(t, f"{p}.v_proj.weight")], dtype)
-        self.bqkv = (param(torch.cat([take(t, f"{p}.q_proj.bias"), take(t, f"{p}.k_proj.bias"),
-                                      take(t, f"{p}.v_proj.bias")]), dtype) if a.attention_bias else None)
-        self.wo = weight(stored(t, f"{p}.o_proj.weight"), dtype)
-        self.bo = param(take(t, f"{p}.o_proj.bias"), dtype) if a.attention_bias else None
+        self.wqkv, self.bqkv = qkv_weights(t, p, dtype, a.attention_bias)
+        self.wo, self.bo = out_weights(t, p, dtype, a.attention_bias)
         self.sinks = param(take(t, f"{p}.sinks"), dtype)
 
     def forward(self, x, batch: Batch, i: int, rope):
@@ -168,6 +163,7 @@ class Block(nn.Module):
 
 class GptOssModel(Model):
     family = "gpt_oss"
+    Args = ModelArgs
     packable_weights = ("wqkv", "wo", "wgu", "wdown")
     head_weights = ("lm_head",)
     embedding_weights = ("embed",)
@@ -175,21 +171,15 @@ class GptOssModel(Model):
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
         super().__init__()
         self.args, self.dtype = args, dtype
-        self.decoder_weights(tensors, args, dtype, Block)
+        decoder_weights(self, tensors, args, dtype, Block)
         params = dict(rope_params(config))
         if "rope_theta" not in (config.get("rope_parameters") or {}) and "rope_theta" not in config:
             params["rope_theta"] = DEFAULT_THETA
-        inv_freq, scaling = inv_freq_for(params, args.head_dim)
-        self.rope = Rope(args.head_dim, 0.0, dtype, inv_freq=inv_freq, attention_scaling=scaling)
-
-    @classmethod
-    def from_checkpoint(cls, config, tensors, dtype):
-        return cls(ModelArgs.from_dict(config), config, tensors, dtype)
+        self.rope = rope_for(params, args.head_dim, dtype)
 
     def cache_specs(self):
         a = self.args
-        return [specs.sliding(a.num_key_value_heads, a.head_dim, a.sliding_window) if lt == SLIDING
-                else specs.full(a.num_key_value_heads, a.head_dim) for lt in a.layer_types]
+        return attention_specs(a.layer_types, a.num_key_value_heads, a.head_dim, a.sliding_window)
 
     def forward(self, batch):
         return self.run_decoder(embedding(batch.tokens, self.embed, self.dtype), batch, self.rope.rows(batch))

@@ -16,9 +16,11 @@ from torch import nn
 
 from ..cache import specs
 from .batch import Batch, select_rows
-from .base import BaseArgs, Model, Rope, apply_rope, attention_spans, linear, param, rms_norm, take
-from .rope_config import inv_freq_for, rope_params
+from .base import BaseArgs, Model, apply_rope, attention_spans, linear, rms_norm
+from .decoder import GatedMLP, decoder_weights, out_weights, qkv_weights, rope_for
+from .rope_config import rope_params
 from .ssm import Mamba2Dims, Mamba2Mixer, mamba2_state_fields, time_step_limit
+from .tensors import param, stored, take
 
 MAMBA, ATTENTION = "mamba", "attention"
 # config spellings: the hub's Granite 4 files say mamba/attention, transformers writes linear/full
@@ -91,12 +93,10 @@ class Attention(nn.Module):
         super().__init__()
         self.hq, self.hk, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         self.scale = a.attention_multiplier
-        self.wqkv = param(torch.cat([take(t, f"{p}.q_proj.weight"), take(t, f"{p}.k_proj.weight"),
-                                     take(t, f"{p}.v_proj.weight")]), dtype)
+        self.wqkv, _ = qkv_weights(t, p, dtype)
         self.bqkv = (param(torch.cat([take(t, f"{p}.q_proj.bias"), take(t, f"{p}.k_proj.bias"),
                                       take(t, f"{p}.v_proj.bias")]), dtype) if a.attention_bias else None)
-        self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
-        self.bo = param(take(t, f"{p}.o_proj.bias"), dtype) if a.attention_bias else None
+        self.wo, self.bo = out_weights(t, p, dtype, a.attention_bias)
 
     def forward(self, x, batch: Batch, i: int, rope):
         hq, hk = self.hq, self.hk
@@ -133,17 +133,6 @@ class MoE(nn.Module):
         return out
 
 
-class SharedMLP(nn.Module):
-    def __init__(self, t: dict, p: str, dtype):
-        super().__init__()
-        self.wgu = param(take(t, f"{p}.input_linear.weight"), dtype)
-        self.wdown = param(take(t, f"{p}.output_linear.weight"), dtype)
-
-    def forward(self, x):
-        g, u = linear(x, self.wgu).chunk(2, dim=-1)
-        return linear(F.silu(g) * u, self.wdown)
-
-
 class Block(nn.Module):
     def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
         super().__init__()
@@ -154,7 +143,8 @@ class Block(nn.Module):
         self.ln_post = param(take(t, f"{p}.post_attention_layernorm.weight"), dtype)
         self.mixer = Mamba2Mixer(a.mamba_dims(), t, f"{p}.mamba", dtype) if self.is_mamba else Attention(a, t, f"{p}.self_attn", dtype)
         self.moe = MoE(a, t, f"{p}.block_sparse_moe", dtype) if a.num_local_experts > 0 else None
-        self.shared = SharedMLP(t, f"{p}.shared_mlp", dtype)
+        self.shared = GatedMLP([stored(t, f"{p}.shared_mlp.input_linear.weight")],
+                               stored(t, f"{p}.shared_mlp.output_linear.weight"), dtype)
 
     def forward(self, x, batch, i, rope):
         h = rms_norm(x, self.ln_in, self.eps)
@@ -167,19 +157,15 @@ class Block(nn.Module):
 
 class GraniteMoeHybridModel(Model):
     family = "granitemoehybrid"
+    Args = ModelArgs
 
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
         super().__init__()
         self.args, self.dtype = args, dtype
-        self.decoder_weights(tensors, args, dtype, Block)
+        decoder_weights(self, tensors, args, dtype, Block)
         self.rope = None
         if args.position_embedding_type == "rope":
-            inv_freq, scaling = inv_freq_for(rope_params(config), args.head_dim)
-            self.rope = Rope(args.head_dim, 0.0, dtype, inv_freq=inv_freq, attention_scaling=scaling)
-
-    @classmethod
-    def from_checkpoint(cls, config, tensors, dtype):
-        return cls(ModelArgs.from_dict(config), config, tensors, dtype)
+            self.rope = rope_for(rope_params(config), args.head_dim, dtype)
 
     def cache_specs(self):
         a = self.args

@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..images import ImageInput, content_digest, image_id_of, merge_embeddings
-from .base import BaseArgs, Model, embedding, param, take
+from .base import BaseArgs, Model, embedding
 from .llama import LlamaModel
 from .llama import ModelArgs as LlamaArgs
+from .tensors import param, take
 from .vision_settings import expect, read_settings, salt, transformers_processor
 
 

@@ -32,10 +32,11 @@ from torch import nn
 
 from ..cache import specs
 from ..cache.kv import KVView
-from .base import BaseArgs, Model, attention, embedding, linear, param, rms_norm, take
+from .base import BaseArgs, Model, attention, embedding, linear, rms_norm
 from .batch import Batch, Span, select_rows, spans_apply
+from .decoder import GatedMLP, decoder_weights
 from .ssm import causal_conv1d
-from .tensors import MissingWeight, as_float, fused_weight, stored, weight
+from .tensors import MissingWeight, as_float, fused_weight, param, stored, take, weight
 
 LINEAR, FULL = "linear_attention", "full_attention"
 KDA_CHUNK = 64
@@ -290,21 +291,6 @@ class LatentAttention(nn.Module):
 
 # --- feed-forward ------------------------------------------------------------------------------------------
 
-class MLP(nn.Module):
-    def __init__(self, wg, wu, wd, dtype):
-        super().__init__()
-        self.wgu = fused_weight([wg, wu], dtype)
-        self.wdown = weight(wd, dtype)
-
-    def forward(self, x):
-        g, u = linear(x, self.wgu).chunk(2, dim=-1)
-        return linear(F.silu(g) * u, self.wdown)
-
-
-def _mlp(t: dict, p: str, dtype) -> MLP:
-    return MLP(stored(t, f"{p}.gate_proj.weight"), stored(t, f"{p}.up_proj.weight"), stored(t, f"{p}.down_proj.weight"),
-               dtype)
-
 
 class MoE(nn.Module):
     def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
@@ -319,14 +305,13 @@ class MoE(nn.Module):
             gu, down = take(t, f"{p}.experts.gate_up_proj"), take(t, f"{p}.experts.down_proj")
             for e in range(self.E):
                 g, u = gu[e].chunk(2, dim=0)
-                experts.append(MLP(g, u, down[e], dtype))
+                experts.append(GatedMLP([g, u], down[e], dtype))
         else:
             for e in range(self.E):
                 q = f"{p}.experts.{e}"
-                experts.append(MLP(stored(t, f"{q}.w1.weight"), stored(t, f"{q}.w3.weight"), stored(t, f"{q}.w2.weight"),
-                                   dtype))
+                experts.append(GatedMLP.named(t, q, dtype, names=("w1", "w3", "w2")))
         self.experts = nn.ModuleList(experts)
-        self.shared = _mlp(t, f"{p}.shared_experts", dtype)
+        self.shared = GatedMLP.named(t, f"{p}.shared_experts", dtype)
 
     def forward(self, x):
         scores = F.linear(x.float(), self.w_router).sigmoid()                   # [N, E]
@@ -367,7 +352,7 @@ class Block(nn.Module):
         # the released files name the MoE ``block_sparse_moe`` and the dense MLP ``mlp``;
         # save_pretrained writes ``block_sparse_moe`` for both, transformers' state_dict ``mlp``
         q = f"{p}.mlp" if any(k.startswith(f"{p}.mlp.") for k in t) else f"{p}.block_sparse_moe"
-        self.mlp = MoE(a, t, q, dtype) if a.mlp_layer_types[i] == "sparse" else _mlp(t, q, dtype)
+        self.mlp = MoE(a, t, q, dtype) if a.mlp_layer_types[i] == "sparse" else GatedMLP.named(t, q, dtype)
 
     def forward(self, x, batch, i):
         x = x + self.mixer.forward(rms_norm(x, self.ln_in, self.eps), batch, i)
@@ -376,6 +361,7 @@ class Block(nn.Module):
 
 class KimiLinearModel(Model):
     family = "kimi_linear"
+    Args = ModelArgs
     packable_weights = ("w_in", "w_f_b", "w_g_b", "w_out", "wq", "w_q_a", "w_q_b", "w_kv_a", "wo", "wgu", "wdown")
     head_weights = ("lm_head",)
     embedding_weights = ("embed",)
@@ -383,11 +369,7 @@ class KimiLinearModel(Model):
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
         super().__init__()
         self.args, self.dtype = args, dtype
-        self.decoder_weights(tensors, args, dtype, Block)
-
-    @classmethod
-    def from_checkpoint(cls, config, tensors, dtype):
-        return cls(ModelArgs.from_dict(config), config, tensors, dtype)
+        decoder_weights(self, tensors, args, dtype, Block)
 
     def cache_specs(self):
         out = []

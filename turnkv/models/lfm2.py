@@ -15,9 +15,11 @@ from torch import nn
 
 from ..cache import specs
 from .batch import Batch, Span, select_rows, spans_apply
-from .base import BaseArgs, Model, Rope, apply_rope, attention_spans, linear, param, rms_norm, take
-from .rope_config import inv_freq_for, rope_params
+from .base import BaseArgs, Model, apply_rope, attention_spans, linear, rms_norm
+from .decoder import GatedMLP, qkv_weights, rope_for
+from .rope_config import rope_params
 from .ssm import causal_conv1d
+from .tensors import param, take
 
 CONV, ATTENTION = "conv", "full_attention"
 
@@ -77,8 +79,7 @@ class Attention(nn.Module):
         self.hq, self.hk, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         self.scale = self.d ** -0.5
         self.eps = a.norm_eps
-        self.wqkv = param(torch.cat([take(t, f"{p}.q_proj.weight"), take(t, f"{p}.k_proj.weight"),
-                                     take(t, f"{p}.v_proj.weight")]), dtype)
+        self.wqkv, _ = qkv_weights(t, p, dtype)
         self.wo = param(take(t, f"{p}.out_proj.weight"), dtype)
         self.q_norm = param(take(t, f"{p}.q_layernorm.weight"), dtype)
         self.k_norm = param(take(t, f"{p}.k_layernorm.weight"), dtype)
@@ -93,17 +94,6 @@ class Attention(nn.Module):
         return linear(attention_spans(batch, i, q, k, qkv[hq + hk:], self.scale), self.wo)
 
 
-class MLP(nn.Module):
-    def __init__(self, t: dict, p: str, dtype):
-        super().__init__()
-        self.wgu = param(torch.cat([take(t, f"{p}.w1.weight"), take(t, f"{p}.w3.weight")]), dtype)
-        self.wdown = param(take(t, f"{p}.w2.weight"), dtype)
-
-    def forward(self, x):
-        g, u = linear(x, self.wgu).chunk(2, dim=-1)
-        return linear(F.silu(g) * u, self.wdown)
-
-
 class Block(nn.Module):
     def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
         super().__init__()
@@ -113,7 +103,7 @@ class Block(nn.Module):
         self.ln_op = param(take(t, f"{p}.operator_norm.weight"), dtype)
         self.ln_ffn = param(take(t, f"{p}.ffn_norm.weight"), dtype)
         self.mixer = Attention(a, t, f"{p}.self_attn", dtype) if self.is_attention else ShortConv(a, t, f"{p}.conv", dtype)
-        self.mlp = MLP(t, f"{p}.feed_forward", dtype)
+        self.mlp = GatedMLP.named(t, f"{p}.feed_forward", dtype, names=("w1", "w3", "w2"))
 
     def forward(self, x, batch, i, rope):
         h = rms_norm(x, self.ln_op, self.eps)
@@ -123,6 +113,7 @@ class Block(nn.Module):
 
 class Lfm2Model(Model):
     family = "lfm2"
+    Args = ModelArgs
 
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
         super().__init__()
@@ -132,12 +123,7 @@ class Lfm2Model(Model):
         self.norm = param(take(tensors, "model.embedding_norm.weight"), dtype)
         head = tensors.get("lm_head.weight")
         self.lm_head = self.embed if head is None or args.tie_word_embeddings else param(head, dtype)
-        inv_freq, scaling = inv_freq_for(rope_params(config), args.head_dim)
-        self.rope = Rope(args.head_dim, 0.0, dtype, inv_freq=inv_freq, attention_scaling=scaling)
-
-    @classmethod
-    def from_checkpoint(cls, config, tensors, dtype):
-        return cls(ModelArgs.from_dict(config), config, tensors, dtype)
+        self.rope = rope_for(rope_params(config), args.head_dim, dtype)
 
     def cache_specs(self):
         a = self.args

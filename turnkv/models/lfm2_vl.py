@@ -22,10 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..images import ImageInput, content_digest, image_id_of, merge_embeddings
-from .base import Model, embedding, param, take
+from .base import Model, embedding
 from .idefics3 import VisionArgs, VisionLayer, _act
 from .lfm2 import Lfm2Model
 from .lfm2 import ModelArgs as TextArgs
+from .tensors import param, take
 from .vision_settings import VisionSettings, expect, read_settings, salt
 
 IMAGENET_STANDARD = [0.5, 0.5, 0.5]

@@ -5,35 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
+from .base import Model, apply_rope, attention_spans, embedding, linear, rms_norm
 from .batch import Batch
+from .decoder import DecoderArgs, GatedMLP, decoder_weights, out_weights, qkv_weights, rope_for
 from .fused import FusedSlot, fuse_llama_block, stack_for
-from .base import (BaseArgs, Model, Rope, apply_rope, attention_spans, embedding, linear, param, rms_norm,
-                   take)
-from .rope_config import inv_freq_for, rope_params
-from .tensors import fused_weight, stored, weight
+from .rope_config import rope_params
+from .tensors import param, take
 
 
-@dataclass
-class ModelArgs(BaseArgs):
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    vocab_size: int
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
+@dataclass(kw_only=True)
+class ModelArgs(DecoderArgs):
     attention_bias: bool = False
     mlp_bias: bool = False
-
-    def __post_init__(self):
-        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
-        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
 
 
 class Attention(nn.Module):
@@ -41,12 +27,8 @@ class Attention(nn.Module):
         super().__init__()
         self.hq, self.hk, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         self.scale = self.d ** -0.5
-        self.wqkv = fused_weight([stored(t, f"{p}.q_proj.weight"), stored(t, f"{p}.k_proj.weight"),
-                                  stored(t, f"{p}.v_proj.weight")], dtype)
-        self.bqkv = (param(torch.cat([take(t, f"{p}.q_proj.bias"), take(t, f"{p}.k_proj.bias"),
-                                      take(t, f"{p}.v_proj.bias")]), dtype) if a.attention_bias else None)
-        self.wo = weight(stored(t, f"{p}.o_proj.weight"), dtype)
-        self.bo = param(take(t, f"{p}.o_proj.bias"), dtype) if a.attention_bias else None
+        self.wqkv, self.bqkv = qkv_weights(t, p, dtype, a.attention_bias)
+        self.wo, self.bo = out_weights(t, p, dtype, a.attention_bias)
 
     def forward(self, x, batch: Batch, i: int, rope):
         hq, hk = self.hq, self.hk
@@ -57,21 +39,6 @@ class Attention(nn.Module):
         return linear(out, self.wo, self.bo)
 
 
-class MLP(nn.Module):
-    def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
-        super().__init__()
-        self.wgu = fused_weight([stored(t, f"{p}.gate_proj.weight"), stored(t, f"{p}.up_proj.weight")], dtype)
-        self.wdown = weight(stored(t, f"{p}.down_proj.weight"), dtype)
-        self.bgu = (param(torch.cat([take(t, f"{p}.gate_proj.bias"), take(t, f"{p}.up_proj.bias")]), dtype)
-                    if a.mlp_bias else None)
-        self.bdown = param(take(t, f"{p}.down_proj.bias"), dtype) if a.mlp_bias else None
-
-    def forward(self, x):
-        g, u = linear(x, self.wgu, self.bgu).chunk(2, dim=-1)
-        # in place on the fresh gate/up output: no extra [T, intermediate] allocations
-        return linear(F.silu(g, inplace=True).mul_(u), self.wdown, self.bdown)
-
-
 class Block(nn.Module):
     def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
         super().__init__()
@@ -80,7 +47,7 @@ class Block(nn.Module):
         self.ln_attn = param(take(t, f"{p}.input_layernorm.weight"), dtype)
         self.ln_mlp = param(take(t, f"{p}.post_attention_layernorm.weight"), dtype)
         self.attn = Attention(a, t, f"{p}.self_attn", dtype)
-        self.mlp = MLP(a, t, f"{p}.mlp", dtype)
+        self.mlp = GatedMLP.named(t, f"{p}.mlp", dtype, bias=a.mlp_bias)
 
     fused = FusedSlot()     # its FusedBlock, or None
 
@@ -101,6 +68,7 @@ class Block(nn.Module):
 
 class LlamaModel(Model):
     family = "llama"
+    Args = ModelArgs
     packable_weights = ("wqkv", "wo", "wgu", "wdown")
     head_weights = ("lm_head",)
     embedding_weights = ("embed",)
@@ -108,13 +76,8 @@ class LlamaModel(Model):
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
         super().__init__()
         self.args, self.dtype = args, dtype
-        self.decoder_weights(tensors, args, dtype, Block)
-        inv_freq, scaling = inv_freq_for(rope_params(config), args.head_dim)
-        self.rope = Rope(args.head_dim, 0.0, dtype, inv_freq=inv_freq, attention_scaling=scaling)
-
-    @classmethod
-    def from_checkpoint(cls, config, tensors, dtype):
-        return cls(ModelArgs.from_dict(config), config, tensors, dtype)
+        decoder_weights(self, tensors, args, dtype, Block)
+        self.rope = rope_for(rope_params(config), args.head_dim, dtype)
 
     def cache_specs(self):
         a = self.args

@@ -12,8 +12,10 @@ from torch import nn
 
 from ..cache import specs
 from .batch import Batch, Span, select_rows, spans_apply
-from .base import BaseArgs, Model, Rope, apply_rope, attention, linear, param, rms_norm, take
-from .rope_config import inv_freq_for, rope_params
+from .base import BaseArgs, Model, apply_rope, attention, linear, rms_norm
+from .decoder import GatedMLP, decoder_weights, out_weights, rope_for
+from .rope_config import rope_params
+from .tensors import param, take
 
 CHUNKED, FULL = "chunked_attention", "full_attention"
 
@@ -98,8 +100,7 @@ class Attention(nn.Module):
                                      take(t, f"{p}.v_proj.weight")]), dtype)
         self.bqkv = (param(torch.cat([qk("q_proj.bias", self.hq), qk("k_proj.bias", self.hk),
                                       take(t, f"{p}.v_proj.bias")]), dtype) if a.attention_bias else None)
-        self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
-        self.bo = param(take(t, f"{p}.o_proj.bias"), dtype) if a.attention_bias else None
+        self.wo, self.bo = out_weights(t, p, dtype, a.attention_bias)
 
     def forward(self, x, batch: Batch, i: int, rope, temps):
         hq, hk = self.hq, self.hk
@@ -116,17 +117,6 @@ class Attention(nn.Module):
         return linear(spans_apply(batch, one), self.wo, self.bo)
 
 
-class MLP(nn.Module):
-    def __init__(self, t: dict, p: str, dtype):
-        super().__init__()
-        self.wgu = param(torch.cat([take(t, f"{p}.gate_proj.weight"), take(t, f"{p}.up_proj.weight")]), dtype)
-        self.wdown = param(take(t, f"{p}.down_proj.weight"), dtype)
-
-    def forward(self, x):
-        g, u = linear(x, self.wgu).chunk(2, dim=-1)
-        return linear(F.silu(g) * u, self.wdown)
-
-
 class MoE(nn.Module):
     """Top-k experts chosen on raw router logits; the sigmoid of each chosen logit scales the expert's
     *input* (transformers feeds every expert ``x * score`` with score 0 for the unchosen, whose output
@@ -139,7 +129,7 @@ class MoE(nn.Module):
         # stored [E, H, 2I] / [E, I, H] for bmm; F.linear wants [out, in]
         self.w_gu = param(take(t, f"{p}.experts.gate_up_proj").transpose(1, 2), dtype)
         self.w_down = param(take(t, f"{p}.experts.down_proj").transpose(1, 2), dtype)
-        self.shared = MLP(t, f"{p}.shared_expert", dtype)
+        self.shared = GatedMLP.named(t, f"{p}.shared_expert", dtype)
 
     def forward(self, x):
         top_v, top_i = torch.topk(linear(x, self.router), self.top_k, dim=1)
@@ -161,7 +151,7 @@ class Block(nn.Module):
         self.ln_attn = param(take(t, f"{p}.input_layernorm.weight"), dtype)
         self.ln_mlp = param(take(t, f"{p}.post_attention_layernorm.weight"), dtype)
         self.attn = Attention(a, t, f"{p}.self_attn", dtype, self.use_rope)
-        self.ff = MoE(a, t, f"{p}.feed_forward", dtype) if i in a.moe_layers else MLP(t, f"{p}.feed_forward", dtype)
+        self.ff = MoE(a, t, f"{p}.feed_forward", dtype) if i in a.moe_layers else GatedMLP.named(t, f"{p}.feed_forward", dtype)
 
     def forward(self, x, batch, i, rope, temps):
         x = x + self.attn.forward(rms_norm(x, self.ln_attn, self.eps), batch, i, rope, temps)
@@ -170,18 +160,14 @@ class Block(nn.Module):
 
 class Llama4Model(Model):
     family = "llama4"
+    Args = ModelArgs
 
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
         super().__init__()
         self.args, self.dtype = args, dtype
-        self.decoder_weights(tensors, args, dtype, Block)
-        inv_freq, scaling = inv_freq_for(rope_params(config), args.head_dim)
-        self.rope = Rope(args.head_dim, 0.0, dtype, inv_freq=inv_freq, attention_scaling=scaling)
+        decoder_weights(self, tensors, args, dtype, Block)
+        self.rope = rope_for(rope_params(config), args.head_dim, dtype)
         self.any_temperature = args.attn_temperature_tuning and not all(args.no_rope_layers)
-
-    @classmethod
-    def from_checkpoint(cls, config, tensors, dtype):
-        return cls(ModelArgs.from_dict(config), config, tensors, dtype)
 
     def cache_specs(self):
         a = self.args

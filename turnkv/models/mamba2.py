@@ -11,8 +11,9 @@ from torch import nn
 
 from ..cache import specs
 from .batch import select_rows
-from .base import BaseArgs, Model, linear, param, rms_norm, take
+from .base import BaseArgs, Model, linear, rms_norm
 from .ssm import Mamba2Dims, Mamba2Mixer, mamba2_state_fields, time_step_limit
+from .tensors import param, take
 
 
 @dataclass

@@ -8,38 +8,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..cache import specs
-from .batch import Batch, select_rows
+from .base import Model, apply_rope, attention_spans, embedding, linear, rms_norm
+from .batch import Batch
+from .decoder import (FULL, SLIDING, DecoderArgs, GatedMLP, attention_specs, decoder_weights, out_weights, qkv_weights,
+                      rope_for)
 from .fused import FusedSlot, fuse_llama_block
-from .base import BaseArgs, Model, Rope, apply_rope, attention_spans, embedding, linear, param, rms_norm, take
-from .rope_config import inv_freq_for, rope_params
-from .tensors import fused_weight, stored, weight
-
-SLIDING, FULL = "sliding_attention", "full_attention"
+from .rope_config import rope_params
+from .tensors import param, take
 
 
-@dataclass
-class ModelArgs(BaseArgs):
+@dataclass(kw_only=True)
+class ModelArgs(DecoderArgs):
     model_type: str
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    vocab_size: int
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    rms_norm_eps: float = 1e-5
     sliding_window: int | None = None
     layer_types: list | None = None
     hidden_act: str = "silu"
-    tie_word_embeddings: bool = False
 
     def __post_init__(self):
-        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
-        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        super().__post_init__()
         if self.hidden_act != "silu":
             raise ValueError(f"{self.model_type}: hidden_act {self.hidden_act!r} is not supported (silu only)")
         # Ministral 3 windows every layer alike (transformers ignores layer_types there); Ministral
@@ -59,9 +47,8 @@ class Attention(nn.Module):
         super().__init__()
         self.hq, self.hk, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         self.scale = self.d ** -0.5
-        self.wqkv = fused_weight([stored(t, f"{p}.q_proj.weight"), stored(t, f"{p}.k_proj.weight"),
-                                  stored(t, f"{p}.v_proj.weight")], dtype)
-        self.wo = weight(stored(t, f"{p}.o_proj.weight"), dtype)
+        self.wqkv, _ = qkv_weights(t, p, dtype)
+        self.wo, _ = out_weights(t, p, dtype)
 
     def forward(self, x, batch: Batch, i: int, rope, q_scale):
         hq, hk = self.hq, self.hk
@@ -73,17 +60,6 @@ class Attention(nn.Module):
         return linear(attention_spans(batch, i, q, qk[hq:], qkv[hq + hk:], self.scale), self.wo)
 
 
-class MLP(nn.Module):
-    def __init__(self, t: dict, p: str, dtype):
-        super().__init__()
-        self.wgu = fused_weight([stored(t, f"{p}.gate_proj.weight"), stored(t, f"{p}.up_proj.weight")], dtype)
-        self.wdown = weight(stored(t, f"{p}.down_proj.weight"), dtype)
-
-    def forward(self, x):
-        g, u = linear(x, self.wgu).chunk(2, dim=-1)
-        return linear(F.silu(g, inplace=True).mul_(u), self.wdown)
-
-
 class Block(nn.Module):
     def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
         super().__init__()
@@ -92,7 +68,7 @@ class Block(nn.Module):
         self.ln_attn = param(take(t, f"{p}.input_layernorm.weight"), dtype)
         self.ln_mlp = param(take(t, f"{p}.post_attention_layernorm.weight"), dtype)
         self.attn = Attention(a, t, f"{p}.self_attn", dtype)
-        self.mlp = MLP(t, f"{p}.mlp", dtype)
+        self.mlp = GatedMLP.named(t, f"{p}.mlp", dtype)
 
     fused = FusedSlot()     # its FusedBlock, or None
 
@@ -115,6 +91,7 @@ class Block(nn.Module):
 
 class MinistralModel(Model):
     family = "ministral"
+    Args = ModelArgs
     packable_weights = ("wqkv", "wo", "wgu", "wdown")
     head_weights = ("lm_head",)
     embedding_weights = ("embed",)
@@ -122,21 +99,15 @@ class MinistralModel(Model):
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
         super().__init__()
         self.args, self.dtype = args, dtype
-        self.decoder_weights(tensors, args, dtype, Block)
+        decoder_weights(self, tensors, args, dtype, Block)
         params = rope_params(config)
-        inv_freq, scaling = inv_freq_for(params, args.head_dim)
-        self.rope = Rope(args.head_dim, 0.0, dtype, inv_freq=inv_freq, attention_scaling=scaling)
+        self.rope = rope_for(params, args.head_dim, dtype)
         beta = params.get("llama_4_scaling_beta") if args.model_type == "ministral3" else None
         self.q_scaling = (float(beta), int(params["original_max_position_embeddings"])) if beta else None
 
-    @classmethod
-    def from_checkpoint(cls, config, tensors, dtype):
-        return cls(ModelArgs.from_dict(config), config, tensors, dtype)
-
     def cache_specs(self):
         a = self.args
-        return [specs.sliding(a.num_key_value_heads, a.head_dim, a.sliding_window) if lt == SLIDING
-                else specs.full(a.num_key_value_heads, a.head_dim) for lt in a.layer_types]
+        return attention_specs(a.layer_types, a.num_key_value_heads, a.head_dim, a.sliding_window)
 
     def _query_scale(self, batch: Batch) -> torch.Tensor | None:
         if self.q_scaling is None:
@@ -147,10 +118,4 @@ class MinistralModel(Model):
 
     def forward(self, batch):
         rope, q_scale = self.rope.rows(batch), self._query_scale(batch)
-        x = embedding(batch.tokens, self.embed, self.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer.forward(x, batch, i, rope, q_scale)
-        x = select_rows(x, batch)
-        if x is None:
-            return None
-        return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
+        return self.run_decoder(embedding(batch.tokens, self.embed, self.dtype), batch, rope, q_scale)

@@ -24,15 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache import specs
-from .base import BaseArgs, Model, Rope, apply_rope, attention_spans, embedding, gelu_tanh, linear, param, take
+from .base import BaseArgs, Model, apply_rope, attention_spans, embedding, linear
 from .batch import select_rows
-from .rope_config import inv_freq_for, rope_params
-from .tensors import fused_weight, stored, weight
+from .decoder import FULL, SLIDING, GatedMLP, attention_specs, gelu_tanh_, out_weights, rope_for, silu_
+from .rope_config import rope_params
+from .tensors import fused_weight, param, stored, take, weight
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 PREFIX = "model.language_model."
-ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}
+ACTIVATIONS = {"silu": silu_, "gelu_pytorch_tanh": gelu_tanh_}
 
 
 @dataclass
@@ -120,8 +119,7 @@ class Attention(nn.Module):
             self.b_in = param(torch.cat([take(t, f"{p}.{n}.bias") for n in names[:3]] + [gate_zero]), dtype)
         else:
             self.b_in = None
-        self.wo = weight(stored(t, f"{p}.o_proj.weight"), dtype)
-        self.bo = param(take(t, f"{p}.o_proj.bias"), dtype) if a.attention_bias else None
+        self.wo, self.bo = out_weights(t, p, dtype, a.attention_bias)
 
     def forward(self, x, batch, i: int, rope):
         N, hq, hk, d = x.shape[0], self.hq, self.hk, self.d
@@ -135,18 +133,6 @@ class Attention(nn.Module):
         return linear(o * torch.sigmoid(gate), self.wo, self.bo)
 
 
-class MLP(nn.Module):
-    def __init__(self, t: dict, p: str, dtype, act):
-        super().__init__()
-        self.wgu = fused_weight([stored(t, f"{p}.gate_proj.weight"), stored(t, f"{p}.up_proj.weight")], dtype)
-        self.wdown = weight(stored(t, f"{p}.down_proj.weight"), dtype)
-        self.act = act
-
-    def forward(self, x):
-        g, u = linear(x, self.wgu).chunk(2, dim=-1)
-        return linear(self.act(g) * u, self.wdown)
-
-
 class Block(nn.Module):
     def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
         super().__init__()
@@ -157,7 +143,7 @@ class Block(nn.Module):
         self.ln_in, self.ln_post_attn = norm("input_layernorm"), norm("post_attention_layernorm")
         self.ln_pre_ff, self.ln_post_ff = norm("pre_feedforward_layernorm"), norm("post_feedforward_layernorm")
         self.attn = Attention(a, t, f"{p}.self_attn", dtype, rotate=bool(a.layer_rope_theta[i]))
-        self.mlp = MLP(t, f"{p}.mlp", dtype, ACTIVATIONS[a.hidden_activation])
+        self.mlp = GatedMLP.named(t, f"{p}.mlp", dtype, ACTIVATIONS[a.hidden_activation])
 
     def forward(self, x, batch, i, rope):
         h = self.attn.forward(centered_norm(x, self.ln_in, self.eps), batch, i, rope)
@@ -182,8 +168,7 @@ class MuseGlimmerModel(Model):
         self.lm_head = self.embed if head is None or args.tie_word_embeddings else weight(head, dtype)
         # one rotary table for every rotated layer, as transformers (a non-zero layer_rope_theta only
         # switches RoPE on; the frequencies come from rope_parameters)
-        inv_freq, scaling = inv_freq_for(rope_params(config), args.head_dim)
-        self.rope = Rope(args.head_dim, 0.0, dtype, inv_freq=inv_freq, attention_scaling=scaling)
+        self.rope = rope_for(rope_params(config), args.head_dim, dtype)
         self.media_ids = [m for m in (args.image_token_id, args.video_token_id) if m is not None]
 
     @classmethod
@@ -193,8 +178,7 @@ class MuseGlimmerModel(Model):
 
     def cache_specs(self):
         a = self.args
-        return [specs.sliding(a.num_key_value_heads, a.head_dim, a.sliding_window) if lt == SLIDING
-                else specs.full(a.num_key_value_heads, a.head_dim) for lt in a.layer_types]
+        return attention_specs(a.layer_types, a.num_key_value_heads, a.head_dim, a.sliding_window)
 
     def forward(self, batch):
         rope = self.rope.rows(batch)

@@ -33,10 +33,11 @@ from torch import nn
 
 from ..cache import specs
 from ..images import ImageInput, content_digest, image_id_of, is_key, merge_embeddings, split_key
-from .base import linear, param, rms_norm, take
+from .base import linear, rms_norm
 from .batch import Batch, select_rows
 from .qwen3_5 import Qwen3_5Model
 from .qwen3_next import LINEAR
+from .tensors import param, take
 from .vision_settings import expect, read_settings, salt, transformers_processor
 
 VISUAL = "model.visual."

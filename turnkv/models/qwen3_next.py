@@ -12,10 +12,11 @@ from torch import nn
 
 from ..cache import specs
 from .batch import Batch, Span, select_rows, spans_apply
-from .base import BaseArgs, Model, Rope, apply_rope, attention_spans, embedding, linear, param, rms_norm, take
-from .rope_config import inv_freq_for, rope_params
+from .base import BaseArgs, Model, apply_rope, attention_spans, embedding, linear, rms_norm
+from .decoder import GatedMLP, out_weights, rope_for
+from .rope_config import rope_params
 from .ssm import causal_conv1d, gated_delta_chunked, gated_delta_step, l2norm
-from .tensors import fused_weight, stored, weight
+from .tensors import fused_weight, param, stored, take, weight
 
 LINEAR, FULL = "linear_attention", "full_attention"
 DELTA_CHUNK = 64  # the chunk transformers' torch path uses; any size gives the same result
@@ -159,8 +160,7 @@ class Attention(nn.Module):
             qb, gb = take(t, f"{p}.q_proj.bias").view(self.hq, 2, self.d).unbind(1)
             self.bqkvg = param(torch.cat([qb.reshape(-1), take(t, f"{p}.k_proj.bias"),
                                           take(t, f"{p}.v_proj.bias"), gb.reshape(-1)]), dtype)
-        self.wo = weight(stored(t, f"{p}.o_proj.weight"), dtype)
-        self.bo = param(take(t, f"{p}.o_proj.bias"), dtype) if a.attention_bias else None
+        self.wo, self.bo = out_weights(t, p, dtype, a.attention_bias)
         self.q_norm = _norm_weight(take(t, f"{p}.q_norm.weight"), dtype)
         self.k_norm = _norm_weight(take(t, f"{p}.k_norm.weight"), dtype)
 
@@ -174,17 +174,6 @@ class Attention(nn.Module):
         # every sequence's rows over its own KV (one native call for the batch)
         out = attention_spans(batch, i, q, k, qkv[hq + hk:], self.scale)
         return linear(out * torch.sigmoid(gate), self.wo, self.bo)
-
-
-class MLP(nn.Module):
-    def __init__(self, t: dict, p: str, dtype):
-        super().__init__()
-        self.wgu = fused_weight([stored(t, f"{p}.gate_proj.weight"), stored(t, f"{p}.up_proj.weight")], dtype)
-        self.wdown = weight(stored(t, f"{p}.down_proj.weight"), dtype)
-
-    def forward(self, x):
-        g, u = linear(x, self.wgu).chunk(2, dim=-1)
-        return linear(F.silu(g) * u, self.wdown)
 
 
 def _expert_weights(t: dict, p: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,7 +194,7 @@ class SparseMoE(nn.Module):
         self.w_router = param(take(t, f"{p}.gate.weight"), dtype)
         gu, down = _expert_weights(t, p, a.num_experts)
         self.w_gu, self.w_down = param(gu, dtype), param(down, dtype)
-        self.shared = MLP(t, f"{p}.shared_expert", dtype)
+        self.shared = GatedMLP.named(t, f"{p}.shared_expert", dtype)
         self.w_shared_gate = param(take(t, f"{p}.shared_expert_gate.weight"), dtype)
 
     def forward(self, x):
@@ -241,7 +230,7 @@ class Block(nn.Module):
             self.mixer = Attention(a, t, f"{p}.self_attn", dtype)
         else:
             raise ValueError(f"unknown Qwen3-Next layer type {self.kind!r}")
-        self.mlp = SparseMoE(a, t, f"{p}.mlp", dtype) if a.is_moe(i) else MLP(t, f"{p}.mlp", dtype)
+        self.mlp = SparseMoE(a, t, f"{p}.mlp", dtype) if a.is_moe(i) else GatedMLP.named(t, f"{p}.mlp", dtype)
 
     def forward(self, x, batch, i, rope):
         h = rms_norm(x, self.ln_in, self.eps)
@@ -252,6 +241,7 @@ class Block(nn.Module):
 
 class Qwen3NextModel(Model):
     family = "qwen3_next"
+    Args = ModelArgs
     block = Block
 
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
@@ -264,12 +254,7 @@ class Qwen3NextModel(Model):
         self.lm_head = self.embed if head is None or args.tie_word_embeddings else weight(head, dtype)
         params = rope_params(config)
         partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
-        inv_freq, scaling = inv_freq_for(params, args.head_dim, partial)
-        self.rope = Rope(args.head_dim, 0.0, dtype, inv_freq=inv_freq, attention_scaling=scaling)
-
-    @classmethod
-    def from_checkpoint(cls, config, tensors, dtype):
-        return cls(ModelArgs.from_dict(config), config, tensors, dtype)
+        self.rope = rope_for(params, args.head_dim, dtype, partial)
 
     def cache_specs(self):
         a = self.args

@@ -12,9 +12,11 @@ from torch import nn
 
 from ..cache import specs
 from .batch import Batch, Span, select_rows, spans_apply
-from .base import BaseArgs, Model, Rope, apply_rope, attention_spans, gelu_tanh, linear, param, rms_norm, take
-from .rope_config import inv_freq_for, rope_params
+from .base import BaseArgs, Model, apply_rope, attention_spans, gelu_tanh, linear, rms_norm
+from .decoder import GatedMLP, gelu_tanh_, qkv_weights, rope_for
+from .rope_config import rope_params
 from .ssm import causal_conv1d, linear_recurrence
+from .tensors import param, take
 
 RECURRENT, ATTENTION = "recurrent", "attention"
 
@@ -130,8 +132,7 @@ class Attention(nn.Module):
         super().__init__()
         self.hq, self.hk, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         self.scale = self.d ** -0.5
-        self.wqkv = param(torch.cat([take(t, f"{p}.q_proj.weight"), take(t, f"{p}.k_proj.weight"),
-                                     take(t, f"{p}.v_proj.weight")]), dtype)
+        self.wqkv, _ = qkv_weights(t, p, dtype)
         self.bqkv = (param(torch.cat([take(t, f"{p}.q_proj.bias"), take(t, f"{p}.k_proj.bias"),
                                       take(t, f"{p}.v_proj.bias")]), dtype) if a.attention_bias else None)
         self.wo = param(take(t, f"{p}.o_proj.weight"), dtype)
@@ -144,19 +145,6 @@ class Attention(nn.Module):
 
         # every sequence's rows over its own KV (one native call for the batch)
         return linear(attention_spans(batch, i, qk[:hq], qk[hq:], qkv[hq + hk:], self.scale), self.wo, self.bo)
-
-
-class MLP(nn.Module):
-    def __init__(self, t: dict, p: str, dtype):
-        super().__init__()
-        self.wgu = param(torch.cat([take(t, f"{p}.gate_proj.weight"), take(t, f"{p}.up_proj.weight")]), dtype)
-        self.bgu = param(torch.cat([take(t, f"{p}.gate_proj.bias"), take(t, f"{p}.up_proj.bias")]), dtype)
-        self.wdown = param(take(t, f"{p}.down_proj.weight"), dtype)
-        self.bdown = param(take(t, f"{p}.down_proj.bias"), dtype)
-
-    def forward(self, x):
-        g, u = linear(x, self.wgu, self.bgu).chunk(2, dim=-1)
-        return linear(gelu_tanh(g) * u, self.wdown, self.bdown)
 
 
 class Block(nn.Module):
@@ -173,7 +161,7 @@ class Block(nn.Module):
             self.temporal = Attention(a, t, f"{p}.temporal_block", dtype)
         else:
             raise ValueError(f"unknown RecurrentGemma block type {self.kind!r}")
-        self.mlp = MLP(t, f"{p}.mlp_block", dtype)
+        self.mlp = GatedMLP.named(t, f"{p}.mlp_block", dtype, gelu_tanh_, bias=True)
 
     def forward(self, x, batch, i, rope):
         h = rms_norm(x, self.ln_temporal, self.eps)
@@ -184,6 +172,7 @@ class Block(nn.Module):
 
 class RecurrentGemmaModel(Model):
     family = "recurrent_gemma"
+    Args = ModelArgs
 
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
         super().__init__()
@@ -197,12 +186,7 @@ class RecurrentGemmaModel(Model):
         self.lm_head = self.embed if head is None or args.tie_word_embeddings else param(head, dtype)
         params = rope_params(config)
         partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.5))
-        inv_freq, scaling = inv_freq_for(params, args.head_dim, partial)
-        self.rope = Rope(args.head_dim, 0.0, dtype, inv_freq=inv_freq, attention_scaling=scaling)
-
-    @classmethod
-    def from_checkpoint(cls, config, tensors, dtype):
-        return cls(ModelArgs.from_dict(config), config, tensors, dtype)
+        self.rope = rope_for(params, args.head_dim, dtype, partial)
 
     def cache_specs(self):
         a = self.args

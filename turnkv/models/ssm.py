@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import linear, param, take
+from .base import linear
 from .batch import Batch, Span, spans_apply
+from .tensors import param, take
 
 
 # --- causal depthwise conv ---------------------------------------------------------------------
