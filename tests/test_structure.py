@@ -1,0 +1,110 @@
+"""The codebase's shape, held as tests so that it stays carryable (docs/architecture.md): no
+source file over 500 lines, no Python function over 60, no import circle between turnkv's
+modules (imports inside functions included: a lazy import that closes a circle is still one)."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "turnkv"
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 60
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imported(name: str, path: Path, known: set[str]) -> set[str]:
+    """The turnkv modules ``name`` imports, anywhere in the file."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        found |= {t for t in targets if t in known and t != name}
+    return found
+
+
+def import_cycles() -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan), where importing a package's
+    submodule counts as importing the package's ``__init__`` only when the code names it."""
+    mods = _modules()
+    graph = {m: _imported(m, p, set(mods)) for m, p in mods.items()}
+    index, low, stack, on, groups, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return groups
+
+
+def test_no_source_file_over_500_lines():
+    sources = [*ROOT.rglob("*.py"), *ROOT.rglob("*.cpp"), *ROOT.rglob("*.h"), *ROOT.rglob("*.inc")]
+    long = {str(p.relative_to(ROOT.parent)): n for p in sources if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES}
+    assert not long, f"files over {MAX_FILE_LINES} lines: {long}"
+
+
+def test_no_python_function_over_60_lines():
+    long = []
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT.parent)}:{node.name} ({n})")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_no_import_circles():
+    assert import_cycles() == []
+
+
+def test_the_cycle_finder_finds_a_circle(tmp_path, monkeypatch):
+    """The check above can fail: two modules that import each other (one lazily) are a circle."""
+    pkg = tmp_path / "turnkv"
+    (pkg / "a").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a" / "__init__.py").write_text("")
+    (pkg / "a" / "x.py").write_text("from . import y\n")
+    (pkg / "a" / "y.py").write_text("def f():\n    from .x import g\n")
+    (pkg / "b.py").write_text("from .a import x\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", pkg)
+    assert import_cycles() == [["turnkv.a.x", "turnkv.a.y"]]
