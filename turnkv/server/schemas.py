@@ -376,53 +376,52 @@ def chat_choice(result, logprobs: dict | None = None) -> dict:
             "logprobs": logprobs, "finish_reason": result.finish_reason}
 
 
+def _envelope(obj: str, rid: str, created: int, model: str, choices: list) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+
+
+def _whole(obj: str, rid: str, created: int, model: str, choices: list, result, queue_ms: float) -> dict:
+    """A non-streamed reply: the choices, then the request's usage (over all choices) and timings."""
+    return {**_envelope(obj, rid, created, model, choices), "usage": usage_json(result.usage),
+            "timings": timings_json(result.stats, queue_ms)}
+
+
+def _chunk(obj: str, rid: str, created: int, model: str, choice: dict, include_usage: bool) -> dict:
+    chunk = _envelope(obj, rid, created, model, [choice])
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
 def chat_completion(rid: str, created: int, model: str, result, queue_ms: float, *, results: list | None = None,
                     logprobs: list[dict | None] | None = None) -> dict:
     """``result``: the request's (usage over all choices); ``results``: every choice (n > 1),
     ``logprobs``: each choice's formatted logprobs (server/logprobs.py)."""
     results = results or [result]
     logprobs = logprobs or [None] * len(results)
-    return {
-        "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [chat_choice(r, lp) for r, lp in zip(results, logprobs)],
-        "usage": usage_json(result.usage),
-        "timings": timings_json(result.stats, queue_ms),
-    }
+    choices = [chat_choice(r, lp) for r, lp in zip(results, logprobs)]
+    return _whole("chat.completion", rid, created, model, choices, result, queue_ms)
 
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: str | None = None,
                include_usage: bool = False, *, index: int = 0, logprobs: dict | None = None) -> dict:
-    chunk = {
-        "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
-    }
-    if include_usage:
-        chunk["usage"] = None
-    return chunk
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return _chunk("chat.completion.chunk", rid, created, model, choice, include_usage)
 
 
 def text_completion(rid: str, created: int, model: str, result, queue_ms: float, *, results: list | None = None,
                     logprobs: list[dict | None] | None = None) -> dict:
     results = results or [result]
     logprobs = logprobs or [None] * len(results)
-    return {
-        "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": r.index, "text": r.text, "logprobs": lp, "finish_reason": r.finish_reason}
-                    for r, lp in zip(results, logprobs)],
-        "usage": usage_json(result.usage),
-        "timings": timings_json(result.stats, queue_ms),
-    }
+    choices = [{"index": r.index, "text": r.text, "logprobs": lp, "finish_reason": r.finish_reason}
+               for r, lp in zip(results, logprobs)]
+    return _whole("text_completion", rid, created, model, choices, result, queue_ms)
 
 
 def text_chunk(rid: str, created: int, model: str, text: str, finish_reason: str | None = None,
                include_usage: bool = False, *, index: int = 0, logprobs: dict | None = None) -> dict:
-    chunk = {
-        "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
-    }
-    if include_usage:
-        chunk["usage"] = None
-    return chunk
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    return _chunk("text_completion", rid, created, model, choice, include_usage)
 
 
 def usage_chunk(rid: str, created: int, model: str, object_name: str, result, queue_ms: float) -> dict:
