@@ -309,21 +309,7 @@ TKV_TARGET static inline __m256i tail_mask(int n) {
 #define BCAST(p) _mm256_broadcast_ss(p)
 TKV_TARGET static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 #include "attention_body.inc"
-#undef LOAD
-#undef STORE
-#undef LOADT
-#undef STORET
-#undef FMA
-#undef MUL
-#undef MAX
-#undef ADD
-#undef ZERO
-#undef SET1
-#undef LOAD_F16
-#undef LOAD_BF16
-#undef LOAD_I8
-#undef BCAST
-#undef TKV_TARGET
+#include "attention_undef.inc"
 }  // namespace avx2
 
 // ---- AVX-512 (W = 16)
@@ -406,21 +392,7 @@ TKV_TARGET static inline VF hs_chunk(const VF* x) {
 #define BCAST(p) _mm512_set1_ps(*(p))
 TKV_TARGET static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 #include "attention_body.inc"
-#undef LOAD
-#undef STORE
-#undef LOADT
-#undef STORET
-#undef FMA
-#undef MUL
-#undef MAX
-#undef ADD
-#undef ZERO
-#undef SET1
-#undef LOAD_F16
-#undef LOAD_BF16
-#undef LOAD_I8
-#undef BCAST
-#undef TKV_TARGET
+#include "attention_undef.inc"
 }  // namespace avx512
 
 #include "attention_dispatch.inc"
