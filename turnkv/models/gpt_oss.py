@@ -19,7 +19,7 @@ from .batch import Batch
 from .base import BaseArgs, Model, apply_rope, attention_spans, embedding, linear, rms_norm
 from .decoder import FULL, SLIDING, attention_specs, decoder_weights, out_weights, qkv_weights, rope_for
 from .rope_config import rope_params
-from .tensors import MissingWeight, param, take, weight
+from .tensors import MissingWeight, param, take
 
 DEFAULT_THETA = 150_000.0
 
