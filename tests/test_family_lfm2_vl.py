@@ -13,7 +13,7 @@ import torch
 from turnkv.engine.engine import Engine
 from turnkv.images import is_key, last_image_end, model_ids
 from turnkv.prompt_cache.store import PromptCache
-from vision_chat import edit_after_the_image, picture, req, warm_and_cold
+from vision_chat import edit_after_the_image, picture, req, tiny_lfm2_vl_config, warm_and_cold
 
 IMAGE, START, END, THUMB, NL = 250, 251, 252, 253, 10
 PREP = dict(tile_size=32, encoder_patch_size=4, min_image_tokens=4, max_image_tokens=16, downsample_factor=2)
@@ -25,19 +25,13 @@ def tiny(tmp_path_factory):
     table, 32 px tiles), with the processor settings in preprocessor_config.json."""
     import json
 
-    from transformers import Lfm2VlConfig, Lfm2VlForConditionalGeneration
+    from transformers import Lfm2VlForConditionalGeneration
 
     from turnkv.loading import load_checkpoint
     from turnkv.models import family_class
 
     torch.manual_seed(0)
-    cfg = Lfm2VlConfig(
-        text_config=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention", "conv"],
-                         max_position_embeddings=4096),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                           patch_size=4, num_patches=16),
-        image_token_id=IMAGE, projector_hidden_size=48)
+    cfg = tiny_lfm2_vl_config(IMAGE)
     hf = Lfm2VlForConditionalGeneration(cfg).eval()
     with torch.no_grad():       # norms and biases away from their init, so they matter
         for name, p in hf.named_parameters():

@@ -16,7 +16,7 @@ from turnkv.models.batch import Batch
 from turnkv.images import is_key, last_image_end, model_ids
 from turnkv.models.qwen3_5_vl import Qwen3_5VlModel, _read_delta
 from turnkv.prompt_cache.store import PromptCache
-from vision_chat import edit_after_the_image, picture, req, warm_and_cold
+from vision_chat import edit_after_the_image, picture, req, tiny_qwen3_5_vl_config, warm_and_cold
 
 IMAGE, START, END = 250, 251, 252
 PREP = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 8 * 8 * 4, "max_pixels": 8 * 8 * 30,
@@ -27,20 +27,10 @@ PREP = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2, "min_pixels"
 def tiny_folder(tmp_path_factory):
     """A tiny random Qwen3.5-VL saved as transformers saves it (4 px patches, merge 2, a 4 x 4
     position table, M-RoPE over t / h / w), with the processor settings in preprocessor_config.json."""
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+    from transformers import Qwen3_5ForConditionalGeneration
 
     torch.manual_seed(0)
-    text = Qwen3_5TextConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
-                             linear_key_head_dim=16, linear_value_head_dim=8, linear_num_key_heads=2,
-                             linear_num_value_heads=4, max_position_embeddings=4096, initializer_range=0.05,
-                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                              "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
-                                              "mrope_interleaved": True})
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
-                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
-    cfg = Qwen3_5Config(text_config=text.to_dict(), vision_config=vision, image_token_id=IMAGE,
-                        vision_start_token_id=START, vision_end_token_id=END)
+    cfg = tiny_qwen3_5_vl_config(IMAGE, START, END)
     hf = Qwen3_5ForConditionalGeneration(cfg).eval()
     with torch.no_grad():       # norms and biases away from their init, so they matter
         for _, p in hf.named_parameters():

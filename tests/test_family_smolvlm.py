@@ -11,7 +11,7 @@ import torch
 from turnkv.engine.engine import Engine
 from turnkv.images import is_key, model_ids
 from turnkv.prompt_cache.store import PromptCache
-from vision_chat import picture, req, warm_and_cold
+from vision_chat import picture, req, tiny_smolvlm_config, warm_and_cold
 
 IMAGE, FAKE, GLOBAL, NL = 250, 251, 252, 10     # <image>, <fake_token_around_image>, <global-img>, "\n"
 
@@ -20,17 +20,11 @@ IMAGE, FAKE, GLOBAL, NL = 250, 251, 252, 10     # <image>, <fake_token_around_im
 def tiny_folder(tmp_path_factory):
     """A tiny random SmolVLM saved as transformers saves it, with a preprocessor_config.json
     (tiles of 32 px, images up to 64 px: a 2 x 2 grid + the global tile, 4 rows each)."""
-    from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration
+    from transformers import SmolVLMForConditionalGeneration
     from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
 
     torch.manual_seed(0)
-    cfg = SmolVLMConfig(
-        text_config=dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=4096),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                           image_size=32, patch_size=8),
-        scale_factor=2, image_token_id=IMAGE)
+    cfg = tiny_smolvlm_config(IMAGE)
     hf = SmolVLMForConditionalGeneration(cfg).eval()
     with torch.no_grad():       # norms and biases away from 1 / 0, so they matter
         for name, p in hf.named_parameters():

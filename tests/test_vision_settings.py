@@ -18,7 +18,7 @@ import torch
 
 from test_server_images import data_url
 from tiny import greedy
-from vision_chat import picture
+from vision_chat import picture, tiny_lfm2_vl_config, tiny_qwen3_5_vl_config, tiny_smolvlm_config
 from turnkv.engine.engine import Engine
 from turnkv.images import is_key, last_image_end, model_ids
 from turnkv.loading.errors import ModelLoadError
@@ -96,18 +96,12 @@ def chat_equals_transformers(folder, hf, hf_inputs, turns=4, max_tokens=6):
 # --- SmolVLM --------------------------------------------------------------------------------------
 
 def smolvlm_folder(tmp_path, **image_kw):
-    from transformers import Idefics3Processor, SmolVLMConfig, SmolVLMForConditionalGeneration
+    from transformers import Idefics3Processor, SmolVLMForConditionalGeneration
     from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
     from transformers.models.smolvlm.processing_smolvlm import DEFAULT_CHAT_TEMPLATE
 
     torch.manual_seed(0)
-    cfg = SmolVLMConfig(
-        text_config=dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=4096),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                           image_size=32, patch_size=8),
-        scale_factor=2, image_token_id=IMAGE)
+    cfg = tiny_smolvlm_config(IMAGE)
     hf = SmolVLMForConditionalGeneration(cfg).eval()
     hf.save_pretrained(tmp_path)
     rows = {f"<row_{r}_col_{c}>": 100 + (r - 1) * 8 + (c - 1) for r in range(1, 5) for c in range(1, 5)}
@@ -248,22 +242,11 @@ QWEN_TEMPLATE = (
 def qwen3_5_vl_folder(tmp_path, **image_kw):
     """Written as ProcessorMixin.save_pretrained writes Qwen3VLProcessor's processor_config.json
     (the image processor's to_dict under image_processor)."""
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+    from transformers import Qwen3_5ForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     torch.manual_seed(0)
-    text = Qwen3_5TextConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
-                             linear_key_head_dim=16, linear_value_head_dim=8, linear_num_key_heads=2,
-                             linear_num_value_heads=4, max_position_embeddings=4096, initializer_range=0.05,
-                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                              "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
-                                              "mrope_interleaved": True})
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
-                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
-    hf = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text.to_dict(), vision_config=vision,
-                                                       image_token_id=IMAGE, vision_start_token_id=FAKE,
-                                                       vision_end_token_id=GLOBAL)).eval()
+    hf = Qwen3_5ForConditionalGeneration(tiny_qwen3_5_vl_config(IMAGE, FAKE, GLOBAL)).eval()
     hf.save_pretrained(tmp_path)
     tok = word_tokenizer({"\n": 10, "user": 11, "assistant": 12},
                          {"<|image_pad|>": IMAGE, "<|vision_start|>": FAKE, "<|vision_end|>": GLOBAL,
@@ -321,16 +304,10 @@ LFM_PREP = dict(tile_size=32, encoder_patch_size=4, min_image_tokens=4, max_imag
 def lfm2_vl_folder(tmp_path, **image_kw):
     """Written as ProcessorMixin.save_pretrained writes Lfm2VlProcessor's processor_config.json
     (transformers' Lfm2VlImageProcessor needs torchvision, which turnkv does not depend on)."""
-    from transformers import Lfm2VlConfig, Lfm2VlForConditionalGeneration
+    from transformers import Lfm2VlForConditionalGeneration
 
     torch.manual_seed(0)
-    cfg = Lfm2VlConfig(
-        text_config=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention", "conv"],
-                         max_position_embeddings=4096),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                           patch_size=4, num_patches=16),
-        image_token_id=IMAGE, projector_hidden_size=48)
+    cfg = tiny_lfm2_vl_config(IMAGE)
     hf = Lfm2VlForConditionalGeneration(cfg).eval()
     hf.save_pretrained(tmp_path)
     tok = word_tokenizer({"\n": 10, "user": 11, "assistant": 12},
