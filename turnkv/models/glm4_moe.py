@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
-from .base import BaseArgs, Model, attention_spans, embedding, linear, rms_norm
+from .base import Model, attention_spans, embedding, linear, rms_norm
 from .batch import Batch
-from .decoder import GatedMLP, decoder_weights, qkv_weights, rope_for
+from .decoder import DecoderArgs, GatedMLP, decoder_weights, qkv_weights, rope_for
 from .qwen3_next import _expert_weights, apply_partial_rope
 from .rope_config import rope_params
 from .tensors import param, stored, take, weight
@@ -30,17 +30,8 @@ from .tensors import param, stored, take, weight
 DEFAULT_PARTIAL_ROTARY = 0.5
 
 
-@dataclass
-class ModelArgs(BaseArgs):
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    vocab_size: int
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
+@dataclass(kw_only=True)
+class ModelArgs(DecoderArgs):
     attention_bias: bool = False
     use_qk_norm: bool = False
     moe_intermediate_size: int = 1408
@@ -52,10 +43,6 @@ class ModelArgs(BaseArgs):
     topk_group: int = 1
     first_k_dense_replace: int = 1
     norm_topk_prob: bool = True
-
-    def __post_init__(self):
-        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
-        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
 
 
 class Attention(nn.Module):
