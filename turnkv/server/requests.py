@@ -17,6 +17,7 @@ from ..engine.sampling import ParamError, SamplingParams
 from . import chat_extras, schemas
 from .context import BODY_TIMEOUT_S, DEFAULT_MAX_MESSAGES, DEFAULT_MAX_N
 from .schemas import ChatCompletionRequest, CompletionRequest, RequestError, content_chars
+from .tenants import tenant_key
 
 PARSE_INLINE_BYTES = 64 * 1024    # bodies above this are parsed on a worker thread, not the event loop
 
@@ -211,3 +212,13 @@ def parse(model: type[BaseModel], body: dict):
         return model.model_validate(body)
     except ValidationError as err:
         raise schemas.validation_error(err) from None
+
+
+async def chat_generation(ctx, who, req: ChatCompletionRequest) -> GenerationRequest:
+    """A validated chat request as the engine's GenerationRequest for the tenant ``who``: the
+    sampling fields over the server's defaults, the template and tokenizer run off the event loop.
+    Every API whose body maps onto chat messages (chat completions, responses) comes through here."""
+    config = ctx.config
+    params = sampling_params(req, config.defaults, ctx.engine.max_context, config.max_n)
+    return await run_in_threadpool(build_chat_request, ctx.engine, req, params,
+                                   tenant_key(who.tenant, req.cache_salt), who.tenant, config.max_messages)

@@ -9,7 +9,7 @@ from .. import chat_extras
 from ..auth import authorize
 from ..context import ServerContext
 from ..generation import generate, wants_usage
-from ..requests import build_chat_request, build_completion_request, parse, read_json, sampling_params
+from ..requests import build_completion_request, chat_generation, parse, read_json, sampling_params
 from ..schemas import ChatCompletionRequest, CompletionRequest
 from ..streaming import CHAT, COMPLETIONS
 from ..tenants import tenant_key
@@ -22,9 +22,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
     async def chat_completions(request: Request):
         who = authorize(request, config.keys)
         req = parse(ChatCompletionRequest, await read_json(request, config.max_body_bytes, config.body_timeout_s))
-        params = sampling_params(req, config.defaults, engine.max_context, config.max_n)
-        gen = await run_in_threadpool(build_chat_request, engine, req, params,
-                                      tenant_key(who.tenant, req.cache_salt), who.tenant, config.max_messages)
+        gen = await chat_generation(ctx, who, req)
         return await generate(ctx, request, CHAT, gen, req.stream, wants_usage(req),
                               chat_extras.tool_format(engine, req))
 
