@@ -12,6 +12,8 @@ DEFAULT_MAX_SEQS, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_QUEUE = 8, 256, 64
 # server/context.py's defaults, for the same reason
 DEFAULT_MAX_MESSAGES, DEFAULT_MAX_CONNECTIONS = 2048, 1024
 DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_IMAGE_CACHE_MB = 4096 * 4096, 256.0     # = turnkv/images.py's
+# engine/speculative.py's MODES and DEFAULT_DRAFT_MAX, for the same reason
+SPECULATIVE_MODES, DEFAULT_DRAFT_MAX = ("off", "ngram"), 8
 # the names of turnkv.models.weights.FORMATS, listed here so `--help` does not import torch
 WEIGHT_FORMATS = ("native", "bf16", "int8", "int4x2", "int4", "auto", "gguf")
 
@@ -50,6 +52,12 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smol
                    help=f"vision models: refuse images with more pixels than this (default {DEFAULT_MAX_IMAGE_PIXELS})")
     g.add_argument("--image-cache-mb", type=float, default=DEFAULT_IMAGE_CACHE_MB,
                    help="vision models: byte budget of cached image embeddings in MiB (default 256; docs/images.md)")
+    d = p.add_argument_group("speculative decoding (docs/speculative.md)")
+    d.add_argument("--speculative", default="off", choices=list(SPECULATIVE_MODES),
+                   help="draft tokens and verify them in one forward, output unchanged: off, or ngram "
+                        "(prompt lookup in the sequence's own prompt and output; default off)")
+    d.add_argument("--draft-max", type=int, default=DEFAULT_DRAFT_MAX, metavar="K",
+                   help=f"longest draft per step (1..64, default {DEFAULT_DRAFT_MAX})")
     c = p.add_argument_group("prompt cache")
     c.add_argument("--prompt-cache", dest="prompt_cache", action="store_true", default=True,
                    help="reuse model state across requests (default on)")

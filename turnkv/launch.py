@@ -249,6 +249,7 @@ def engine_from(args, progress: bool = True):
                          device=args.device, prompt_cache=cache, slack=args.swa_slack,
                          kv_mode=args.kv_cache_mode, kv_boundary_layers=args.kv_boundary_layers,
                          prefill_chunk=args.prefill_chunk, max_context=args.max_context,
+                         speculative=args.speculative, draft_max=args.draft_max,
                          **{k: getattr(args, k) for k in ("max_seqs", "max_batch_tokens", "max_queue",
                                                           "max_image_pixels", "image_cache_mb") if hasattr(args, k)})
     if tiered:   # the lower tiers are named by the loaded model's fingerprint (prompt_cache/tiered.py)

@@ -57,6 +57,16 @@ class SeqState:
         restore_snapshot(self.caches, snap, length, i.family, i.fingerprint, i.modes)
         self.tokens = list(tokens[:length])
 
+    def truncate(self, length: int) -> None:
+        """Cut the live state back to its first ``length`` tokens (a rejected draft's tail:
+        docs/speculative.md); raises SnapshotMismatch, touching nothing, when a layer cannot."""
+        bad = next((c for c in self.caches if not c.can_truncate_to(length)), None)
+        if bad is not None:
+            bad.truncate(length)       # raises, naming the kind
+        for c in self.caches:
+            c.truncate(length)
+        del self.tokens[length:]
+
     @torch.inference_mode()
     def reset(self) -> None:
         for c in self.caches:

@@ -27,11 +27,13 @@ from ..cache.slots import StateIdentity, StatePool
 from ..cache.sliding import DEFAULT_SLACK
 from ..cache.specs import CacheSpec, default_modes
 from ..images import DEFAULT_IMAGE_CACHE_MB, DEFAULT_MAX_IMAGE_PIXELS, EncoderCache, image_ids_in, last_image_end
-from ..models.batch import LAST, Batch
+from ..models.batch import ALL, LAST, Batch
 from ..prompt_cache.plan import Reuse
 from ..prompt_cache.store import Namespace, PromptCache
 from .requests import ContextLengthError, Requests
 from .scheduler import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_QUEUE, DEFAULT_MAX_SEQS, QueueFull, Scheduler, Work
+from .speculative import DEFAULT_DRAFT_MAX, DRAFTERS, OFF, SpecCounters, Speculation, check_mode, chunk_invariant, \
+    NOT_CHUNK_INVARIANT, state_reason
 from .sequence import (DECODE, FINISHED, PREFILL, Failure, GenerationRequest, Result, Sequence, Stats,
                        TokenEvent, Usage)
 
@@ -62,7 +64,13 @@ class Engine:
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_context: int | None = None,
                  weights: str = "native", max_seqs: int = DEFAULT_MAX_SEQS,
                  max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, max_queue: int = DEFAULT_MAX_QUEUE,
-                 image_cache_mb: float = DEFAULT_IMAGE_CACHE_MB, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
+                 image_cache_mb: float = DEFAULT_IMAGE_CACHE_MB, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                 speculative: str = OFF, draft_max: int = DEFAULT_DRAFT_MAX):
+        check_mode(speculative, draft_max)
+        self.speculative, self.draft_max = speculative, draft_max   # defaults; a request may override
+        self.spec = SpecCounters()
+        self.drafters = dict(DRAFTERS)
+        self._spec_block: str | None = None     # why no draft can be verified here ("" once probed fine)
         self.model = model
         self.max_image_pixels = int(max_image_pixels)
         # vision families: image embeddings by content hash (docs/images.md); None for text-only models
@@ -255,6 +263,8 @@ class Engine:
             out = None
             if w.logits == LAST:
                 out, row = logits[row], row + 1
+            elif w.logits == ALL:
+                out, row = logits[row:row + len(w.tokens)], row + len(w.tokens)
             try:
                 self._advance(w, out)
             except Exception as err:  # noqa: BLE001
@@ -341,6 +351,7 @@ class Engine:
         """The state holds the prompt. n > 1: the other choices start from its snapshot and these
         logits (the prompt is prefilled once); they go to the front of the queue."""
         seq.status = DECODE
+        seq.spec = self._speculation(seq)
         seq.stats.prefilled_tokens = len(seq.prompt) - seq.usage.cached_tokens
         seq.stats.prefill_ms = (time.perf_counter() - seq.t_admit) * 1000
         seq.plan.prompt_done(computed)
@@ -360,10 +371,51 @@ class Engine:
             if seq.pos < len(seq.prompt):
                 return
             self._prompt_done(seq, logits, computed=True)
-        finished = seq.take(logits)
+        finished = self._verify(w, logits) if w.draft else seq.take(logits)
         seq.plan.after_token(seq.state, seq.first_logits)   # after the first token is out, so not in TTFT
         if finished:
             self._finish(seq)
+
+    def _verify(self, w: Work, rows: torch.Tensor) -> bool:
+        """A decode token and its draft ran as one chunk (``rows``: their logits). Take tokens
+        from the rows in order as plain decoding would, while each equals the draft token fed
+        after it; then cut the state back to what those tokens leave (docs/speculative.md)."""
+        seq, draft = w.seq, w.tokens[1:]
+        base = seq.state.length - len(w.tokens)
+        taken = matched = 0
+        finished = False
+        for i in range(len(w.tokens)):
+            finished = seq.take(rows[i])
+            taken += 1
+            if i == len(draft) or seq.generated[-1] != draft[i]:
+                break
+            matched += 1
+            if finished:
+                break
+        if base + taken < seq.state.length:
+            seq.state.truncate(base + taken)
+        seq.spec.record(len(draft), matched)
+        self.spec.drafted += len(draft)
+        self.spec.accepted += matched
+        self.spec.verify_steps += 1
+        return finished
+
+    def _speculation(self, seq: Sequence) -> Speculation | None:
+        """The sequence's drafts, or None (its stats say why) when it decodes plainly."""
+        mode = seq.params.speculative or self.speculative
+        if mode == OFF:
+            return None
+        if self._spec_block is None:
+            self._spec_block = state_reason(self.specs) or ("" if chunk_invariant(
+                self.model, self.specs, self.dtype, self.device, self.modes, self.slack, 16) else NOT_CHUNK_INVARIANT)
+            if self._spec_block:
+                log.warning("speculative decoding is off for this model: %s (docs/speculative.md)", self._spec_block)
+        if self._spec_block:
+            seq.stats.speculative = f"off ({self._spec_block})"
+            self.spec.off[self._spec_block] = self.spec.off.get(self._spec_block, 0) + 1
+            return None
+        seq.stats.speculative = mode
+        return Speculation(mode, seq.params.draft_max or self.draft_max, self.drafters[mode]())
 
     def _reap_cancelled(self) -> bool:
         """End sequences cancelled (client gone) or past their deadline; what they computed is stored."""

@@ -5,8 +5,14 @@ Order (vLLM's): logit_bias, then the repetition, frequency and presence penaltie
 greedy decoding too), then temperature, min_p, top_k, top_p. Everything works on the one row of
 logits a sequence gets per step, with vector ops only; the penalties keep per-sequence counts
 (a float count per vocabulary entry, a "seen" mask for the repetition penalty), allocated once at
-the first step and updated in place. Each sequence has its own ``torch.Generator``, so a seeded
-request draws the same tokens whatever else is batched with it.
+the first step and updated in place.
+
+Random draws are keyed by position: the draw for a sequence's ``j``-th generated token comes from a
+generator seeded with ``position_seed(base, j)`` (``base`` = the request's seed + the choice's
+index, or a random 64-bit number for an unseeded request). A seeded request therefore draws the
+same tokens whatever else is batched with it, and whether its tokens come one per step or several
+per step (speculative decoding verifies a draft by sampling each of its positions in turn:
+docs/speculative.md).
 
 Logprobs are those of the distribution the model gave: ``log_softmax`` of the raw logits, before
 bias, penalties, temperature and truncation (vLLM's default ``raw_logprobs``).
@@ -15,10 +21,13 @@ bias, penalties, temperature and truncation (vLLM's default ``raw_logprobs``).
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from .speculative import check_mode
 
 # below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing by a denormal
 # temperature would overflow the logits to inf and the softmax to NaN
@@ -26,6 +35,20 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20            # top alternatives per token (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 100.0
 SEED_MOD = 2 ** 64           # torch.Generator seeds are 64-bit (negative seeds wrap the same way)
+_MASK64 = SEED_MOD - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_seed(base: int, position: int) -> int:
+    """The generator seed of the draw for generated token ``position`` of a sequence whose base
+    seed is ``base``: a 64-bit mix of both, so neighbouring positions and seeds share no stream."""
+    return _splitmix64(base ^ _splitmix64(position))
 
 
 class ParamError(ValueError):
@@ -53,6 +76,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None        # None: off; k: the sampled token's logprob and the top k
     n: int = 1                         # choices sharing one prefill of the prompt
+    speculative: str | None = None     # "off" | "ngram"; None: the engine's --speculative
+    draft_max: int | None = None       # longest draft; None: the engine's --draft-max
 
     @property
     def greedy(self) -> bool:
@@ -85,6 +110,12 @@ class SamplingParams:
                              "logprobs")
         if not isinstance(self.n, int) or self.n < 1:
             raise ParamError(f"n must be a positive integer, got {self.n!r}", "n")
+        for name in ("speculative", "draft_max"):
+            try:
+                check_mode(self.speculative if name == "speculative" else None,
+                           self.draft_max if name == "draft_max" else None)
+            except ValueError as err:
+                raise ParamError(str(err), name) from None
         for token, bias in self.logit_bias.items():
             finite("logit_bias", bias)
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
@@ -100,29 +131,25 @@ class SamplingParams:
 class Sampler:
     """One sequence's sampler. ``prompt`` feeds the repetition penalty; ``index`` is the choice's
     index among a request's n (choice i of a seeded request uses seed + i, so choice 0 equals the
-    same request with n = 1)."""
+    same request with n = 1). Each call samples the next generated token: ``position`` counts
+    them and keys the random draw (``position_seed``)."""
 
     def __init__(self, params: SamplingParams, prompt: list[int] | tuple[int, ...] = (), index: int = 0):
         self.params = params
         self.prompt = prompt
-        self.generator = None
+        self.generator = self.base = None
         if not params.greedy:
-            self.generator = self._generator("cpu", index)
+            self.base = ((int(params.seed) + index) % SEED_MOD if params.seed is not None
+                         else secrets.randbits(64))
+            self.generator = torch.Generator(device="cpu")
         self.index = index
+        self.position = 0
         self.bias_ids = self.bias_values = None
         if params.logit_bias:
             self.bias_ids = torch.tensor([int(t) for t in params.logit_bias], dtype=torch.long)
             self.bias_values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
         self.counts: torch.Tensor | None = None     # generated-token counts (frequency/presence)
         self.seen: torch.Tensor | None = None       # prompt + generated tokens (repetition)
-
-    def _generator(self, device, index: int) -> torch.Generator:
-        gen = torch.Generator(device=device)
-        if self.params.seed is not None:
-            gen.manual_seed((int(self.params.seed) + index) % SEED_MOD)
-        else:
-            gen.seed()
-        return gen
 
     @property
     def penalized(self) -> bool:
@@ -194,9 +221,11 @@ class Sampler:
         else:
             probs = torch.softmax(self.warp(scores), dim=-1)
             if self.generator.device != probs.device:     # first step on an accelerator
-                self.generator = self._generator(probs.device, self.index)
+                self.generator = torch.Generator(device=probs.device)
+            self.generator.manual_seed(position_seed(self.base, self.position))
             token = int(torch.multinomial(probs, 1, generator=self.generator))
         self.observe(token)
+        self.position += 1
         return token
 
 

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..images import image_run_cut
-from ..models.batch import LAST, NONE
+from ..models.batch import ALL, LAST, NONE
 from .sequence import DECODE, PREFILL, Sequence
 
 DEFAULT_MAX_SEQS = 8
@@ -29,8 +29,9 @@ class QueueFull(Exception):
 class Work:
     seq: Sequence
     tokens: list[int]
-    logits: str           # LAST when this chunk ends the prompt or is a decode token
+    logits: str           # LAST when this chunk ends the prompt or is a decode token; ALL with a draft
     prefill: bool
+    draft: int = 0        # decode: draft tokens after the next token (docs/speculative.md)
 
 
 class Scheduler:
@@ -69,10 +70,15 @@ class Scheduler:
     def plan(self) -> list[Work]:
         work: list[Work] = []
         budget = self.max_batch_tokens
-        for seq in self.running:
-            if seq.status == DECODE and seq.next_token is not None:
-                work.append(Work(seq, [seq.next_token], LAST, prefill=False))
-                budget -= 1
+        decoding = [s for s in self.running if s.status == DECODE and s.next_token is not None]
+        # drafts take what the decode tokens leave, less room for a prefill chunk
+        prefilling = any(s.status == PREFILL and s.plan.follow is None for s in self.running)
+        spare = budget - len(decoding) - (min(self.prefill_chunk, budget // 2) if prefilling else 0)
+        for seq in decoding:
+            draft = seq.draft(spare) if seq.spec is not None else []
+            spare -= len(draft)
+            work.append(Work(seq, [seq.next_token, *draft], ALL if draft else LAST, prefill=False, draft=len(draft)))
+            budget -= 1 + len(draft)
         for seq in self.running:
             if budget <= 0:
                 break

@@ -20,6 +20,7 @@ from ..cache.slots import SeqState
 from ..images import model_ids
 from ..prompt_cache.plan import Restored, SeqPlan
 from ..prompt_cache.store import Namespace
+from .speculative import Speculation
 from .sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
 from .text import StopMatcher
 
@@ -70,6 +71,9 @@ class Stats:
     reuse_from: str = "none"     # "none" | "prefix" | "truncated" | "exact"
     restored_origin: str = ""    # which stored entry: "checkpoint" | "prompt" | "generation"
     restored_entry_length: int = 0
+    speculative: str = "off"     # the mode that ran, or "off (reason)" (docs/speculative.md)
+    drafted: int = 0             # draft tokens verified
+    accepted: int = 0            # of them, those plain decoding produced too
 
     def line(self, usage: Usage) -> str:
         return (f"[prompt {usage.prompt_tokens} tok, cached {usage.cached_tokens}, prefilled {self.prefilled_tokens} | "
@@ -127,6 +131,7 @@ class Sequence:
         self.state: SeqState | None = None
         self.plan: SeqPlan | None = None      # its reuse (prompt_cache/plan.py), from admission on
         self.next_token: int | None = None    # sampled, not yet fed
+        self.spec: Speculation | None = None   # drafts after next_token (engine.py _speculation)
         self.generated: list[int] = []
         self.last_logits: torch.Tensor | None = None   # logits of the state's last token
         self.first_logits: torch.Tensor | None = None
@@ -170,6 +175,13 @@ class Sequence:
 
     def emit(self, event) -> None:
         self.sink(event)
+
+    def draft(self, room: int) -> list[int]:
+        """Tokens guessed to follow ``next_token`` (at most ``room``, never past the budget)."""
+        room = min(room, self.budget - len(self.generated) - 1)
+        if self.spec is None or room <= 0:
+            return []
+        return self.spec.propose(self.prompt + self.generated, room)
 
     # --- sampling ------------------------------------------------------------------------------
     def take(self, logits: torch.Tensor) -> bool:
@@ -216,6 +228,8 @@ class Sequence:
                 self.emit(TokenEvent(self.generated[-1], tail, self.index))
         s = self.stats
         s.checkpoints = self.plan.checkpoints if self.plan is not None else 0
+        if self.spec is not None:
+            s.drafted, s.accepted = self.spec.drafted, self.spec.accepted
         self.usage.completion_tokens = len(self.generated)
         s.total_ms = (t_end - self.t_submit) * 1000
         s.decode_ms = (t_end - (self.t_first or t_end)) * 1000

@@ -41,6 +41,10 @@ class ServerMetrics:
                              "Time from request arrival to the last token", buckets=E2E_BUCKETS, registry=r)
         self.queue = Gauge("turnkv_requests_pending", "Requests waiting for or running on the engine",
                            registry=r)
+        self.drafted = Counter("turnkv_spec_draft_tokens", "Draft tokens verified (speculative decoding)",
+                               ["kind"], registry=r)
+        self.accepted = Counter("turnkv_spec_accepted_tokens", "Draft tokens accepted (what plain decoding "
+                                "produced too)", ["kind"], registry=r)
         self.cache_bytes = Gauge("turnkv_prompt_cache_bytes", "Bytes held by the prompt cache", registry=r)
         self.cache_entries = Gauge("turnkv_prompt_cache_entries", "Snapshots held by the prompt cache",
                                    registry=r)
@@ -77,6 +81,9 @@ class ServerMetrics:
         if self.cache_enabled:
             self.cache_queries.inc(usage.prompt_tokens)
             self.cache_hits.inc(usage.cached_tokens)
+        if stats.drafted:
+            self.drafted.labels(kind=stats.speculative).inc(stats.drafted)
+            self.accepted.labels(kind=stats.speculative).inc(stats.accepted)
         self.ttft.observe(done.queue_s + stats.ttft_ms / 1000)
         self.e2e.observe(done.total_s)
 

@@ -143,6 +143,8 @@ class _Sampling(_Strict):
     min_p: float | None = Field(None, ge=0.0, le=1.0)          # vLLM's extension; 0 = off
     logit_bias: dict[str, float] | None = None                  # token id (a string) -> bias in [-100, 100]
     stop_token_ids: list[StrictInt] | None = None              # vLLM's extension
+    speculative: Literal["off", "ngram"] | None = None          # turnkv's: docs/speculative.md
+    draft_max: StrictInt | None = Field(None, ge=1, le=64)
 
     @model_validator(mode="before")
     @classmethod
@@ -195,6 +197,10 @@ class _Sampling(_Strict):
             out["min_p"] = self.min_p
         if self.stop_token_ids is not None:
             out["stop_token_ids"] = list(self.stop_token_ids)
+        if self.speculative is not None:
+            out["speculative"] = self.speculative
+        if self.draft_max is not None:
+            out["draft_max"] = self.draft_max
         return out
 
 
@@ -368,6 +374,10 @@ def timings_json(stats, queue_ms: float) -> dict:
         "prefilled_tokens": stats.prefilled_tokens,
         "checkpoints": stats.checkpoints,
         "reuse_from": stats.reuse_from,
+        # speculative decoding (docs/speculative.md): the mode or "off (reason)", draft tokens verified, kept
+        "speculative": stats.speculative,
+        "drafted_tokens": stats.drafted,
+        "accepted_tokens": stats.accepted,
     }
 
 

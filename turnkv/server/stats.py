@@ -42,6 +42,8 @@ def cache_stats_json(engine, stats: dict, enabled: bool, global_view: bool = Tru
             "max_seqs": engine.scheduler.max_seqs,
             "memory": memory_stats(engine, stats.get("bytes", 0)),
             "engine_restarts": worker.restarts if worker is not None else 0,
+            # drafted / accepted tokens, verify steps, requests whose speculation was off and why
+            "speculative": {"default": engine.speculative, "draft_max": engine.draft_max, **engine.spec.as_dict()},
         }
     return {
         **stats,

@@ -1,0 +1,194 @@
+"""Speculative decoding changes nothing but the number of forward passes (docs/speculative.md):
+token ids with drafts equal those without, greedy and seeded sampling, alone and batched, with
+reuse; the engine's verification is what is under test, so the drafts come from drafters the
+tests inject (an oracle that knows the plain run and corrupts it, random and always-wrong ones)
+besides the real ngram drafter."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from test_engine_batching import run_all
+from turnkv.engine.engine import Engine
+from turnkv.engine.sampling import SamplingParams
+from turnkv.engine.sequence import GenerationRequest
+from turnkv.engine.speculative import NGRAM, NgramDrafter
+from turnkv.loading.model import load_model
+from turnkv.prompt_cache.store import PromptCache
+
+FIXTURES = Path(__file__).parent / "gguf_fixtures"
+# chunk-invariant under the gguf kernels: full attention (Llama) and sliding windows of 16 (Exaone 4)
+FAMILIES = {"full": FIXTURES / "llama" / "llama-q8_0.gguf", "sliding": FIXTURES / "exaone4" / "exaone4-q8_0.gguf"}
+VOCAB = 320
+GREEDY = dict(temperature=0.0)
+SAMPLED = dict(temperature=1.0, top_p=0.9, seed=11, presence_penalty=0.3, repetition_penalty=1.1, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return {k: load_model(str(p), torch.float32, "gguf", False) for k, p in FAMILIES.items()}
+
+
+def make_engine(model, speculative="off", drafter=None, budget=1 << 30, **kw) -> Engine:
+    eng = Engine(model.net, None, fingerprint=f"spec-{model.net.family}", weights=model.weights,
+                 prompt_cache=PromptCache(budget), slack=4, prefill_chunk=16, max_context=4096,
+                 speculative=speculative, draft_max=6, **kw)
+    if drafter is not None:
+        eng.drafters[NGRAM] = drafter
+    return eng
+
+
+def req(prompt, max_tokens=40, **params) -> GenerationRequest:
+    return GenerationRequest(list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params))
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+class Oracle:
+    """Drafts the plain run's continuation (``runs``: prompt + reply of each request), with each
+    token replaced by a wrong one with probability ``wrong``; after a history no run starts
+    with, nothing."""
+
+    def __init__(self, runs: list[list[int]], wrong: float, seed: int = 0):
+        self.runs, self.wrong, self.rng = runs, wrong, random.Random(seed)
+
+    def __call__(self):
+        return self
+
+    def draft(self, history: list[int], k: int) -> list[int]:
+        for run in self.runs:
+            if run[:len(history)] == history:
+                out = run[len(history):len(history) + k]
+                return [(t + 1) % VOCAB if self.rng.random() < self.wrong else t for t in out]
+        return []
+
+
+def plain_runs(model, reqs) -> list:
+    return [make_engine(model, budget=0).generate(r) for r in reqs]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_drafts_change_no_token_alone_and_batched(loaded, family, params):
+    model = loaded[family].net
+    reqs = [req(tokens(1, 30), **params), req(tokens(2, 9), 25, **params), req(tokens(3, 50), 1, **params)]
+    want = plain_runs(loaded[family], reqs)
+    oracle = Oracle([r.prompt_ids + w.token_ids for r, w in zip(reqs, want)], wrong=0.25)
+    eng = make_engine(loaded[family], "ngram", oracle)
+    alone = eng.generate(reqs[0])
+    assert alone.token_ids == want[0].token_ids
+    assert alone.logprobs == want[0].logprobs if params is SAMPLED else alone.logprobs is None
+    assert alone.stats.speculative == NGRAM and 0 < alone.stats.accepted < alone.stats.drafted
+    assert eng.steps < len(want[0].token_ids) + 2          # drafts saved forward passes
+    # batched: sequences with and without drafts (the third one ends at its first token) in one step
+    eng = make_engine(loaded[family], "ngram", oracle, max_seqs=3, max_batch_tokens=24)
+    sinks, _ = run_all(eng, reqs)
+    for sink, w in zip(sinks, want):
+        assert sink.result.token_ids == w.token_ids == sink.tokens
+    assert model.family and eng.spec.accepted > 0
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_reuse_and_the_stored_state_hold_accepted_tokens_only(loaded, family):
+    """A second turn restores the first turn's end-of-generation snapshot, taken after drafts
+    were rejected (past the sliding window too), and equals the plain cold run."""
+    first = req(tokens(4, 20), 30)
+    want1 = plain_runs(loaded[family], [first])[0]
+    turn2 = req(first.prompt_ids + want1.token_ids[:-1] + tokens(5, 6), 20)
+    want2 = plain_runs(loaded[family], [turn2])[0]
+    oracle = Oracle([first.prompt_ids + want1.token_ids, turn2.prompt_ids + want2.token_ids], wrong=0.3, seed=3)
+    eng = make_engine(loaded[family], "ngram", oracle)
+    got1 = eng.generate(first)
+    got2 = eng.generate(turn2)
+    assert got1.token_ids == want1.token_ids and got2.token_ids == want2.token_ids
+    assert got2.usage.cached_tokens == len(first.prompt_ids) + len(want1.token_ids) - 1
+    assert got1.stats.accepted < got1.stats.drafted and got2.stats.accepted > 0
+
+
+def test_ngram_drafts_a_repeated_text_and_changes_nothing(loaded):
+    text = tokens(6, 24)
+    r = req(text + text + text[:8], 48)
+    want = plain_runs(loaded["full"], [r])[0]
+    eng = make_engine(loaded["full"], "ngram")
+    got = eng.generate(r)
+    assert got.token_ids == want.token_ids
+    assert got.stats.drafted > 0 and eng.spec.as_dict()["drafted"] == got.stats.drafted
+
+
+def test_n_choices_and_request_fields(loaded):
+    """n > 1 choices each draft on their own; a request turns speculation on over an engine
+    default of off, and off over an engine default of ngram."""
+    r = req(tokens(7, 25), 20, temperature=1.0, seed=3, n=3)
+    want = make_engine(loaded["full"], budget=0).generate_choices(r)
+    runs = [r.prompt_ids + w.token_ids for w in want]
+    on = req(r.prompt_ids, 20, temperature=1.0, seed=3, n=3, speculative=NGRAM, draft_max=3)
+    got = make_engine(loaded["full"], "off", Oracle(runs, 0.2)).generate_choices(on)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert all(g.stats.speculative == NGRAM and g.stats.drafted for g in got)
+    off = req(r.prompt_ids, 5, speculative="off")
+    assert make_engine(loaded["full"], NGRAM).generate(off).stats.speculative == "off"
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_and_always_wrong_drafts(loaded, data):
+    family = data.draw(st.sampled_from(list(FAMILIES)))
+    params = data.draw(st.sampled_from([GREEDY, SAMPLED]))
+    prompt = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40))
+    r = req(prompt, data.draw(st.integers(1, 24)), **params)
+    want = plain_runs(loaded[family], [r])[0].token_ids
+    wrong = data.draw(st.booleans())
+    rng = random.Random(data.draw(st.integers(0, 2 ** 16)))
+    run = r.prompt_ids + want
+
+    class Drafter:
+        def draft(self, history, k):
+            if wrong:       # never what plain decoding picks next (and all else random)
+                return [(run[len(history)] + 1) % VOCAB] + [rng.randrange(VOCAB) for _ in range(k - 1)]
+            return [rng.randrange(VOCAB) for _ in range(rng.randrange(k + 1))]
+
+    eng = make_engine(loaded[family], "ngram", Drafter)
+    got = eng.generate(r)
+    assert got.token_ids == want
+    if wrong:
+        assert got.stats.accepted == 0 and (got.stats.drafted > 0) == (len(want) > 1)
+
+
+def test_ngram_drafter_takes_the_longest_latest_match():
+    d = NgramDrafter()
+    h = [4, 2, 3, 9, 5, 5, 2, 3, 7, 1, 4, 2, 3]
+    assert d.draft(h, 3) == [9, 5, 5]              # "4 2 3" beats the later but shorter "2 3"
+    assert d.draft(h + [6], 3) == []               # "3 6" never seen (the index grows with the history)
+    assert d.draft(h + [6, 9, 5], 2) == [5, 2]     # "9 5" once, then "6 9 5" unknown
+    assert NgramDrafter().draft(h[:9] + [8, 2, 3], 3) == [7, 8, 2]   # "2 3" at its latest occurrence
+    assert NgramDrafter().draft([5, 6, 5, 6], 4) == [5, 6]   # up to the end of the history
+
+
+@pytest.mark.parametrize("family", ["hybrid", "recurrent", "native"])
+def test_speculation_is_off_where_it_cannot_be_exact(tiny_pair, family):
+    """A hybrid (LFM2: conv + attention) and a recurrent family (Mamba 2) hold state that cannot
+    be cut back; the tiny Llama under native float32 GEMMs is not chunk-invariant (the probe sees
+    it): each decodes plainly, says why in its stats, and gives the plain tokens."""
+    import test_family_lfm2
+    import test_family_mamba2
+    from tiny import engine as tiny_engine
+    from tiny import tiny_llama
+
+    model = {"hybrid": lambda: tiny_pair(test_family_lfm2.tiny)[0], "recurrent": lambda: tiny_pair(test_family_mamba2.tiny)[0],
+             "native": lambda: tiny_llama()[0]}[family]()
+    why = "not_chunk_invariant" if family == "native" else "recurrent_state"
+    r = req([t % 256 for t in tokens(8, 20)], 12, **SAMPLED)
+    want = tiny_engine(model, budget=0).generate(r)
+    eng = tiny_engine(model, speculative=NGRAM)
+    got = eng.generate(r)
+    assert got.token_ids == want.token_ids and got.stats.speculative == f"off ({why})"
+    assert eng.spec.off == {why: 1} and eng.spec.drafted == 0

@@ -1,0 +1,142 @@
+"""Speculative decoding whose output is plain decoding's (docs/speculative.md): the drafter, a
+sequence's draft state and counts, and the probe that decides whether the loaded model's forward
+is chunk-invariant, which exactness rests on. The verification itself is the engine's step
+(engine.py ``_advance``): the sequence's own ``take`` on each logits row of the draft's chunk."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache.specs import RECURRENT, CacheSpec, make_caches
+from ..images import is_key
+from ..models.batch import ALL, LAST, Batch
+
+OFF, NGRAM = "off", "ngram"
+MODES = (OFF, NGRAM)
+DEFAULT_DRAFT_MAX = 8
+MAX_DRAFT = 64
+NGRAM_MAX, NGRAM_MIN = 4, 2      # suffix lengths prompt lookup tries, longest first
+
+RECURRENT_STATE = "recurrent_state"          # a layer whose state cannot be cut back
+NOT_CHUNK_INVARIANT = "not_chunk_invariant"  # the probe saw a token's logits change with the chunk
+
+
+def check_mode(mode: str | None, draft_max: int | None) -> None:
+    """ValueError naming the field for a speculative mode or draft length no request can use."""
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"speculative must be one of {', '.join(MODES)}, got {mode!r}")
+    if draft_max is not None and (isinstance(draft_max, bool) or not isinstance(draft_max, int)
+                                  or not 1 <= draft_max <= MAX_DRAFT):
+        raise ValueError(f"draft_max must be an integer in 1..{MAX_DRAFT}, got {draft_max!r}")
+
+
+class NgramDrafter:
+    """Prompt lookup over one sequence's tokens: ``index[n]`` maps every n-gram to the position
+    right after its latest occurrence, for occurrences ending before the newest token (the
+    newest suffix must match something earlier, not itself)."""
+
+    def __init__(self):
+        self.index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(NGRAM_MIN, NGRAM_MAX + 1)}
+        self.upto = 0          # n-grams ending before this position are indexed
+
+    def draft(self, history: list[int], k: int) -> list[int]:
+        end = len(history)
+        for e in range(max(self.upto, NGRAM_MIN), end):
+            for n, table in self.index.items():
+                if e >= n:
+                    table[tuple(history[e - n:e])] = e
+        self.upto = max(self.upto, end)
+        for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
+            if end < n:
+                continue
+            at = self.index[n].get(tuple(history[end - n:]))
+            if at is not None:
+                out = history[at:at + k]
+                cut = next((i for i, t in enumerate(out) if is_key(t)), len(out))
+                return out[:cut]
+        return []
+
+
+# mode -> a new drafter for one sequence: an object whose ``draft(history, k)`` returns at most
+# ``k`` tokens guessed to follow ``history``. An engine copies this table (``Engine.drafters``).
+DRAFTERS = {NGRAM: NgramDrafter}
+
+
+@dataclass
+class Speculation:
+    """One sequence's speculation: the drafter, the adaptive draft length and its counts."""
+
+    mode: str
+    draft_max: int
+    drafter: object
+    length: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    def __post_init__(self):
+        self.length = self.draft_max
+
+    def propose(self, history: list[int], room: int) -> list[int]:
+        """A draft of at most ``min(length, room)`` tokens to follow ``history``."""
+        k = min(self.length, room)
+        return self.drafter.draft(history, k) if k > 0 else []
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """Counts, and the next draft's length: doubled after a draft taken whole, halved after
+        one rejected from its first token (prose that never repeats costs little)."""
+        self.drafted += drafted
+        self.accepted += accepted
+        if accepted == drafted:
+            self.length = min(self.draft_max, self.length * 2)
+        elif accepted == 0:
+            self.length = max(1, self.length // 2)
+
+
+@dataclass
+class SpecCounters:
+    """The engine's totals (``/v1/cache/stats``, ``/metrics``)."""
+
+    drafted: int = 0
+    accepted: int = 0
+    verify_steps: int = 0
+    off: dict[str, int] = field(default_factory=dict)     # requests that asked, by why it was off
+
+    def as_dict(self) -> dict:
+        rate = self.accepted / self.drafted if self.drafted else 0.0
+        return {"drafted": self.drafted, "accepted": self.accepted, "acceptance_rate": round(rate, 4),
+                "verify_steps": self.verify_steps, "off": dict(self.off)}
+
+
+def state_reason(specs: list[CacheSpec]) -> str | None:
+    """Why a model's state cannot take a draft (None: every layer can be cut back live)."""
+    return RECURRENT_STATE if any(s.kind == RECURRENT for s in specs) else None
+
+
+@torch.inference_mode()
+def chunk_invariant(model, specs: list[CacheSpec], dtype, device, modes, slack: int, k: int) -> bool:
+    """Whether ``k + 1`` tokens fed one at a time give the same logits, bit for bit, as the same
+    tokens fed as one chunk alone, as two chunks, and as a chunk beside another sequence's
+    prefill chunk, after a short prefill; on scratch caches with the engine's KV modes."""
+    rng = random.Random(1234)
+    vocab = int(model.vocab_size)
+    prefix = torch.tensor([rng.randrange(vocab) for _ in range(13)])
+    tail = torch.tensor([rng.randrange(vocab) for _ in range(k + 1)])
+
+    def fresh():
+        caches = make_caches(specs, dtype, device, list(modes), slack)
+        model.forward(Batch.build([(prefix, caches, LAST)], device))
+        return caches
+
+    caches = fresh()
+    want = torch.cat([model.forward(Batch.build([(tail[i:i + 1], caches, LAST)], device)) for i in range(len(tail))])
+    whole = model.forward(Batch.build([(tail, fresh(), ALL)], device))
+    caches = fresh()
+    cut = max(1, len(tail) // 2)
+    split = torch.cat([model.forward(Batch.build([(tail[:cut], caches, ALL)], device)),
+                       model.forward(Batch.build([(tail[cut:], caches, ALL)], device))]) if cut < len(tail) else whole
+    other = make_caches(specs, dtype, device, list(modes), slack)
+    beside = model.forward(Batch.build([(prefix[:5], other, LAST), (tail, fresh(), ALL)], device))[1:]
+    return all(torch.equal(want, got) for got in (whole, split, beside))
