@@ -29,6 +29,10 @@ FIXTURES = Path(__file__).resolve().parent / "gguf_fixtures"
 FAMILIES = sorted(p.name for p in FIXTURES.iterdir() if (p / "hf").is_dir() and (p / f"{p.name}-f32.gguf").is_file())
 F32_TOL = 1e-5
 Q8_TOL = 0.1  # relative to max |logit|: int8 weights and int8 activations
+# HF's top-2 logits closer than this (relative to max |logit|) are a near-tie that the Q8_0 weights
+# may flip: gpt_oss's checked position has a gap of 0.4%, and the float model of the file's exact
+# Q8_0 weights already picks the runner-up there
+NEAR_TIE = 0.01
 TEXT = "the quick brown fox restores what it computed before"
 
 
@@ -87,7 +91,11 @@ def test_q8_gguf_on_its_own_blocks(family):
     tokens = prompt(64, 5, hf_ckpt.config.get("vocab_size") or hf_ckpt.config["text_config"]["vocab_size"])
     want, got = logits(hf_model, tokens)[-1], logits(model, tokens)[-1]
     assert (got - want).abs().max().item() <= Q8_TOL * want.abs().max().item()
-    assert int(got.argmax()) == int(want.argmax())
+    top = want.topk(2)
+    if top.values[0] - top.values[1] > NEAR_TIE * want.abs().max():
+        assert int(got.argmax()) == int(want.argmax())
+    else:   # a near-tie the Q8_0 weights decide: got's top token is one of the two
+        assert int(got.argmax()) in top.indices.tolist()
 
 
 def test_gguf_tokenizer_matches_folder(family, tmp_path, monkeypatch):

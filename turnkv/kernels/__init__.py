@@ -26,7 +26,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from . import reference
 
-__all__ = ["GGUFWeight", "describe_types", "kernel_info", "native_available", "ISAS", "SUPPORTED", "tile_rows", "untile_rows"]
+__all__ = ["GGUFWeight", "GGUFStack", "describe_types", "kernel_info", "native_available", "ISAS", "SUPPORTED", "tile_rows", "untile_rows"]
 
 SUPPORTED = reference.SUPPORTED
 ISAS = ("scalar", "avx2", "avx512", "avx512vnni")
@@ -104,18 +104,19 @@ def kernel_info() -> str:
 def describe_types(tensors, kept: dict | None = None) -> str:
     """Which kernel runs each type of a GGUF's tensors, for the start-up banner and `turnkv
     models`: ``tensors`` are (GGMLQuantizationType, shape) pairs, ``kept`` the loaded model's
-    count of GGUFWeights per type (None: every 2-D tensor of a type these kernels take). A type's
-    other tensors (a quantization without a kernel, 3-D expert stacks, a tensor the loader had to
-    transform) are named as float32 copies. 1-D tensors (norms) are left out."""
+    count of file tensors per type it kept in blocks (None: every 2-D tensor and 3-D expert stack
+    of a type these kernels take). A type's other tensors (a quantization without a kernel, a
+    tensor the loader had to transform) are named as float32 copies. 1-D tensors (norms) are left
+    out."""
     total: dict = {}
-    two_d: dict = {}
+    blocks: dict = {}
     for qtype, shape in tensors:
         if len(shape) >= 2:
             q = GGMLQuantizationType(qtype)
             total[q] = total.get(q, 0) + 1
-            two_d[q] = two_d.get(q, 0) + (len(shape) == 2)
+            blocks[q] = blocks.get(q, 0) + (len(shape) in (2, 3))
     if kept is None:
-        kept = {q: n for q, n in two_d.items() if q in SUPPORTED}
+        kept = {q: n for q, n in blocks.items() if q in SUPPORTED}
     fmt = lambda c: ", ".join(f"{q.name} x {n}" for q, n in sorted(c.items(), key=lambda e: e[0].value))  # noqa: E731
     native = {q: kept[q] for q in total if kept.get(q)}
     floats = {q: n - kept.get(q, 0) for q, n in total.items() if q != _Q.F32 and n > kept.get(q, 0)}
@@ -189,6 +190,24 @@ def untile_rows(tiles: torch.Tensor, qtype, n: int) -> torch.Tensor:
     return rows[:n].contiguous()
 
 
+def _own_bytes(raw, qtype: GGMLQuantizationType, rows: int, k: int) -> torch.Tensor:
+    """``raw`` (numpy or torch uint8) as a torch uint8 tensor [rows, row_bytes] that owns its
+    bytes, after checking that rows of ``k`` values are whole blocks of ``qtype``."""
+    if qtype not in SUPPORTED:
+        raise NotImplementedError(f"GGUFWeight: {qtype.name} not supported")
+    block, size = GGML_QUANT_SIZES[qtype]
+    if k % block:
+        raise ValueError(f"GGUFWeight: K={k} not a multiple of {qtype.name}'s block {block}")
+    if isinstance(raw, np.ndarray):
+        arr = np.ascontiguousarray(raw, dtype=np.uint8)
+        if not arr.flags.writeable:  # e.g. a view of a file's mmap: own the bytes
+            arr = arr.copy()
+        raw = torch.from_numpy(arr)
+    if raw.dtype != torch.uint8:
+        raise TypeError(f"GGUFWeight: raw must be uint8, got {raw.dtype}")
+    return raw.reshape(rows, k // block * size)
+
+
 @functools.lru_cache(maxsize=None)
 def _row_gather(qtype, row_bytes: int) -> torch.Tensor:
     """[8, row_bytes] int64: where byte j of row i of a tile lies in that tile's bytes (the
@@ -208,34 +227,24 @@ def _isa_index(isa: str | None) -> int:
 
 class GGUFWeight:
     """A [N, K] weight kept as its GGUF blocks: ``raw`` is uint8, with the native build its tiles
-    of 8 rows (``tiled``; [ceil(N/8)*8, row_bytes]), else GGUF's rows [N, row_bytes]."""
+    of 8 rows (``tiled``; [ceil(N/8)*8, row_bytes]), else GGUF's rows [N, row_bytes]. ``base``:
+    the ``GGUFStack`` whose bytes ``raw`` views (one expert of a stack), else None."""
 
-    __slots__ = ("raw", "qtype", "shape", "tiled")
+    __slots__ = ("raw", "qtype", "shape", "tiled", "base")
 
-    def __init__(self, raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, int], tiled: bool = False):
+    def __init__(self, raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, int], tiled: bool = False,
+                 base: "GGUFStack | None" = None):
         self.raw = raw
         self.qtype = qtype
         self.shape = shape
         self.tiled = tiled
+        self.base = base
 
     @classmethod
     def from_raw(cls, raw, qtype, shape) -> "GGUFWeight":
         qtype = GGMLQuantizationType(qtype)
-        if qtype not in SUPPORTED:
-            raise NotImplementedError(f"GGUFWeight: {qtype.name} not supported")
         n, k = int(shape[0]), int(shape[1])
-        block, size = GGML_QUANT_SIZES[qtype]
-        if k % block:
-            raise ValueError(f"GGUFWeight: K={k} not a multiple of {qtype.name}'s block {block}")
-        row_bytes = k // block * size
-        if isinstance(raw, np.ndarray):
-            arr = np.ascontiguousarray(raw, dtype=np.uint8)
-            if not arr.flags.writeable:  # e.g. a view of a file's mmap: own the bytes
-                arr = arr.copy()
-            raw = torch.from_numpy(arr)
-        if raw.dtype != torch.uint8:
-            raise TypeError(f"GGUFWeight: raw must be uint8, got {raw.dtype}")
-        raw = raw.reshape(n, row_bytes).contiguous()
+        raw = _own_bytes(raw, qtype, n, k).contiguous()
         if _ext is not None and raw.is_cpu:   # the layout the native kernels read
             return cls(tile_rows(raw, qtype), qtype, (n, k), tiled=True)
         return cls(raw, qtype, (n, k))
@@ -318,3 +327,72 @@ class GGUFWeight:
                 raise ValueError(f"GGUFWeight.cat: mixed parts ({q.name}, K={k}) vs ({p.qtype.name}, K={p.shape[1]})")
         raw = torch.cat([p.rows() for p in parts], 0)
         return GGUFWeight.from_raw(raw, q, (raw.shape[0], k))
+
+
+class GGUFStack:
+    """[E, N, K] stacked weights (a MoE layer's experts) kept as their GGUF blocks in one buffer:
+    ``stack[e]`` is expert e's [N, K] ``GGUFWeight``, a view of that buffer (no copy), which the
+    kernels run like any 2-D weight. With the native build each expert's rows are tiles of 8 (an
+    expert whose N is not a multiple of 8 is padded on its own), else GGUF's rows. ``sources``:
+    how many of the file's tensors it holds (2 after gate and up are stacked row-wise)."""
+
+    __slots__ = ("raw", "qtype", "shape", "tiled", "sources", "_views")
+
+    def __init__(self, raw: torch.Tensor, qtype, shape: tuple[int, int, int], tiled: bool, sources: int = 1):
+        self.raw, self.qtype, self.shape, self.tiled, self.sources = raw, qtype, shape, tiled, sources
+        self._views: dict[int, GGUFWeight] = {}
+
+    @classmethod
+    def from_raw(cls, raw, qtype, shape, sources: int = 1) -> "GGUFStack":
+        qtype = GGMLQuantizationType(qtype)
+        e, n, k = (int(d) for d in shape)
+        raw = _own_bytes(raw, qtype, e * n, k).view(e, n, -1)
+        if _ext is None or not raw.is_cpu:
+            return cls(raw.reshape(e * n, -1).contiguous(), qtype, (e, n, k), False, sources)
+        npad = -(-n // TILE_ROWS) * TILE_ROWS
+        if npad != n:
+            raw = torch.cat([raw, raw.new_zeros(e, npad - n, raw.shape[2])], 1)
+        return cls(tile_rows(raw.reshape(e * npad, -1), qtype), qtype, (e, n, k), True, sources)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, e: int) -> GGUFWeight:
+        view = self._views.get(e)
+        if view is None:
+            n, k = self.shape[1:]
+            per = self.raw.shape[0] // self.shape[0]
+            view = self._views[e] = GGUFWeight(self.raw[e * per:(e + 1) * per], self.qtype, (n, k), self.tiled, self)
+        return view
+
+    def views(self) -> list[GGUFWeight]:
+        """The experts' weights made so far (``stack[e]``)."""
+        return list(self._views.values())
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.shape[1] * self.raw.shape[1]
+
+    def __repr__(self) -> str:
+        return f"GGUFStack({self.qtype.name}, shape={self.shape})"
+
+    def rows(self) -> torch.Tensor:
+        """GGUF's rows [E, N, row_bytes]."""
+        return torch.stack([self[e].rows() for e in range(len(self))]) if self.tiled else \
+            self.raw.view(*self.shape[:2], -1)
+
+    def dequantize(self) -> torch.Tensor:
+        """[E, N, K] float32, bit-exact with gguf.quants.dequantize."""
+        e, n, k = self.shape
+        return reference.dequantize(self.rows().reshape(e * n, -1), self.qtype, (e * n, k)).view(e, n, k)
+
+    @staticmethod
+    def cat_rows(parts: list["GGUFStack"]) -> "GGUFStack":
+        """Each expert's rows of ``parts`` one after the other (gate then up): [E, sum N, K]. Parts
+        must share the type, E and K."""
+        first = parts[0]
+        if any(p.qtype != first.qtype or p.shape[0] != first.shape[0] or p.shape[2] != first.shape[2] for p in parts):
+            raise ValueError("GGUFStack.cat_rows: parts of different types or shapes")
+        rows = torch.cat([p.rows() for p in parts], 1)
+        shape = (first.shape[0], rows.shape[1], first.shape[2])
+        return GGUFStack.from_raw(rows, first.qtype, shape, sum(p.sources for p in parts))

@@ -110,7 +110,7 @@ def source_kind(model: str | os.PathLike) -> tuple[str, str | None]:
 
 
 def gguf_runs_quantized(model: str | os.PathLike) -> bool:
-    """Whether a bundled name or .gguf file has 2-D tensors in a type turnkv's GGUF kernels run
+    """Whether a bundled name or .gguf file has 2-D tensors (or expert stacks) in a type turnkv's GGUF kernels run
     (F16 / BF16 included; a GGUF stored in float32 has none: ``--weights gguf`` has nothing to run on)."""
     src = _resolve(model)
     if src.kind != "gguf":
@@ -118,7 +118,7 @@ def gguf_runs_quantized(model: str | os.PathLike) -> bool:
     from . import gguf
 
     header = gguf.read_header(src.path)
-    return any(len(t.shape) == 2 and gguf.gguf_kernel_supports(t.qtype) for t in header.tensors.values())
+    return any(len(t.shape) in (2, 3) and gguf.gguf_kernel_supports(t.qtype) for t in header.tensors.values())
 
 
 def gguf_type_summary(model: str | os.PathLike, quantized: dict | None = None) -> str | None:
@@ -131,12 +131,19 @@ def gguf_type_summary(model: str | os.PathLike, quantized: dict | None = None) -
     from ..kernels import describe_types
     from . import gguf
 
-    kept = None
-    if quantized is not None:
-        kept = {}
-        for w in quantized.values():
-            kept[w.qtype] = kept.get(w.qtype, 0) + 1
     header = gguf.read_header(src.path)
+    if quantized is None:   # what a load keeps: 2-D tensors and expert stacks of a type with a kernel
+        kept = {}
+        for name, t in header.tensors.items():
+            if gguf.keeps_blocks(name, t):
+                kept[t.qtype] = kept.get(t.qtype, 0) + 1
+    else:
+        kept, seen = {}, set()
+        for w in quantized.values():
+            stack = getattr(w, "base", None) or w       # an expert's weight counts as its stack
+            if id(stack) not in seen:
+                seen.add(id(stack))
+                kept[w.qtype] = kept.get(w.qtype, 0) + getattr(stack, "sources", 1)
     return describe_types([(t.qtype, t.shape) for t in header.tensors.values()], kept)
 
 

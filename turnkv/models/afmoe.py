@@ -19,7 +19,7 @@ from ..cache import specs
 from .base import BaseArgs, Model, apply_rope, attention_spans, embedding, linear, rms_norm
 from .batch import Batch, select_rows
 from .decoder import FULL, SLIDING, GatedMLP, out_weights, rope_for
-from .qwen3_next import _expert_weights
+from .experts import RoutedExperts, expert_stacks
 from .rope_config import rope_params
 from .tensors import fused_weight, param, stored, take, weight
 
@@ -99,8 +99,7 @@ class MoE(nn.Module):
         self.top_k, self.scaling = a.num_experts_per_tok, a.route_scale
         self.w_router = param(take(t, f"{p}.router.gate.weight"), dtype)
         self.expert_bias = param(take(t, f"{p}.expert_bias"), torch.float32)   # float32 in transformers too
-        gu, down = _expert_weights(t, p, a.num_experts)
-        self.experts = nn.ModuleList(GatedMLP([gu[e]], down[e], dtype) for e in range(a.num_experts))
+        self.experts = RoutedExperts.gated(*expert_stacks(t, p, a.num_experts), dtype)
         self.shared = GatedMLP.named(t, f"{p}.shared_experts", dtype)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,13 +112,7 @@ class MoE(nn.Module):
 
     def forward(self, x):
         weights, chosen = self.route(x)
-        out = torch.zeros_like(x)
-        # experts in ascending id, as transformers visits them (the same summation order per row)
-        for e in torch.unique(chosen).tolist():
-            rows, slot = torch.where(chosen == e)
-            y = self.experts[e].forward(x[rows]) * weights[rows, slot, None]
-            out.index_add_(0, rows, y.to(x.dtype))
-        return self.shared.forward(x) + out
+        return self.shared.forward(x) + self.experts.forward(x, weights, chosen)
 
 
 class Block(nn.Module):

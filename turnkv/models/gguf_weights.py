@@ -90,7 +90,7 @@ def load_gguf_model(cls, config: dict, tensors: dict, quantized: dict, dtype: to
     model = cls.from_checkpoint(config, {**tensors, **quantized}, dtype)
     packed = _check_packed(model, cls)
     kept = set().union(*(m.source_ids for m in packed))
-    notes = [f"{n}: dequantized (not a declared matmul weight)" for n, q in quantized.items() if id(q) not in kept]
+    notes = [f"{n}: dequantized (not a declared matmul weight)" for n, q in quantized.items() if not _kept(q, kept)]
     split: dict[str, int] = {}
     for m in packed:
         if len(m.parts) > 1:
@@ -105,6 +105,12 @@ def load_gguf_model(cls, config: dict, tensors: dict, quantized: dict, dtype: to
         log.info("gguf weights: %s", note)
     model.weight_notes = notes
     return model
+
+
+def _kept(q, kept: set[int]) -> bool:
+    """Whether ``q`` (a GGUFWeight, or a GGUFStack: through its experts' views) is in a GGUFPacked."""
+    views = q.views() if hasattr(q, "views") else [q]
+    return bool(views) and all(id(v) in kept for v in views)
 
 
 def _check_packed(model: nn.Module, cls) -> list[GGUFPacked]:

@@ -23,7 +23,8 @@ from ..cache import specs
 from .base import Model, attention_spans, embedding, linear, rms_norm
 from .batch import Batch
 from .decoder import DecoderArgs, GatedMLP, decoder_weights, qkv_weights, rope_for
-from .qwen3_next import _expert_weights, apply_partial_rope
+from .experts import RoutedExperts, expert_stacks
+from .qwen3_next import apply_partial_rope
 from .rope_config import rope_params
 from .tensors import param, stored, take, weight
 
@@ -80,8 +81,7 @@ class MoE(nn.Module):
         self.w_router = param(take(t, f"{p}.gate.weight"), torch.float32)
         bias = t.get(f"{p}.gate.e_score_correction_bias")
         self.score_bias = param(bias if bias is not None else torch.zeros(self.n_experts), torch.float32)
-        gu, down = _expert_weights(t, p, self.n_experts)
-        self.experts = nn.ModuleList(GatedMLP([gu[e]], down[e], dtype) for e in range(self.n_experts))
+        self.experts = RoutedExperts.gated(*expert_stacks(t, p, self.n_experts), dtype)
         self.shared = GatedMLP.named(t, f"{p}.shared_experts", dtype)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,13 +101,7 @@ class MoE(nn.Module):
 
     def forward(self, x):
         weights, chosen = self.route(x)
-        out = torch.zeros_like(x)
-        # experts in ascending id, as transformers visits them (the same summation order per row)
-        for e in torch.unique(chosen).tolist():
-            rows, slot = torch.where(chosen == e)
-            y = self.experts[e].forward(x[rows]) * weights[rows, slot, None]
-            out.index_add_(0, rows, y.to(x.dtype))
-        return out + self.shared.forward(x)
+        return self.experts.forward(x, weights, chosen) + self.shared.forward(x)
 
 
 class Block(nn.Module):

@@ -19,7 +19,8 @@ from .batch import Batch
 from .base import BaseArgs, Model, apply_rope, attention_spans, embedding, linear, rms_norm
 from .decoder import FULL, SLIDING, attention_specs, decoder_weights, out_weights, qkv_weights, rope_for
 from .rope_config import rope_params
-from .tensors import MissingWeight, param, take
+from .experts import RoutedExperts
+from .tensors import MissingWeight, param, stored, take, weight
 
 DEFAULT_THETA = 150_000.0
 
@@ -78,6 +79,21 @@ def expert_tensor(t: dict, name: str) -> torch.Tensor:
     raise MissingWeight(f"checkpoint has no tensor {name!r} (nor {name}_blocks / {name}_scales)")
 
 
+def expert_rows(t: dict, p: str):
+    """(gate_up(e), down(e)): expert e's [2I, hidden] gate rows then up rows and its [hidden, I]
+    down rows, from the GGUF's kept blocks (``gate_up_stack`` / ``down_stack``, already so) or
+    from the float tensors (transformers' [E, in, out], gate and up interleaved by column)."""
+    if f"{p}.gate_up_stack" in t:
+        gate_up = stored(t, f"{p}.gate_up_stack").__getitem__
+    else:
+        gu = expert_tensor(t, f"{p}.gate_up_proj")                    # [E, hidden, 2I]
+        gate_up = lambda e: torch.cat([gu[e].t()[0::2], gu[e].t()[1::2]])   # noqa: E731
+    if f"{p}.down_stack" in t:
+        return gate_up, stored(t, f"{p}.down_stack").__getitem__
+    down = expert_tensor(t, f"{p}.down_proj")                           # [E, I, hidden]
+    return gate_up, lambda e: down[e].t()
+
+
 class Attention(nn.Module):
     def __init__(self, a: ModelArgs, t: dict, p: str, dtype, sliding: bool):
         super().__init__()
@@ -102,8 +118,8 @@ class Expert(nn.Module):
 
     def __init__(self, wgu, bgu, wdown, bdown, alpha: float, limit: float, dtype):
         super().__init__()
-        self.wgu, self.bgu = param(wgu, dtype), param(bgu, dtype)
-        self.wdown, self.bdown = param(wdown, dtype), param(bdown, dtype)
+        self.wgu, self.bgu = weight(wgu, dtype), param(bgu, dtype)
+        self.wdown, self.bdown = weight(wdown, dtype), param(bdown, dtype)
         self.alpha, self.limit = alpha, limit
 
     def forward(self, x):
@@ -119,29 +135,17 @@ class MoE(nn.Module):
         self.top_k = a.num_experts_per_tok
         self.w_router = param(take(t, f"{p}.router.weight"), dtype)
         self.b_router = param(take(t, f"{p}.router.bias"), dtype)
-        gate_up = expert_tensor(t, f"{p}.experts.gate_up_proj")        # [E, hidden, 2I], gate/up interleaved
+        gate_up, down = expert_rows(t, f"{p}.experts")
         gate_up_b = take(t, f"{p}.experts.gate_up_proj_bias")           # [E, 2I]
-        down = expert_tensor(t, f"{p}.experts.down_proj")               # [E, I, hidden]
         down_b = take(t, f"{p}.experts.down_proj_bias")                 # [E, hidden]
-        experts = []
-        for e in range(a.num_local_experts):
-            w = gate_up[e].t()                                          # [2I, hidden] rows interleaved
-            wgu = torch.cat([w[0::2], w[1::2]])                         # gate rows, then up rows
-            bgu = torch.cat([gate_up_b[e, 0::2], gate_up_b[e, 1::2]])
-            experts.append(Expert(wgu, bgu, down[e].t(), down_b[e], a.swiglu_alpha, a.swiglu_limit, dtype))
-        self.experts = nn.ModuleList(experts)
+        self.experts = RoutedExperts(
+            Expert(gate_up(e), torch.cat([gate_up_b[e, 0::2], gate_up_b[e, 1::2]]), down(e), down_b[e],
+                   a.swiglu_alpha, a.swiglu_limit, dtype) for e in range(a.num_local_experts))
 
     def forward(self, x):
         logits = linear(x, self.w_router, self.b_router)
         top, chosen = torch.topk(logits, self.top_k, dim=-1)                 # [N, k]
-        weights = torch.softmax(top, dim=-1)
-        out = torch.zeros_like(x)
-        # experts in ascending id, as transformers visits them (the same summation order per row)
-        for e in torch.unique(chosen).tolist():
-            rows, slot = torch.where(chosen == e)
-            y = self.experts[e].forward(x[rows]) * weights[rows, slot, None]
-            out.index_add_(0, rows, y.to(x.dtype))
-        return out
+        return self.experts.forward(x, torch.softmax(top, dim=-1), chosen)
 
 
 class Block(nn.Module):

@@ -18,6 +18,7 @@ from ..cache import specs
 from .batch import Batch, select_rows
 from .base import BaseArgs, Model, apply_rope, attention_spans, linear, rms_norm
 from .decoder import GatedMLP, decoder_weights, out_weights, qkv_weights, rope_for
+from .experts import RoutedExperts
 from .rope_config import rope_params
 from .ssm import Mamba2Dims, Mamba2Mixer, mamba2_state_fields, time_step_limit
 from .tensors import param, stored, take
@@ -119,18 +120,13 @@ class MoE(nn.Module):
         super().__init__()
         self.top_k = a.num_experts_per_tok
         self.router = param(_take_either(t, f"{p}.router.weight", f"{p}.router.layer.weight"), dtype)
-        self.w_gu = param(_take_either(t, f"{p}.experts.gate_up_proj", f"{p}.input_linear.weight"), dtype)
-        self.w_down = param(_take_either(t, f"{p}.experts.down_proj", f"{p}.output_linear.weight"), dtype)
+        self.experts = RoutedExperts.gated(_take_either(t, f"{p}.experts.gate_up_proj", f"{p}.input_linear.weight"),
+                                           _take_either(t, f"{p}.experts.down_proj", f"{p}.output_linear.weight"),
+                                           dtype)
 
     def forward(self, x):
         top_v, top_i = linear(x, self.router).float().topk(self.top_k, dim=-1)
-        weights = torch.softmax(top_v, dim=-1).to(x.dtype)
-        out = torch.zeros_like(x)
-        for e in torch.unique(top_i).tolist():
-            tok, slot = torch.where(top_i == e)
-            g, u = linear(x[tok], self.w_gu[e]).chunk(2, dim=-1)
-            out.index_add_(0, tok, linear(F.silu(g) * u, self.w_down[e]) * weights[tok, slot, None])
-        return out
+        return self.experts.forward(x, torch.softmax(top_v, dim=-1).to(x.dtype), top_i)
 
 
 class Block(nn.Module):

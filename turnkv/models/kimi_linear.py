@@ -35,6 +35,7 @@ from ..cache.kv import KVView
 from .base import BaseArgs, Model, attention, embedding, linear, rms_norm
 from .batch import Batch, Span, select_rows, spans_apply
 from .decoder import GatedMLP, decoder_weights
+from .experts import RoutedExperts, expert_stacks
 from .ssm import causal_conv1d
 from .tensors import MissingWeight, as_float, fused_weight, param, stored, take, weight
 
@@ -300,17 +301,8 @@ class MoE(nn.Module):
         self.w_router = param(take(t, f"{p}.gate.weight"), torch.float32)      # float32, as transformers keeps it
         bias = t.get(f"{p}.gate.e_score_correction_bias")
         self.score_bias = param(bias if bias is not None else torch.zeros(self.E), torch.float32)
-        experts = []
-        if f"{p}.experts.gate_up_proj" in t:
-            gu, down = take(t, f"{p}.experts.gate_up_proj"), take(t, f"{p}.experts.down_proj")
-            for e in range(self.E):
-                g, u = gu[e].chunk(2, dim=0)
-                experts.append(GatedMLP([g, u], down[e], dtype))
-        else:
-            for e in range(self.E):
-                q = f"{p}.experts.{e}"
-                experts.append(GatedMLP.named(t, q, dtype, names=("w1", "w3", "w2")))
-        self.experts = nn.ModuleList(experts)
+        # the released files name the experts' projections w1 (gate), w3 (up), w2 (down)
+        self.experts = RoutedExperts.gated(*expert_stacks(t, p, self.E, ("w1", "w3", "w2")), dtype)
         self.shared = GatedMLP.named(t, f"{p}.shared_experts", dtype)
 
     def forward(self, x):
@@ -326,13 +318,7 @@ class MoE(nn.Module):
         weights = scores.gather(1, chosen)
         if self.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        weights = weights * self.scaling
-        out = torch.zeros_like(x)
-        for e in torch.unique(chosen).tolist():   # ascending id, transformers' summation order
-            rows, slot = torch.where(chosen == e)
-            y = self.experts[e].forward(x[rows]) * weights[rows, slot, None]
-            out.index_add_(0, rows, y.to(out.dtype))
-        return out + self.shared.forward(x)
+        return self.experts.forward(x, weights * self.scaling, chosen) + self.shared.forward(x)
 
 
 class Block(nn.Module):

@@ -14,6 +14,7 @@ from ..cache import specs
 from .batch import Batch, Span, select_rows, spans_apply
 from .base import BaseArgs, Model, apply_rope, attention, linear, rms_norm
 from .decoder import GatedMLP, decoder_weights, out_weights, rope_for
+from .experts import RoutedExperts
 from .rope_config import rope_params
 from .tensors import param, take
 
@@ -127,19 +128,14 @@ class MoE(nn.Module):
         self.top_k = a.num_experts_per_tok
         self.router = param(take(t, f"{p}.router.weight"), dtype)
         # stored [E, H, 2I] / [E, I, H] for bmm; F.linear wants [out, in]
-        self.w_gu = param(take(t, f"{p}.experts.gate_up_proj").transpose(1, 2), dtype)
-        self.w_down = param(take(t, f"{p}.experts.down_proj").transpose(1, 2), dtype)
+        gu, down = (take(t, f"{p}.experts.{n}").transpose(1, 2) for n in ("gate_up_proj", "down_proj"))
+        self.experts = RoutedExperts.gated(gu, down, dtype)
         self.shared = GatedMLP.named(t, f"{p}.shared_expert", dtype)
 
     def forward(self, x):
         top_v, top_i = torch.topk(linear(x, self.router), self.top_k, dim=1)
         scores = torch.sigmoid(top_v.float()).to(x.dtype)
-        out = self.shared.forward(x)
-        for e in torch.unique(top_i).tolist():
-            tok, slot = torch.where(top_i == e)
-            g, u = linear(x[tok] * scores[tok, slot, None], self.w_gu[e]).chunk(2, dim=-1)
-            out.index_add_(0, tok, linear(F.silu(g) * u, self.w_down[e]))
-        return out
+        return self.experts.forward(x, scores, top_i, out=self.shared.forward(x), scale_input=True)
 
 
 class Block(nn.Module):

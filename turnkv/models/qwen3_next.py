@@ -14,6 +14,7 @@ from ..cache import specs
 from .batch import Batch, Span, select_rows, spans_apply
 from .base import BaseArgs, Model, apply_rope, attention_spans, embedding, linear, rms_norm
 from .decoder import GatedMLP, out_weights, rope_for
+from .experts import RoutedExperts, expert_stacks
 from .rope_config import rope_params
 from .ssm import causal_conv1d, gated_delta_chunked, gated_delta_step, l2norm
 from .tensors import fused_weight, param, stored, take, weight
@@ -176,24 +177,12 @@ class Attention(nn.Module):
         return linear(out * torch.sigmoid(gate), self.wo, self.bo)
 
 
-def _expert_weights(t: dict, p: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """([E, 2I, H] gate|up, [E, H, I] down) from either transformers' fused in-memory names
-    (``experts.gate_up_proj``) or the per-expert names save_pretrained and the Hub files use."""
-    if f"{p}.experts.gate_up_proj" in t:
-        return take(t, f"{p}.experts.gate_up_proj"), take(t, f"{p}.experts.down_proj")
-    gu = torch.stack([torch.cat([take(t, f"{p}.experts.{e}.gate_proj.weight"),
-                                 take(t, f"{p}.experts.{e}.up_proj.weight")]) for e in range(n)])
-    down = torch.stack([take(t, f"{p}.experts.{e}.down_proj.weight") for e in range(n)])
-    return gu, down
-
-
 class SparseMoE(nn.Module):
     def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
         super().__init__()
         self.top_k, self.norm_topk = a.num_experts_per_tok, a.norm_topk_prob
         self.w_router = param(take(t, f"{p}.gate.weight"), dtype)
-        gu, down = _expert_weights(t, p, a.num_experts)
-        self.w_gu, self.w_down = param(gu, dtype), param(down, dtype)
+        self.experts = RoutedExperts.gated(*expert_stacks(t, p, a.num_experts), dtype)
         self.shared = GatedMLP.named(t, f"{p}.shared_expert", dtype)
         self.w_shared_gate = param(take(t, f"{p}.shared_expert_gate.weight"), dtype)
 
@@ -202,14 +191,7 @@ class SparseMoE(nn.Module):
         weights, experts = torch.topk(probs, self.top_k, dim=-1)             # [T, k]
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
-        # visit experts in ascending id like transformers, so the sum order (and rounding) matches
-        for e in torch.unique(experts).tolist():
-            tok, slot = torch.where(experts == e)
-            g, u = linear(x[tok], self.w_gu[e]).chunk(2, dim=-1)
-            h = linear(F.silu(g) * u, self.w_down[e]) * weights[tok, slot, None]
-            out.index_add_(0, tok, h)
+        out = self.experts.forward(x, weights.to(x.dtype), experts)
         shared = self.shared.forward(x) * torch.sigmoid(linear(x, self.w_shared_gate))
         return out + shared
 

@@ -9,17 +9,18 @@ import logging
 import torch
 from torch import nn
 
-from ..kernels import GGUFWeight
+from ..kernels import GGUFStack, GGUFWeight
 from .gguf_weights import GGUFPacked
 
 log = logging.getLogger("turnkv.weights")
 
-Stored = torch.Tensor | GGUFWeight      # a checkpoint tensor as the loader handed it over
+Stored = torch.Tensor | GGUFWeight | GGUFStack     # a checkpoint tensor as the loader handed it over
 
 
 def stored(tensors: dict[str, Stored], name: str) -> Stored:
     """A checkpoint tensor as stored: under the ``gguf`` format a quantized 2-D tensor is its
-    ``GGUFWeight`` (only ``fused_weight`` takes those); everything else is a float tensor."""
+    ``GGUFWeight`` (only ``fused_weight`` takes those) and a quantized expert stack its
+    ``GGUFStack`` (``stack[e]``: expert e's GGUFWeight); everything else is a float tensor."""
     try:
         return tensors[name]
     except KeyError:
@@ -28,7 +29,7 @@ def stored(tensors: dict[str, Stored], name: str) -> Stored:
 
 def as_float(t: Stored) -> torch.Tensor:
     """The float value of a stored tensor (a GGUF one dequantized, bit-exact)."""
-    return t.dequantize() if isinstance(t, GGUFWeight) else t
+    return t.dequantize() if isinstance(t, (GGUFWeight, GGUFStack)) else t
 
 
 def fused_weight(parts: list[Stored], dtype: torch.dtype) -> nn.Parameter | GGUFPacked:

@@ -12,7 +12,7 @@ config-reading helpers they share) and ``load`` puts them together.
 
 from .architecture import GGUFArchitecture
 from .archs import SUPPORTED_GGUF_ARCHITECTURES
-from .dequant import FLOAT_TYPES, dequantize, dequantize_rows, gguf_kernel_supports, raw_rows
+from .dequant import FLOAT_TYPES, dequantize, dequantize_rows, gguf_kernel_supports, keeps_blocks, raw_rows
 from .load import architecture_of, load_gguf, tensor_name_map
 from .reader import GGUFArray, GGUFHeader, TensorInfo, fingerprint, read_header
 
@@ -28,6 +28,7 @@ __all__ = [
     "dequantize_rows",
     "fingerprint",
     "gguf_kernel_supports",
+    "keeps_blocks",
     "load_gguf",
     "raw_rows",
     "read_header",

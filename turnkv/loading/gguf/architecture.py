@@ -32,7 +32,9 @@ class GGUFArchitecture:
     tensor_names: Callable[[GGUFHeader, dict], dict[str, str]] | None = None
     # After every tensor is read and transformed: (transformers-named tensors, config) -> the
     # tensors the family's from_checkpoint takes (split stacked experts, fuse, reshape, drop).
-    # Tensors kept quantized (the ``gguf`` weight format) are not in this dict. It may also set
+    # 2-D tensors kept quantized (the ``gguf`` weight format) are not in this dict; kept 3-D expert
+    # stacks are, as ``turnkv.kernels.GGUFStack`` (``common.fuse_gate_up`` and indexing take
+    # them; what is left of them afterwards joins the kept tensors). It may also set
     # config keys that say how the tensors it leaves are laid out (Qwen 3.5's
     # ``linear_value_heads_tiled`` when quantized delta-net projections keep the file's head order).
     finish: Callable[[dict[str, torch.Tensor], dict], dict[str, torch.Tensor]] | None = None

@@ -72,13 +72,24 @@ FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGM
 
 
 def raw_rows(buf: mmap.mmap, info: TensorInfo) -> torch.Tensor:
-    """A 2-D tensor's stored bytes as a fresh uint8 tensor [rows, row_bytes] (a copy: the file's
-    mmap is closed after the load)."""
-    rows = info.shape[0]
+    """A 2-D (or stacked 3-D) tensor's stored bytes as a fresh uint8 tensor [rows, row_bytes], a
+    stack's experts' rows one after the other (a copy: the file's mmap is closed after the load)."""
+    rows = int(np.prod(info.shape[:-1]))
     raw = np.frombuffer(buf, dtype=np.uint8, count=info.nbytes, offset=info.offset).reshape(rows, -1)
     out = torch.empty(raw.shape, dtype=torch.uint8)
     out.numpy()[...] = raw
     return out
+
+
+def expert_stack(name: str, shape) -> bool:
+    """Whether GGUF tensor ``name`` is a MoE layer's stacked experts [E, out, in]."""
+    return len(shape) == 3 and "_exps." in name
+
+
+def keeps_blocks(name: str, info: TensorInfo) -> bool:
+    """Whether ``keep_quantized`` keeps tensor ``name`` as its blocks (unless its family must
+    transform it): a 2-D tensor or an expert stack of a type the kernels run."""
+    return gguf_kernel_supports(info.qtype) and (len(info.shape) == 2 or expert_stack(name, info.shape))
 
 
 def gguf_kernel_supports(qtype: GGMLQuantizationType) -> bool:

@@ -13,7 +13,7 @@ import torch
 from ..errors import ModelLoadError
 from .architecture import GLOBAL_TENSORS, GGUFArchitecture
 from .archs import SUPPORTED_GGUF_ARCHITECTURES
-from .dequant import dequantize, gguf_kernel_supports, raw_rows
+from .dequant import dequantize, expert_stack, keeps_blocks, raw_rows
 from .reader import GGUFHeader, TensorInfo, open_mmap, parse_header, release
 
 
@@ -81,8 +81,11 @@ def load_gguf(
         )
         for gguf_name, hf_name in bar:
             info = header.tensors[gguf_name]
-            if quantized is not None and (q := _keep_quantized(buf, info, hf_name, arch, config)) is not None:
-                quantized[hf_name] = q
+            stack = expert_stack(gguf_name, info.shape)
+            if quantized is not None and keeps_blocks(gguf_name, info) and \
+                    (q := _keep_quantized(buf, info, hf_name, arch, config, stack)) is not None:
+                # a stack goes through ``finish`` (which fuses or renames the experts)
+                (tensors if stack else quantized)[hf_name] = q
                 continue
             if arch.transform is not None and arch.needs_transform(hf_name):
                 w = dequantize(buf, info, torch.float32, path)
@@ -93,22 +96,35 @@ def load_gguf(
         bar.close()
         if arch.finish is not None:
             tensors = arch.finish(tensors, config)
+        if quantized is not None:
+            _move_blocks(tensors, quantized)
     finally:
         release(buf)
     return header, arch.model_type, config, tensors
 
 
-def _keep_quantized(buf: mmap.mmap, info: TensorInfo, hf_name: str, arch: GGUFArchitecture, config: dict):
-    """The tensor as a GGUFWeight of its raw blocks, or None when it stays a float tensor."""
-    if len(info.shape) != 2 or not gguf_kernel_supports(info.qtype):     # F16 / BF16 too: kept as stored
-        return None
+def _keep_quantized(buf: mmap.mmap, info: TensorInfo, hf_name: str, arch: GGUFArchitecture, config: dict,
+                    stack: bool):
+    """The tensor as a GGUFWeight of its raw blocks (``stack``, a 3-D expert stack: a
+    GGUFStack), or None when it stays a float tensor."""
     transform = arch.transform is not None and arch.needs_transform(hf_name)
-    if transform and not arch.transform_permutes_rows:
+    if transform and (stack or not arch.transform_permutes_rows):
         return None
-    from ...kernels import GGUFWeight
+    from ...kernels import GGUFStack, GGUFWeight
 
     raw = raw_rows(buf, info)
+    if stack:
+        return GGUFStack.from_raw(raw, info.qtype, tuple(info.shape))
     if transform:
         raw = arch.transform(hf_name, raw, config)
     return GGUFWeight.from_raw(raw, info.qtype, tuple(info.shape))
 
+
+
+def _move_blocks(tensors: dict, quantized: dict) -> None:
+    """What ``finish`` left of the kept expert stacks (a stack, or one expert's GGUFWeight where
+    the family splits them) moves from ``tensors`` to ``quantized``."""
+    from ...kernels import GGUFStack, GGUFWeight
+
+    for name in [n for n, t in tensors.items() if isinstance(t, (GGUFStack, GGUFWeight))]:
+        quantized[name] = tensors.pop(name)

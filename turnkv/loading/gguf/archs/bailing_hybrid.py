@@ -30,8 +30,8 @@ from ...errors import ModelLoadError
 from ..architecture import GGUFArchitecture
 from ..metadata import scalar
 from ..reader import GGUFHeader
-from .common import f32, fuse_gate_up, per_layer
-from .kda_mla import finish_attention, hybrid_config, hybrid_names
+from .common import f32, per_layer
+from .kda_mla import finish_attention, finish_experts, hybrid_config, hybrid_names
 
 ARCH = "bailingmoe3"
 # KDA tensors beyond q/k/v and their convolutions: gguf suffix -> name under self_attn
@@ -78,9 +78,7 @@ def _tensor_names(h: GGUFHeader, config: dict) -> dict[str, str]:
 
 def _finish(t: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
     finish_attention(t, config)
-    fuse_gate_up(t, "gate_exps", "up_exps")   # [E, 2 * I, H], transformers' layout
-    for name in [n for n in t if n.endswith(".experts.down_exps")]:
-        t[name[: -len("down_exps")] + "down_proj"] = t.pop(name)
+    finish_experts(t)
     return t
 
 

@@ -182,10 +182,18 @@ def moe_decoder_names(h: GGUFHeader, layers: int, n_dense: int, attn: dict[str, 
     return names
 
 
-def fuse_gate_up(t: dict[str, torch.Tensor], gate: str = "gate_stack", up: str = "up_stack") -> None:
+def fuse_gate_up(t: dict[str, torch.Tensor], gate: str = "gate_stack", up: str = "up_stack",
+                 fused: str = "gate_up_proj") -> None:
     """Every ``{p}.{gate}`` / ``{p}.{up}`` pair of stacked experts [E, I, H] fused as transformers
-    holds them in memory: ``{p}.gate_up_proj`` [E, 2I, H]."""
+    holds them in memory: ``{p}.{fused}`` [E, 2I, H]. Stacks kept in GGUF blocks of one type stay
+    blocks (``GGUFStack.cat_rows``); of two types they are dequantized."""
+    from ....kernels import GGUFStack
+
     for name in [n for n in t if n.endswith(f".{gate}")]:
         p = name[: -len(gate) - 1]
         gate_w, up_w = t.pop(f"{p}.{gate}"), t.pop(f"{p}.{up}")
-        t[f"{p}.gate_up_proj"] = torch.cat([gate_w, up_w], dim=1)
+        if isinstance(gate_w, GGUFStack) and isinstance(up_w, GGUFStack) and gate_w.qtype == up_w.qtype:
+            t[f"{p}.{fused}"] = GGUFStack.cat_rows([gate_w, up_w])
+            continue
+        gate_w, up_w = (w.dequantize() if isinstance(w, GGUFStack) else w for w in (gate_w, up_w))
+        t[f"{p}.{fused}"] = torch.cat([gate_w, up_w], dim=1)

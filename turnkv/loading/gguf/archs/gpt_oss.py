@@ -150,14 +150,21 @@ def interleave(gate: torch.Tensor, up: torch.Tensor, dim: int) -> torch.Tensor:
 
 def finish(tensors: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
     """The experts as transformers holds them: ``gate_up_proj`` [E, H, 2I] (gate, up interleaved
-    by column) with its [E, 2I] bias, ``down_proj`` [E, I, H]."""
+    by column) with its [E, 2I] bias, ``down_proj`` [E, I, H]. Experts kept in GGUF blocks keep
+    the file's [out, in] rows instead: ``gate_up_stack`` [E, 2I, H] (gate rows, then up rows) and
+    ``down_stack`` [E, H, I] (models/gpt_oss.py reads either)."""
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}.mlp.experts"
-        gate, up = tensors.pop(f"{p}.gate_stack"), tensors.pop(f"{p}.up_stack")     # [E, I, H]
-        tensors[f"{p}.gate_up_proj"] = interleave(gate, up, 1).transpose(1, 2).contiguous()
         gate_b, up_b = tensors.pop(f"{p}.gate_stack_bias"), tensors.pop(f"{p}.up_stack_bias")   # [E, I]
         tensors[f"{p}.gate_up_proj_bias"] = interleave(gate_b, up_b, 1)
-        tensors[f"{p}.down_proj"] = tensors.pop(f"{p}.down_stack").transpose(1, 2).contiguous()  # [E, I, H]
+        if isinstance(tensors[f"{p}.down_stack"], torch.Tensor):
+            tensors[f"{p}.down_proj"] = tensors.pop(f"{p}.down_stack").transpose(1, 2).contiguous()  # [E, I, H]
+        gate, up = tensors.pop(f"{p}.gate_stack"), tensors.pop(f"{p}.up_stack")           # [E, I, H]
+        if isinstance(gate, torch.Tensor) or isinstance(up, torch.Tensor) or gate.qtype != up.qtype:
+            gate, up = (w if isinstance(w, torch.Tensor) else w.dequantize() for w in (gate, up))
+            tensors[f"{p}.gate_up_proj"] = interleave(gate, up, 1).transpose(1, 2).contiguous()
+        else:
+            tensors[f"{p}.gate_up_stack"] = type(gate).cat_rows([gate, up])
     return tensors
 
 

@@ -14,7 +14,7 @@ from ...errors import ModelLoadError
 from ..architecture import GATED_MLP_TENSORS
 from ..metadata import scalar, token_ids, vocab_size
 from ..reader import GGUFHeader
-from .common import SIGMOID, f32, global_names, layer_weights
+from .common import SIGMOID, f32, fuse_gate_up, global_names, layer_weights
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -144,3 +144,11 @@ def finish_attention(t: dict[str, torch.Tensor], config: dict) -> None:
     for name in [n for n in t if n.endswith("_conv1d.weight")]:
         t[name] = t[name].reshape(-1, 1, k)           # [1, d, 1, K] -> the checkpoint's [d, 1, K]
     fuse_kv_b(t)
+
+
+def finish_experts(t: dict[str, torch.Tensor]) -> None:
+    """The stacked experts as transformers holds them in memory: ``experts.gate_up_proj``
+    [E, 2 * I, H] and ``experts.down_proj`` [E, H, I] (GGUF blocks stay blocks)."""
+    fuse_gate_up(t, "gate_exps", "up_exps")
+    for name in [n for n in t if n.endswith(".experts.down_exps")]:
+        t[name[: -len("down_exps")] + "down_proj"] = t.pop(name)

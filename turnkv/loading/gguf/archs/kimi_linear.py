@@ -9,8 +9,9 @@ What the converter does and how it is undone here:
   the same float32 value, not exp(log(...)) of it), ``dt_bias`` as ``ssm_dt.bias``;
 - MLA: ``kv_b_proj`` is split per head into ``attn_k_b`` (the key half, transposed) and
   ``attn_v_b``; they are put back together. No q/k permutation (the MLA layers are NoPE);
-- the routed experts are stacked ``[E, out, in]`` (``ffn_{gate,up,down}_exps``): split back into
-  ``experts.{e}.w1/w3/w2``. The dense leading layers keep ``ffn_gate/up/down``.
+- the routed experts are stacked ``[E, out, in]`` (``ffn_{gate,up,down}_exps``): held as
+  transformers' in-memory ``experts.gate_up_proj`` / ``experts.down_proj`` (the released files'
+  ``experts.{e}.w1/w3/w2`` stacked). The dense leading layers keep ``ffn_gate/up/down``.
 
 Config values the GGUF does not hold are taken as llama.cpp's graph takes them: the routed weights
 are always renormalised (``build_moe_ffn(..., norm_w=true, ...)``), the MoE has no expert groups
@@ -25,7 +26,7 @@ from ..architecture import GGUFArchitecture
 from ..metadata import scalar
 from ..reader import GGUFHeader
 from .common import per_layer, uniform
-from .kda_mla import finish_attention, hybrid_config, hybrid_names
+from .kda_mla import finish_attention, finish_experts, hybrid_config, hybrid_names
 
 ARCH = "kimi-linear"
 # KDA tensors beyond q/k/v and their convolutions: gguf suffix -> name under self_attn
@@ -51,19 +52,9 @@ def _tensor_names(h: GGUFHeader, config: dict) -> dict[str, str]:
     return hybrid_names(h, config, _KDA, "block_sparse_moe")
 
 
-def split_experts(t: dict[str, torch.Tensor], names: dict[str, str]) -> None:
-    """Stacked ``{p}.gate_exps / up_exps / down_exps`` [E, out, in] -> ``{p}.{e}.<names[kind]>.weight``."""
-    for name in [n for n in t if n.endswith(".gate_exps")]:
-        p = name[: -len(".gate_exps")]
-        for kind, hf in names.items():
-            stacked = t.pop(f"{p}.{kind}_exps")
-            for e in range(stacked.shape[0]):
-                t[f"{p}.{e}.{hf}.weight"] = stacked[e]
-
-
 def _finish(t: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
     finish_attention(t, config)
-    split_experts(t, {"gate": "w1", "down": "w2", "up": "w3"})
+    finish_experts(t)
     return t
 
 
