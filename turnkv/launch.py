@@ -244,8 +244,9 @@ def engine_from(args, progress: bool = True):
                                   tenant_budget_bytes=tenant_budget_bytes(args))
     else:
         cache = PromptCache(budget, tenant_budget_bytes(args))
+    mmproj = False if getattr(args, "no_mmproj", False) else getattr(args, "mmproj", None)
     engine = Engine.load(args.model, dtype=getattr(torch, DTYPES[args.dtype]), weights=args.weights,
-                         progress=progress,
+                         progress=progress, mmproj=mmproj,
                          device=args.device, prompt_cache=cache, slack=args.swa_slack,
                          kv_mode=args.kv_cache_mode, kv_boundary_layers=args.kv_boundary_layers,
                          prefill_chunk=args.prefill_chunk, max_context=args.max_context,
@@ -283,8 +284,10 @@ def print_banner(engine, budget_mb: float, enabled: bool) -> None:
           f"{'on, budget ' + format(budget_mb, 'g') + ' MiB' if enabled and budget_mb > 0 else 'off'}",
           file=sys.stderr)
     if getattr(engine, "encoder_cache", None) is not None:
+        source = getattr(engine.model, "image_source", None)
         print(f"turnkv: images on (docs/images.md): encoder cache {engine.encoder_cache.budget_bytes / 2**20:g} MiB, "
-              f"at most {engine.max_image_pixels} pixels an image", file=sys.stderr)
+              f"at most {engine.max_image_pixels} pixels an image"
+              + (f"; vision tower and preprocessing from {source}" if source else ""), file=sys.stderr)
     for tier in getattr(engine.prompt_cache, "tiers", []):
         where = getattr(tier, "dir", None) or getattr(tier, "url", "")
         held = f", {tier.usage()['entries']} entries found" if tier.name == "disk" else ""

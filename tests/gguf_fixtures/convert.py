@@ -65,19 +65,21 @@ for extra in {vocab_patches!r}:
     mod, cls = cls_path.rsplit(".", 1)
     import importlib
     setattr(getattr(importlib.import_module(mod), cls), "set_vocab", lambda self: self._set_vocab_gpt2())
-sys.argv = ["convert_hf_to_gguf.py", {folder!r}, "--outfile", {out!r}, "--outtype", {outtype!r}]
+sys.argv = ["convert_hf_to_gguf.py", {folder!r}, "--outfile", {out!r}, "--outtype", {outtype!r}] + {extra_args!r}
 import runpy
 runpy.run_path({script!r}, run_name="__main__")
 '''
 
 
-def convert(llama_cpp: Path, folder: Path, out: Path, outtype: str = "f32", vocab_patches: tuple = ()) -> None:
+def convert(llama_cpp: Path, folder: Path, out: Path, outtype: str = "f32", vocab_patches: tuple = (),
+            mmproj: bool = False) -> None:
     """Run llama.cpp's converter on `folder`. `vocab_patches`: "module.Class:gpt2" entries whose
     set_vocab reads a sentencepiece or other tokenizer the test folder does not have; they are
-    pointed at the converter's own GPT-2-style vocabulary writer instead."""
+    pointed at the converter's own GPT-2-style vocabulary writer instead. `mmproj`: write the
+    vision tower and projector (the converter's ``--mmproj``) instead of the text model."""
     code = _RUNNER.format(llama=str(llama_cpp), gguf_py=str(llama_cpp / "gguf-py"), folder=str(folder),
                           out=str(out), outtype=outtype, script=str(llama_cpp / "convert_hf_to_gguf.py"),
-                          vocab_patches=list(vocab_patches))
+                          vocab_patches=list(vocab_patches), extra_args=["--mmproj"] if mmproj else [])
     subprocess.run([sys.executable, "-c", code], check=True, cwd=llama_cpp)
 
 

@@ -108,12 +108,13 @@ class Engine:
 
     @classmethod
     def load(cls, model: str, *, dtype: torch.dtype = torch.float32, weights: str | None = "native",
-             progress: bool = True, **kw) -> "Engine":
+             progress: bool = True, mmproj=None, **kw) -> "Engine":
         """An engine on a bundled name, .gguf file or HF folder (loading/model.py: ``weights``
-        None picks the format the file runs best in)."""
+        None picks the format the file runs best in; ``mmproj`` the vision projector of a text
+        GGUF, None finds a sibling ``mmproj*.gguf``, False none)."""
         from ..loading.model import load_model
 
-        loaded = load_model(model, dtype, weights, progress)
+        loaded = load_model(model, dtype, weights, progress, mmproj)
         if kw.get("max_context") is None:
             kw["max_context"] = loaded.max_context
         if kw.get("kv_mode") == AUTO_KV:

@@ -47,6 +47,9 @@ class Checkpoint:
     # from ``tensors``
     quantized: dict = field(default_factory=dict)
     kind: str = "gguf"  # "gguf" | "hf": what was loaded
+    # a text GGUF joined with a vision projector (mmproj): the image settings its metadata gives
+    # (models/vision_settings.VisionSettings); None for a folder (the family reads its files)
+    image_settings: object = None
 
 
 def _eos_ids(config: dict) -> list[int]:
@@ -98,15 +101,42 @@ def _hf_eos(config: dict) -> list[int]:
     return _eos_ids(config) or _eos_ids(text_config)
 
 
-def source_kind(model: str | os.PathLike) -> tuple[str, str | None]:
-    """("gguf", model_type) for a bundled name or a .gguf file (its header read, no tensors), or
+def _mmproj_path(src: _Source, mmproj) -> Path | None:
+    """The vision projector joined to ``src``: ``mmproj`` when it names a file, none when it is
+    False, else (None) an ``mmproj*.gguf`` beside a .gguf file given by path (llama.cpp's discovery)."""
+    if mmproj is False:
+        return None
+    if mmproj is not None:
+        path = Path(os.fspath(mmproj)).expanduser()
+        if src.kind != "gguf":
+            raise ModelLoadError(f"{path}: --mmproj pairs a vision projector with a text GGUF, and "
+                                 f"{src.path} is a Hugging Face folder (it holds its own vision tower)")
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: no such file (--mmproj)")
+        return path
+    if src.kind != "gguf" or src.name in BUNDLED:
+        return None
+    from .gguf.mmproj import find_sibling
+
+    return find_sibling(src.path)
+
+
+def source_kind(model: str | os.PathLike, mmproj=None) -> tuple[str, str | None]:
+    """("gguf", model_type) for a bundled name or a .gguf file (its header read, no tensors; the
+    vision family's model type when a projector joins it, see load_checkpoint's ``mmproj``), or
     ("hf", None) for a Hugging Face folder."""
     src = _resolve(model)
     if src.kind != "gguf":
+        _mmproj_path(src, mmproj)      # refuses --mmproj on a folder
         return src.kind, None
     from . import gguf
 
-    return "gguf", gguf.architecture_of(gguf.read_header(src.path)).model_type
+    text_type = gguf.architecture_of(gguf.read_header(src.path)).model_type
+    if (path := _mmproj_path(src, mmproj)) is not None:
+        from .gguf.mmproj import layout_of
+
+        return "gguf", layout_of(path, text_type).model_type
+    return "gguf", text_type
 
 
 def gguf_runs_quantized(model: str | os.PathLike) -> bool:
@@ -148,8 +178,12 @@ def gguf_type_summary(model: str | os.PathLike, quantized: dict | None = None) -
 
 
 def load_checkpoint(model: str | os.PathLike, dtype: torch.dtype = torch.float32, progress: bool = True,
-                    keep_quantized: bool = False) -> Checkpoint:
+                    keep_quantized: bool = False, mmproj=None) -> Checkpoint:
     """Load a bundled model name, a .gguf file, or an HF folder.
+
+    ``mmproj``: a vision projector GGUF (llama.cpp's mmproj) joined to a text GGUF into its vision
+    family (loading/gguf/mmproj/); None finds an ``mmproj*.gguf`` beside a .gguf file, False never
+    joins one.
 
     ``keep_quantized``: the GGUF's quantized 2-D tensors go to ``Checkpoint.quantized`` as their
     raw blocks (``turnkv.kernels.GGUFWeight``), without a float copy; for the ``gguf`` weight
@@ -170,10 +204,20 @@ def load_checkpoint(model: str | os.PathLike, dtype: torch.dtype = torch.float32
             src.path, dtype=dtype, progress=progress, desc=src.name, quantized=quantized if keep_quantized else None)
         fp = gguf.fingerprint(src.path)
         tokenizer = _gguf_tokenizer(src, header, fp, config)
+        if (mm_path := _mmproj_path(src, mmproj)) is not None:
+            from .gguf.mmproj import load_mmproj
+
+            mm = load_mmproj(mm_path, header, architecture, config, dtype, progress)
+            architecture, config = mm.layout.model_type, mm.config
+            tensors, quantized = {**mm.join(tensors), **mm.tensors}, mm.join(quantized)
+            fp = f"{fp}+mmproj:{mm.fingerprint}"
+            return Checkpoint(architecture, config, tensors, tokenizer, src.path, fp, src.name, quantized,
+                              src.kind, mm.settings)
     else:
         from . import hf
         from .tokenizer_convert import load_folder_tokenizer
 
+        _mmproj_path(src, mmproj)      # refuses --mmproj on a folder
         architecture, config, tensors = hf.load_hf(src.path, dtype=dtype, progress=progress, desc=src.name)
         fp = hf.fingerprint(src.path)
         tokenizer = load_folder_tokenizer(src.path, fp, extra_eos_ids=_hf_eos(config))

@@ -22,31 +22,34 @@ class LoadedModel:
 
 
 def load_model(model: str, dtype: torch.dtype = torch.float32, weights: str | None = "native",
-               progress: bool = True) -> LoadedModel:
+               progress: bool = True, mmproj=None) -> LoadedModel:
     """``weights``: a weight format of models/weights.py (packed formats quantize from the float32
     checkpoint tensors, whatever the compute dtype; ``gguf`` keeps the GGUF's own quantized
     blocks), or None for the default: ``gguf`` for a GGUF model (stored quantized) of a family with
-    packable weights when the native kernels are built, else ``native``."""
+    packable weights when the native kernels are built, else ``native``. ``mmproj``: the vision
+    projector joined to a text GGUF (``load_checkpoint``: None finds a sibling, False none)."""
     from ..kernels.attention import numerics_tag
     from ..models import family_class
     from ..models.weights import GGUF_FORMAT, check_format, default_format
     from ..models.weights import load_model as build
 
     if weights is None:
-        kind, arch = source_kind(model)
+        kind, arch = source_kind(model, mmproj)
         weights = "native"
         if kind == "gguf" and gguf_runs_quantized(model):     # a float-stored GGUF runs native
             weights = default_format(kind, family_class(arch))
     check_format(weights)    # before the load; the build checks the family can hold it
     ckpt = load_checkpoint(model, dtype=dtype if weights == "native" else torch.float32, progress=progress,
-                           keep_quantized=weights == GGUF_FORMAT)
+                           keep_quantized=weights == GGUF_FORMAT, mmproj=mmproj)
     net = build(family_class(ckpt.architecture), ckpt.config, ckpt.tensors, dtype, weights,
                 progress=progress, quantized=ckpt.quantized)
     net.eval()
     if weights == GGUF_FORMAT:      # the banner's per-type kernel line (launch.py)
         net.gguf_types = gguf_type_summary(model, ckpt.quantized)
-    if hasattr(net, "load_processor"):     # vision families: the folder's image preprocessing
-        net.load_processor(ckpt.source)
+    if hasattr(net, "load_processor"):     # vision families: the folder's (or mmproj's) image preprocessing
+        net.load_processor(ckpt.image_settings or ckpt.source)
+    if ckpt.image_settings is not None:      # the banner names the vision projector GGUF
+        net.image_source = ckpt.image_settings.source
     # packed weights compute different (close) logits: their snapshots are another namespace,
     # and another build's or CPU kind's kernels compute other bits: their tier entries are other names
     fingerprint = ckpt.fingerprint if weights == "native" else f"{ckpt.fingerprint}+w:{weights}"

@@ -50,8 +50,11 @@ def _read_json(path: Path) -> dict:
     return raw
 
 
-def read_settings(folder: str | Path | None) -> VisionSettings:
-    """The folder's settings in transformers' precedence; empty when the folder has none."""
+def read_settings(folder) -> VisionSettings:
+    """The folder's settings in transformers' precedence; empty when the folder has none. Settings
+    already read (a vision projector GGUF's, loading/gguf/mmproj/) are returned as they are."""
+    if isinstance(folder, VisionSettings):
+        return folder
     if folder is None or not Path(folder).is_dir():
         return VisionSettings()
     folder = Path(folder)
