@@ -36,9 +36,15 @@ def message(text: str, img=None) -> dict:
 
 
 def hf_inputs(model, ids: list[int], images) -> dict:
-    """transformers' inputs for a turnkv prompt: placeholders for keys, the images' pixels."""
-    kw = {"input_ids": torch.tensor([model_ids(ids, model.image_token_id)])}
-    if images:
+    """transformers' inputs for a turnkv prompt: placeholders for keys, the images' pixels (and
+    Gemma 3's token types, which make its image tokens attend both ways)."""
+    plain = torch.tensor([model_ids(ids, model.image_token_id)])
+    kw = {"input_ids": plain}
+    if model.family == "gemma3_vision":
+        kw["token_type_ids"] = (plain == model.image_token_id).long()
+        if images:
+            kw["pixel_values"] = torch.cat([im.pixel_values for im in images])
+    elif images:
         kw["pixel_values"] = torch.cat([im.pixel_values for im in images])[None]
         kw["pixel_attention_mask"] = torch.cat([im.pixel_mask for im in images])[None]
     return kw
@@ -92,27 +98,46 @@ def chat_equals_folder_and_transformers(warm: Engine, folder_cold: Engine, hf, t
     assert warm.encoder_cache.stats()["encoded"] == encoded + 2
 
 
-# --- SmolVLM / Idefics3 ---------------------------------------------------------------------------
+# --- the families ---------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def smolvlm():
-    from transformers import SmolVLMForConditionalGeneration
+def as_stored_in_f16(hf, folder_engine) -> None:
+    """Gemma 3's projection as the file holds it: the converter writes mm.input_projection in F16
+    whatever the output type (llama.cpp issue 13025), so the references round it the same way."""
+    w = hf.model.multi_modal_projector.mm_input_projection_weight
+    with torch.no_grad():
+        w.copy_(w.half().float())
+        folder_engine.model.proj.copy_(folder_engine.model.proj.half().float())
+    assert torch.equal(folder_engine.model.proj, w)
 
-    text, mmproj, folder = pair("smolvlm")
+
+FAMILIES = {"smolvlm": ("SmolVLMForConditionalGeneration", "idefics3", None),
+            "gemma3": ("Gemma3ForConditionalGeneration", "gemma3_vision", as_stored_in_f16)}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request):
+    import transformers
+
+    cls, turnkv_family, fix = FAMILIES[request.param]
+    text, mmproj, folder = pair(request.param)
     warm = Engine.load(str(text), prompt_cache=PromptCache(1 << 30), **KW)       # the sibling mmproj found
     cold = Engine.load(str(folder), prompt_cache=PromptCache(0), **KW)
-    return warm, cold, SmolVLMForConditionalGeneration.from_pretrained(folder).eval()
+    hf = getattr(transformers, cls).from_pretrained(folder).eval()
+    if fix is not None:
+        fix(hf, cold)
+    assert warm.model.family == cold.model.family == turnkv_family
+    return warm, cold, hf
 
 
-def test_smolvlm_pair_logits_and_greedy_equal_transformers(smolvlm):
-    warm, _, hf = smolvlm
-    assert warm.model.family == "idefics3"
+def test_pair_logits_and_greedy_equal_transformers(family):
+    warm, _, hf = family
     images = logits_and_greedy_equal_transformers(warm, hf, [message("what is this", picture(0))])
-    assert images[0].grid == (2, 2) and images[0].n_rows == 5 * warm.model.tile_rows   # 64 px: 2 x 2 tiles + global
+    if warm.model.family == "idefics3":     # 64 px: 2 x 2 tiles + the global one
+        assert images[0].grid == (2, 2) and images[0].n_rows == 5 * warm.model.tile_rows
 
 
-def test_smolvlm_pair_chat_equals_the_folder_and_transformers(smolvlm):
-    chat_equals_folder_and_transformers(*smolvlm)
+def test_pair_chat_equals_the_folder_and_transformers(family):
+    chat_equals_folder_and_transformers(*family)
 
 
 def test_mmproj_is_found_named_or_refused(tmp_path):
@@ -140,3 +165,20 @@ def test_mmproj_is_found_named_or_refused(tmp_path):
         Engine.load(str(folder), mmproj=str(mmproj), **KW)
     with pytest.raises(ModelLoadError, match="pairs with a text GGUF of llama, not 'qwen3_5_text'"):
         Engine.load(str(FIXTURES / "qwen3_5" / "qwen3_5-f32.gguf"), mmproj=str(mmproj), **KW)
+
+
+def test_a_projector_turnkv_does_not_read_yet_is_a_clear_error(tmp_path):
+    """LFM2-VL's mmproj (projector type lfm2): the converter writes it, turnkv refuses it by name."""
+    import gguf
+
+    text, _, _ = pair("smolvlm")
+    path = tmp_path / "mmproj-lfm2.gguf"
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_string("clip.projector_type", "lfm2")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match=r"vision projector 'lfm2' \(LFM2-VL\) is not supported from GGUF"):
+        Engine.load(str(text), mmproj=str(path), **KW)

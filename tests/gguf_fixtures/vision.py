@@ -54,6 +54,57 @@ def make_smolvlm(folder: Path):
     return {"architectures": ["VLlama3ForCausalLM"]}
 
 
+GEMMA3_SPECIALS = ("<pad>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
+                   "<end_of_image>", "<image_soft_token>")
+
+
+def make_gemma3(folder: Path):
+    """SigLIP on 32 px images in 4 px patches, pooled to 16 image tokens; text window 16. The
+    processor's image_seq_length (16) sits in processor_config.json, where the converter reads it.
+    What a Gemma 3 GGUF cannot say is as released checkpoints have it: every sixth layer global
+    (llama.cpp's fixed pattern), query_pre_attn_scalar = head_dim (its attention scale)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    from turnkv.loading.tokenizer import shipped_template
+
+    torch.manual_seed(0)
+    ids = {t: GEMMA3_SPECIALS.index(t) for t in GEMMA3_SPECIALS}
+    cfg = Gemma3Config(
+        text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+                         sliding_window=16, max_position_embeddings=4096, pad_token_id=0, bos_token_id=1,
+                         eos_token_id=2),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=32, patch_size=4),
+        mm_tokens_per_image=16, image_token_index=ids["<image_soft_token>"], boi_token_index=ids["<start_of_image>"],
+        eoi_token_index=ids["<end_of_image>"])
+    hf = perturb(Gemma3ForConditionalGeneration(cfg))
+    with torch.no_grad():
+        hf.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.3)
+    hf.save_pretrained(folder)
+    released_names(folder, "vision_tower.", "vision_tower.vision_model.")
+    Gemma3ImageProcessorPil(size={"height": 32, "width": 32}, image_mean=[0.5, 0.4, 0.3],
+                            image_std=[0.5, 0.6, 0.7]).save_pretrained(folder)
+    (folder / "processor_config.json").write_text(json.dumps({"image_seq_length": 16,
+                                                              "processor_class": "Gemma3Processor"}))
+    byte_tokenizer(folder, VOCAB, GEMMA3_SPECIALS)
+    with_template(folder, shipped_template("gemma3"))
+    return {}
+
+
+def released_names(folder: Path, old: str, new: str) -> None:
+    """Rename the saved tensors ``old``* to ``new``*: the layout released checkpoints ship (and the
+    converter's tensor map knows) where transformers 5 saves another (Gemma 3's vision tower).
+    transformers and turnkv load both."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    save_file({(new + k[len(old):] if k.startswith(old) else k): v for k, v in tensors.items()}, path,
+              metadata={"format": "pt"})
+
+
 def with_template(folder: Path, template: str) -> None:
     """The family's chat template in tokenizer_config.json, where the converter reads it."""
     path = folder / "tokenizer_config.json"

@@ -21,12 +21,12 @@ import torch
 from ...errors import ModelLoadError
 from ..dequant import dequantize
 from ..reader import GGUFHeader, fingerprint, open_mmap, parse_header, read_header, release
-from . import idefics3
+from . import gemma3, idefics3
 from .layout import MmprojLayout
 
-LAYOUTS: dict[str, MmprojLayout] = {**idefics3.LAYOUTS}
+LAYOUTS: dict[str, MmprojLayout] = {**idefics3.LAYOUTS, **gemma3.LAYOUTS}
 # projector types of the vision families turnkv runs from folders whose GGUF pairing is not read yet
-NOT_YET: dict[str, str] = {}
+NOT_YET: dict[str, str] = {"lfm2": "LFM2-VL", "qwen3vl": "Qwen3-VL / Qwen3.5-VL"}
 
 
 @dataclass
