@@ -37,13 +37,19 @@ def message(text: str, img=None) -> dict:
 
 def hf_inputs(model, ids: list[int], images) -> dict:
     """transformers' inputs for a turnkv prompt: placeholders for keys, the images' pixels (and
-    Gemma 3's token types, which make its image tokens attend both ways)."""
+    Gemma 3's token types, which make its image tokens attend both ways, Qwen's grids and token
+    types, which place its image tokens at M-RoPE positions)."""
     plain = torch.tensor([model_ids(ids, model.image_token_id)])
     kw = {"input_ids": plain}
     if model.family == "gemma3_vision":
         kw["token_type_ids"] = (plain == model.image_token_id).long()
         if images:
             kw["pixel_values"] = torch.cat([im.pixel_values for im in images])
+    elif model.family == "qwen3_5_vl":
+        kw["mm_token_type_ids"] = (plain == model.image_token_id).long()
+        if images:
+            kw["pixel_values"] = torch.cat([im.pixel_values for im in images])
+            kw["image_grid_thw"] = torch.tensor([list(im.extra["grid_thw"]) for im in images])
     elif images:
         kw["pixel_values"] = torch.cat([im.pixel_values for im in images])[None]
         kw["pixel_attention_mask"] = torch.cat([im.pixel_mask for im in images])[None]
@@ -111,7 +117,8 @@ def as_stored_in_f16(hf, folder_engine) -> None:
 
 
 FAMILIES = {"smolvlm": ("SmolVLMForConditionalGeneration", "idefics3", None),
-            "gemma3": ("Gemma3ForConditionalGeneration", "gemma3_vision", as_stored_in_f16)}
+            "gemma3": ("Gemma3ForConditionalGeneration", "gemma3_vision", as_stored_in_f16),
+            "qwen3_5": ("Qwen3_5ForConditionalGeneration", "qwen3_5_vl", None)}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

@@ -2,14 +2,15 @@
 
     python tests/gguf_fixtures/vision.py --llama-cpp PATH/TO/llama.cpp FAMILY [FAMILY ...]
 
-For each family (smolvlm, ...) it builds the tiny random transformers vision model of
-tests/vision_chat.py (the text vocabulary widened to convert.py's byte tokenizer), saves it with its
+For each family (smolvlm, gemma3, qwen3_5) it builds the tiny random transformers vision model of
+tests/vision_chat.py (Gemma 3's here, as its family test builds it; the text vocabulary widened to convert.py's byte tokenizer), saves it with its
 image processor under `tests/gguf_fixtures/<family>_vision/hf/` (the reference the tests compare
 with), and converts that folder twice, as users of GGUF engines get vision models: the text model
 (`<family>_vision-f32.gguf`) and the vision tower + projector (`mmproj-<family>_vision-f32.gguf`,
-the converter's `--mmproj`). The folder's config is shown to the converter as released checkpoints
-write it where transformers 5 leaves a key out (`released_text_config`: SmolVLM's text
-architecture), as convert.py does for remote-code configs.
+the converter's `--mmproj`). The folder is shown to the converter as released checkpoints write it
+where transformers 5 saves otherwise (SmolVLM's text architecture, Gemma 3's tower tensor names), as
+convert.py does for remote-code configs; what a GGUF cannot say is set as released checkpoints
+and llama.cpp have it (each make_* says what).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def make_gemma3(folder: Path):
     torch.manual_seed(0)
     ids = {t: GEMMA3_SPECIALS.index(t) for t in GEMMA3_SPECIALS}
     cfg = Gemma3Config(
-        text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=6,
                          num_attention_heads=4, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
                          sliding_window=16, max_position_embeddings=4096, pad_token_id=0, bos_token_id=1,
                          eos_token_id=2),
@@ -90,6 +91,36 @@ def make_gemma3(folder: Path):
                                                               "processor_class": "Gemma3Processor"}))
     byte_tokenizer(folder, VOCAB, GEMMA3_SPECIALS)
     with_template(folder, shipped_template("gemma3"))
+    return {}
+
+
+QWEN3_5_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                    "<|image_pad|>")
+
+
+def make_qwen3_5(folder: Path):
+    """4 px patches merged 2 x 2, a 4 x 4 position table, M-RoPE over t / h / w. The image processor
+    keeps the pixel range an mmproj implies (llama.cpp's: 8 to 4096 merged tokens an image)."""
+    from transformers import Qwen3_5ForConditionalGeneration
+    from test_server_images_qwen3_5_vl import TEMPLATE
+    from vision_chat import tiny_qwen3_5_vl_config
+
+    torch.manual_seed(0)
+    ids = {t: QWEN3_5_SPECIALS.index(t) for t in QWEN3_5_SPECIALS}
+    cfg = tiny_qwen3_5_vl_config(ids["<|image_pad|>"], ids["<|vision_start|>"], ids["<|vision_end|>"])
+    # as released configs and llama.cpp's qwen35 loader have them: an MTP block counted (transformers
+    # saves no MTP weights), key and value head sizes of the delta-net equal
+    cfg.text_config.vocab_size, cfg.text_config.mtp_num_hidden_layers = VOCAB, 1
+    cfg.text_config.linear_value_head_dim = cfg.text_config.linear_key_head_dim
+    hf = perturb(Qwen3_5ForConditionalGeneration(cfg))
+    hf.save_pretrained(folder)
+    area = (4 * 2) ** 2
+    (folder / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "patch_size": 4, "temporal_patch_size": 2, "merge_size": 2,
+        "min_pixels": 8 * area, "max_pixels": 4096 * area, "image_mean": [0.5, 0.4, 0.3],
+        "image_std": [0.5, 0.6, 0.7]}))
+    byte_tokenizer(folder, VOCAB, QWEN3_5_SPECIALS)
+    with_template(folder, TEMPLATE)
     return {}
 
 

@@ -208,7 +208,7 @@ def load_checkpoint(model: str | os.PathLike, dtype: torch.dtype = torch.float32
             from .gguf.mmproj import load_mmproj
 
             mm = load_mmproj(mm_path, header, architecture, config, dtype, progress)
-            architecture, config = mm.layout.model_type, mm.config
+            architecture, config = mm.config["model_type"], mm.config
             tensors, quantized = {**mm.join(tensors), **mm.tensors}, mm.join(quantized)
             fp = f"{fp}+mmproj:{mm.fingerprint}"
             return Checkpoint(architecture, config, tensors, tokenizer, src.path, fp, src.name, quantized,

@@ -21,12 +21,12 @@ import torch
 from ...errors import ModelLoadError
 from ..dequant import dequantize
 from ..reader import GGUFHeader, fingerprint, open_mmap, parse_header, read_header, release
-from . import gemma3, idefics3
+from . import gemma3, idefics3, qwen3vl
 from .layout import MmprojLayout
 
-LAYOUTS: dict[str, MmprojLayout] = {**idefics3.LAYOUTS, **gemma3.LAYOUTS}
+LAYOUTS: dict[str, MmprojLayout] = {**idefics3.LAYOUTS, **gemma3.LAYOUTS, **qwen3vl.LAYOUTS}
 # projector types of the vision families turnkv runs from folders whose GGUF pairing is not read yet
-NOT_YET: dict[str, str] = {"lfm2": "LFM2-VL", "qwen3vl": "Qwen3-VL / Qwen3.5-VL"}
+NOT_YET: dict[str, str] = {"lfm2": "LFM2-VL"}
 
 
 @dataclass
@@ -102,6 +102,7 @@ def load_mmproj(path: str | Path, text: GGUFHeader, text_type: str, text_config:
         for g, t in tqdm(names.items(), desc=f"Loading {path.name}", unit="tensor", file=sys.stderr,
                          disable=not progress, leave=False):
             tensors[t] = layout.transform(t, dequantize(buf, h.tensors[g], torch.float32, path)).to(dtype)
+        tensors = layout.finish(tensors)
         settings = VisionSettings(layout.image_settings(h, config), {}, f"{path.name} clip.vision.*")
     finally:
         release(buf)

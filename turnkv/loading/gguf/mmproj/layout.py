@@ -17,7 +17,7 @@ class MmprojLayout:
     """How an mmproj of one projector type joins a text GGUF into a vision family's checkpoint."""
 
     family: str                        # the vision family, for messages
-    model_type: str                    # the transformers model_type of the joined checkpoint
+    model_type: str                    # the joined checkpoint's model_type (its family; build_config may refine it)
     text_types: tuple[str, ...]        # the text GGUF's model types this projector pairs with
     # (mmproj header, text header, text config) -> the joined config.json-style dict
     build_config: Callable[[GGUFHeader, GGUFHeader, dict], dict]
@@ -29,6 +29,8 @@ class MmprojLayout:
     image_settings: Callable[[GGUFHeader, dict], dict]
     # (transformers name, float32 tensor) -> the tensor before the converter's changes
     transform: Callable[[str, torch.Tensor], torch.Tensor] = field(default=lambda name, w: w)
+    # after every tensor is read: the vision tensors -> those the family takes (a split put back)
+    finish: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = field(default=lambda tensors: tensors)
 
 
 def clip_value(h: GGUFHeader, key: str, default=...):
