@@ -133,18 +133,55 @@ def family(request):
     if fix is not None:
         fix(hf, cold)
     assert warm.model.family == cold.model.family == turnkv_family
-    return warm, cold, hf
+    return warm, cold, hf, request.param
 
 
 def test_pair_logits_and_greedy_equal_transformers(family):
-    warm, _, hf = family
+    warm, _, hf, _ = family
     images = logits_and_greedy_equal_transformers(warm, hf, [message("what is this", picture(0))])
     if warm.model.family == "idefics3":     # 64 px: 2 x 2 tiles + the global one
         assert images[0].grid == (2, 2) and images[0].n_rows == 5 * warm.model.tile_rows
 
 
 def test_pair_chat_equals_the_folder_and_transformers(family):
-    chat_equals_folder_and_transformers(*family)
+    chat_equals_folder_and_transformers(*family[:3])
+
+
+def test_serve_with_mmproj_chats_as_the_folder(family):
+    """`turnkv serve -m TEXT.gguf --mmproj MMPROJ.gguf` over HTTP: a system prompt, pictures in turns
+    1 and 4, each reply equal to turnkv on the folder, turns 2-4 reuse all of the previous prompt and
+    at least 80% of theirs, each picture encoded once (docs/images.md)."""
+    import httpx
+    from live_server import serving
+
+    from turnkv.cli import build_parser
+    from turnkv.launch import engine_from
+    from turnkv.server.app import create_app
+
+    _, cold, _, name = family
+    text, mmproj, _ = pair(name)
+    args = build_parser().parse_args(["serve", "-m", str(text), "--mmproj", str(mmproj), "--prefill-chunk", "16",
+                                      "--max-context", "4096"])
+    system = {"role": "system", "content": " ".join(["the assistant describes pictures and answers briefly"] * 10)}
+    msgs, pictures, prev = [system], {0: picture(12), 3: picture(13, (45, 60))}, 0
+    with serving(create_app(engine_from(args, progress=False))) as url:
+        for t in range(4):
+            msgs.append(message(f"and now turn {t + 1}", pictures.get(t)))
+            r = httpx.post(url + "/v1/chat/completions", timeout=120,
+                           json={"messages": msgs, "max_tokens": 5, "temperature": 0})
+            assert r.status_code == 200, r.text
+            ref = cold.chat_request(msgs)
+            ref.params = greedy(5)
+            reply, usage = r.json()["choices"][0]["message"]["content"], r.json()["usage"]
+            assert reply == cold.generate(ref).text, f"turn {t + 1}"
+            assert usage["prompt_tokens"] == len(ref.prompt_ids)
+            if t:
+                cached = usage["prompt_tokens_details"]["cached_tokens"]
+                assert cached >= max(prev, 0.8 * usage["prompt_tokens"]), f"turn {t + 1}"
+            prev = usage["prompt_tokens"]
+            msgs.append({"role": "assistant", "content": reply})
+        stats = httpx.get(url + "/v1/cache/stats", timeout=10).json()
+    assert stats["images"]["encoded"] == 2
 
 
 def test_mmproj_is_found_named_or_refused(tmp_path):
