@@ -35,7 +35,7 @@ from .metrics import ServerMetrics
 from .routes import register_all
 from .schemas import NOT_FOUND, SERVER_ERROR, RequestError, error_body
 from .stats import memory_stats, store_stats
-from .streaming import CHAT, COMPLETIONS
+from .streaming import CHAT, COMPLETIONS, RESPONSES
 from .worker import EngineWorker
 
 __all__ = ["ServerConfig", "create_app"]
@@ -79,7 +79,7 @@ def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, err: RequestError):
-        if request.url.path in (CHAT, COMPLETIONS):
+        if request.url.path in (CHAT, COMPLETIONS, RESPONSES):
             metrics.rejected(request.url.path)
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 

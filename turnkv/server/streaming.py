@@ -16,7 +16,7 @@ from . import logprobs as lp_format
 from .schemas import SERVER_ERROR, RequestError
 from .worker import ChoiceEnd, Failed, Finished, Job
 
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 DISCONNECT_POLL_S = 0.5       # how often a waiting non-streaming request checks its client is still there
 
 

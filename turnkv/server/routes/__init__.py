@@ -7,9 +7,9 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from ..context import ServerContext
-from . import cache, completions, status, web
+from . import cache, completions, responses, status, web
 
-ROUTES = (completions, status, cache, web)
+ROUTES = (completions, responses, status, cache, web)
 
 
 def register_all(app: FastAPI, ctx: ServerContext) -> None:
