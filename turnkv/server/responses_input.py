@@ -100,6 +100,8 @@ def _content(content: Any, where: str) -> str | list[dict]:
             raise _bad(f"{at}: only input_image parts with an image_url (a data: URL) are supported", at)
         else:
             raise _bad(f"{at} must be an input_text, output_text or input_image part, got {kind!r}", at)
+    if all(p["type"] == "text" for p in parts):     # text only: joined as the chat path joins it
+        return "\n".join(p["text"] for p in parts)
     return parts
 
 
