@@ -191,15 +191,25 @@ class StatePool:
     def live_bytes(self) -> int:
         """Bytes the slots hold: every KV block some slot references (once, however many share
         it) and the slots' recurrent state."""
+        slots = list(self.slots)
+        other = sum(c.nbytes for slot in slots for c in slot.caches if not isinstance(c, KVCache))
+        return other + self.kv_bytes(slots)
+
+    @staticmethod
+    def kv_bytes(slots: list[SeqState]) -> int:
+        """Bytes of the KV blocks ``slots`` reference, each block once however many share it."""
         held: dict[int, tuple] = {}
-        other = 0
-        for slot in list(self.slots):
+        for slot in slots:
             for c in slot.caches:
                 if isinstance(c, KVCache):
                     held.setdefault(id(c.pool), (c.pool, set()))[1].update(c.block_ids())
-                else:
-                    other += c.nbytes
-        return other + sum(pool.block_bytes * len(ids) for pool, ids in held.values())
+        return sum(pool.block_bytes * len(ids) for pool, ids in held.values())
+
+    def kv_capacity_bytes(self, max_context: int, chunk: int) -> int:
+        """KV bytes of every slot holding a full context (windowed layers: their window), the room
+        live sequences can take; the prompt cache's budget comes on top (``reserve_plan``)."""
+        plan = reserve_plan(self.specs, self.block_pools, self.size, max_context, chunk, self.slack, 0, 1 << 62)
+        return sum(n * p.block_bytes for n, p in zip(plan, self.block_pools) if p is not None)
 
     @property
     def pool_bytes(self) -> int:

@@ -485,3 +485,11 @@ class Engine:
     @property
     def live_bytes(self) -> int:
         return self.pool.live_bytes
+
+    def kv_usage(self) -> float:
+        """The share of the live KV capacity (``--max-seqs`` full contexts) that running sequences
+        hold; blocks only the prompt cache or an idle slot holds are reusable room, as a cached
+        free block is in vLLM's ``kv_cache_usage_perc``. 0 for a model without attention layers."""
+        states = [seq.state for seq in list(self.scheduler.running) if seq.state is not None]
+        capacity = self.pool.kv_capacity_bytes(self.max_context, self.prefill_chunk)
+        return min(1.0, self.pool.kv_bytes(states) / capacity) if capacity else 0.0

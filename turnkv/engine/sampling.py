@@ -78,6 +78,7 @@ class SamplingParams:
     n: int = 1                         # choices sharing one prefill of the prompt
     speculative: str | None = None     # "off" | "ngram"; None: the engine's --speculative
     draft_max: int | None = None       # longest draft; None: the engine's --draft-max
+    skip_special_tokens: bool = True   # False: the text shows special tokens (EOS never: it ends the text)
 
     @property
     def greedy(self) -> bool:

@@ -125,7 +125,8 @@ class Sequence:
         # from a snapshot of its state at the prompt end (``fork_from``: snapshot and logits)
         self.forks: list[Sequence] = []
         self.fork_from: tuple | None = None
-        self.stop = StopMatcher(tokenizer, self.params.stop) if tokenizer is not None else None
+        self.stop = (StopMatcher(tokenizer, self.params.stop, self.params.skip_special_tokens)
+                     if tokenizer is not None else None)
         self.eos, self.budget = eos, budget
         self.status = WAITING
         self.state: SeqState | None = None

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 
 class StopMatcher:
-    def __init__(self, tokenizer, stops: list[str] | None = None):
-        self.decoder = tokenizer.stream_decoder(skip_special_tokens=True)
+    def __init__(self, tokenizer, stops: list[str] | None = None, skip_special_tokens: bool = True):
+        self.decoder = tokenizer.stream_decoder(skip_special_tokens=skip_special_tokens)
         self.stops = [s for s in (stops or []) if s]
         self.buffer = ""        # decoded text not yet emitted
         self.text = ""          # emitted text (the final answer once finished)

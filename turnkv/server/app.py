@@ -34,7 +34,7 @@ from .context import ServerConfig, ServerContext
 from .metrics import ServerMetrics
 from .routes import register_all
 from .schemas import NOT_FOUND, SERVER_ERROR, RequestError, error_body
-from .stats import memory_stats, store_stats
+from .stats import gateway_load, memory_stats, store_stats
 from .streaming import CHAT, COMPLETIONS, RESPONSES
 from .worker import EngineWorker
 
@@ -57,7 +57,8 @@ def create_app(engine, config: ServerConfig | None = None, engine_thread: bool =
     metrics = ServerMetrics(engine.name, cache_enabled)
     worker = EngineWorker(engine, on_done=metrics.observe, own_thread=engine_thread)
     metrics.bind(worker.pending, lambda: store_stats(engine),
-                 lambda: memory_stats(engine, store_stats(engine).get("bytes", 0)), lambda: worker.restarts)
+                 lambda: memory_stats(engine, store_stats(engine).get("bytes", 0)), lambda: worker.restarts,
+                 lambda: gateway_load(engine))
     ctx = ServerContext(engine, config, worker, metrics, cache_enabled, started=int(time.time()),
                         token_names=lp_format.TokenText(engine.tokenizer))
 

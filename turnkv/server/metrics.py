@@ -48,11 +48,18 @@ class ServerMetrics:
         self.cache_bytes = Gauge("turnkv_prompt_cache_bytes", "Bytes held by the prompt cache", registry=r)
         self.cache_entries = Gauge("turnkv_prompt_cache_entries", "Snapshots held by the prompt cache",
                                    registry=r)
+        self.model = model
+        self.prefix_tokens = [0, 0]       # (looked up, restored): the gateways' prefix-cache counters
 
     def bind(self, pending: Callable[[], int], cache_stats: Callable[[], dict],
-             memory: Callable[[], dict] | None = None, restarts: Callable[[], int] | None = None) -> None:
-        """Gauges read at scrape time from the worker's published state."""
+             memory: Callable[[], dict] | None = None, restarts: Callable[[], int] | None = None,
+             gateway: Callable[[], dict] | None = None) -> None:
+        """Gauges read at scrape time from the worker's published state; ``gateway``: the load
+        under the names gateways read (gateway_metrics.py)."""
         self.queue.set_function(pending)
+        if gateway is not None:
+            from .gateway_metrics import GatewayCollector
+            self.registry.register(GatewayCollector(self.model, gateway, lambda: tuple(self.prefix_tokens)))
         if memory is not None:
             for key, help_text in (("live_state_bytes", "Bytes of KV blocks and state live sequences hold"),
                                    ("kv_pool_bytes", "Bytes of the blocks the KV block pools have opened"),
@@ -81,6 +88,8 @@ class ServerMetrics:
         if self.cache_enabled:
             self.cache_queries.inc(usage.prompt_tokens)
             self.cache_hits.inc(usage.cached_tokens)
+            self.prefix_tokens = [self.prefix_tokens[0] + usage.prompt_tokens,
+                                  self.prefix_tokens[1] + usage.cached_tokens]
         if stats.drafted:
             self.drafted.labels(kind=stats.speculative).inc(stats.drafted)
             self.accepted.labels(kind=stats.speculative).inc(stats.accepted)

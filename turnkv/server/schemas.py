@@ -145,6 +145,10 @@ class _Sampling(_Strict):
     stop_token_ids: list[StrictInt] | None = None              # vLLM's extension
     speculative: Literal["off", "ngram"] | None = None          # turnkv's: docs/speculative.md
     draft_max: StrictInt | None = Field(None, ge=1, le=64)
+    # SGLang's fields, which sglang-router adds to every body it forwards (docs/scale-out.md)
+    skip_special_tokens: StrictBool = True
+    no_stop_trim: StrictBool = False
+    return_hidden_states: StrictBool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -183,12 +187,18 @@ class _Sampling(_Strict):
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, message) for each field set to a value turnkv does not implement."""
-        return []
+        out = []
+        if self.no_stop_trim:
+            out.append(("no_stop_trim", "no_stop_trim is not supported: a matched stop string is never returned"))
+        if self.return_hidden_states:
+            out.append(("return_hidden_states", "return_hidden_states is not supported"))
+        return out
 
     def scoring(self) -> dict[str, Any]:
         """The SamplingParams fields this request sets beyond the basic ones (penalties, bias, n,
         logprobs); absent fields keep the server's defaults."""
-        out: dict[str, Any] = {"n": self.n, "presence_penalty": self.presence_penalty,
+        out: dict[str, Any] = {"n": self.n, "skip_special_tokens": self.skip_special_tokens,
+                               "presence_penalty": self.presence_penalty,
                                "frequency_penalty": self.frequency_penalty,
                                "logit_bias": {int(k): float(v) for k, v in (self.logit_bias or {}).items()}}
         if self.repetition_penalty is not None:
@@ -214,6 +224,10 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: StrictBool | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None   # extra chat-template variables (vLLM's field)
+    continue_final_message: StrictBool = False              # SGLang's / vLLM's; only false is supported
+    # turnkv has no reasoning parser: a model's reasoning stays in content, either value is served alike
+    separate_reasoning: StrictBool = True
+    stream_reasoning: StrictBool = True
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -246,7 +260,11 @@ class ChatCompletionRequest(_Sampling):
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def unsupported(self) -> list[tuple[str, str]]:
-        return super().unsupported()
+        out = super().unsupported()
+        if self.continue_final_message:
+            out.append(("continue_final_message", "continue_final_message is not supported: every chat "
+                        "ends with the template's generation prompt"))
+        return out
 
     def scoring(self) -> dict[str, Any]:
         out = super().scoring()

@@ -12,6 +12,19 @@ def store_stats(engine, owner: str | None = None) -> dict:
     return out
 
 
+def gateway_load(engine) -> dict:
+    """The engine's load as gateways read it (gateway_metrics.py): requests waiting and running, the
+    share of the live KV capacity in use, the KV block size and that capacity in blocks."""
+    from ..cache.blocks import BLOCK
+    running = len(engine.scheduler.running)
+    try:
+        usage = engine.kv_usage()
+    except RuntimeError:         # a slot changed under us (the engine thread): report 0 this time
+        usage = 0.0
+    return {"waiting": max(0, engine.pending() - running), "running": running, "kv_usage": usage,
+            "block_size": BLOCK, "kv_blocks": engine.scheduler.max_seqs * -(-engine.max_context // BLOCK)}
+
+
 def memory_stats(engine, cache_bytes: int) -> dict:
     """Where the process's memory goes: the KV blocks and recurrent state live sequences hold, the
     prompt cache's blocks (the two overlap where they share blocks), everything the KV block
