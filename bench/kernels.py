@@ -46,6 +46,11 @@ def random_weight(qtype: Q, n: int, k: int, seed: int = 0) -> GGUFWeight:
     half = lambda: rng.uniform(1e-4, 1e-3, size=(n, k // block)).astype(np.float16).view(np.uint8).reshape(n, -1, 2)
     if qtype == Q.Q6_K:
         b[..., 208:210] = half()
+    elif qtype == Q.Q3_K:
+        b[..., 108:110] = half()
+    elif qtype == Q.Q2_K:
+        b[..., 80:82] = half()
+        b[..., 82:84] = half()
     else:
         b[..., 0:2] = half()
         if qtype in (Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K):

@@ -3,9 +3,10 @@ makes (F.linear on the dequantized weight), alternated in one process so that a 
 machine's load falls on both; medians of rounds.
 
     .venv/bin/python bench/native_vs_float.py [--types IQ4_NL,IQ4_XS,F16,BF16] [--threads 1]
+        [--shapes 8192x2048,2048x8192] [--rows 1,8]
 
-[8192, 2048] (Llama-3.2-1B's gate / up), M = 1 (decode) and 8 (a decode batch); each call
-cycles through 4 random copies so the weights come from memory, not the cache.
+[N, K] = [8192, 2048] (Llama-3.2-1B's gate / up) by default, M = 1 (decode) and 8 (a decode
+batch); each call cycles through 4 random copies so the weights come from memory, not the cache.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import turnkv.kernels as tk  # noqa: E402
 from bench.kernels import random_weight  # noqa: E402
 from bench.machine import cpu_model  # noqa: E402
 
-N, K, COPIES = 8192, 2048, 4
+COPIES = 4
 
 
 def per_call(fn, items) -> float:
@@ -41,22 +42,31 @@ def main() -> None:
     ap.add_argument("--types", default="IQ4_NL,IQ4_XS,F16,BF16,Q4_0,Q4_K")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--shapes", default="8192x2048", help="N x K of the weight, comma-separated")
+    ap.add_argument("--rows", default="1,8", help="activation rows M, comma-separated")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"CPU: {cpu_model()} | threads {args.threads} | kernels: {tk.kernel_info()} | [N, K] = [{N}, {K}]")
-    for name in args.types.split(","):
-        ws = [random_weight(Q[name], N, K, seed=i) for i in range(COPIES)]
-        fs = [w.dequantize() for w in ws]
-        for m in (1, 8):
-            x = torch.randn(m, K)
-            tn, tf = [], []
-            for _ in range(args.rounds):
-                tn.append(per_call(lambda w: w.matmul(x), ws))
-                tf.append(per_call(lambda f: F.linear(x, f), fs))
-            a, b = statistics.median(tn), statistics.median(tf)
-            print(f"{name:7} M={m}: native {a * 1e3:7.3f} ms ({ws[0].nbytes / a / 1e9:5.1f} GB/s), float32 copy "
-                  f"{b * 1e3:7.3f} ms -> {b / a:5.2f}x; {ws[0].nbytes / 2**20:.1f} vs {fs[0].numel() * 4 / 2**20:.1f} MiB",
-                  flush=True)
+    print(f"CPU: {cpu_model()} | threads {args.threads} | kernels: {tk.kernel_info()}")
+    for shape in args.shapes.split(","):
+        n, k = (int(v) for v in shape.split("x"))
+        print(f"[N, K] = [{n}, {k}]")
+        for name in args.types.split(","):
+            run_type(Q[name], n, k, [int(m) for m in args.rows.split(",")], args.rounds)
+
+
+def run_type(qtype: Q, n: int, k: int, rows: list[int], rounds: int) -> None:
+    ws = [random_weight(qtype, n, k, seed=i) for i in range(COPIES)]
+    fs = [w.dequantize() for w in ws]
+    for m in rows:
+        x = torch.randn(m, k)
+        tn, tf = [], []
+        for _ in range(rounds):
+            tn.append(per_call(lambda w: w.matmul(x), ws))
+            tf.append(per_call(lambda f: F.linear(x, f), fs))
+        a, b = statistics.median(tn), statistics.median(tf)
+        print(f"{qtype.name:7} M={m}: native {a * 1e3:7.3f} ms ({ws[0].nbytes / a / 1e9:5.1f} GB/s), float32 copy "
+              f"{b * 1e3:7.3f} ms -> {b / a:5.2f}x; {ws[0].nbytes / 2**20:.1f} vs {fs[0].numel() * 4 / 2**20:.1f} MiB",
+              flush=True)
 
 
 if __name__ == "__main__":

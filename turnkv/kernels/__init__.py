@@ -155,6 +155,13 @@ _FIELDS = {
     _Q.Q6_K: (4,) * 32 + (4,) * 16 + (4,) * 4 + (2,),         # ql, qh, scales, d
     _Q.IQ4_NL: (2,) + (4,) * 4,                               # d, qs
     _Q.IQ4_XS: (2, 2, 4) + (4,) * 32,                         # d, scales_h, scales_l, qs
+    _Q.Q2_K: (4,) * 4 + (4,) * 16 + (2, 2),                   # scales, qs, d, dmin
+    _Q.Q3_K: (4,) * 8 + (4,) * 16 + (4,) * 3 + (2,),          # hmask, qs, scales, d
+    _Q.IQ2_XXS: (2,) + (4,) * 16,                             # d, qs (indices, signs + scale)
+    _Q.IQ2_XS: (2,) + (4,) * 16 + (4,) * 2,                   # d, qs, scales
+    _Q.IQ2_S: (2,) + (4,) * 8 + (4,) * 8 + (4,) * 2 + (4,) * 2,   # d, qs, signs, qh, scales
+    _Q.IQ3_XXS: (2,) + (4,) * 16 + (4,) * 8,                  # d, qs, scales and signs
+    _Q.IQ3_S: (2,) + (4,) * 16 + (4,) * 2 + (4,) * 8 + (4,),  # d, qs, qh, signs, scales
     _Q.F16: (2,),                                             # one value a "block"
     _Q.BF16: (2,),
 }

@@ -16,6 +16,10 @@ The math, which the native kernels reproduce bit for bit (docs/kernels.md):
   - Q6_K:               ``t = (d * dx) * float(sum_{two 16-value halves i} sc_i (dot_i - 32 bsum_i))``
   - IQ4_XS:             ``t = (d * dx) * float(sc * dot)``, sc = the sub-block's 6-bit scale - 32,
                         dot over the table values
+  - Q3_K and the IQ2 / IQ3 grid types: as Q6_K, ``t = (d * dx) * float(sum_i sc_i dot_i)`` over the
+                        chunk's two 16-value halves (Q3_K: dot over q - 4; IQ: over the signed grid
+                        values, d times a power of two); Q2_K: that ``- (dmin * dx) * float(sum_i
+                        m_i bsum_i)`` (lowbit.py)
 
 * The output is ``((t_0 + t_1) + t_2) + ...``: blocks added in order, one float32 accumulator per
   output element. Nothing depends on M, on the other rows, or on the thread count.
@@ -30,10 +34,14 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 import gguf.quants
 
-SUPPORTED = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.F16, Q.BF16)
+from .lowbit import LOWBIT, unpack as unpack_lowbit
+
+SUPPORTED = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.F16, Q.BF16,
+             Q.Q3_K, Q.Q2_K, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S)
 FLOAT_W = (Q.F16, Q.BF16)   # float weights kept as stored, float32 activations
-# 256-value super-blocks with per-32 integer scales (IQ4_XS is laid out and computed like them)
-K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)
+# 256-value super-blocks with per-32 or per-16 integer scales (IQ4_XS and the low-bit types are
+# computed like them)
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS) + LOWBIT
 # IQ4_NL / IQ4_XS: 4-bit indices into this table (ggml's kvalues_iq4nl)
 IQ4_VALUES = torch.tensor(gguf.quants.IQ4_NL.kvalues, dtype=torch.int32)
 # bound on M * N * blocks elements per reference chunk (memory of the fallback path)
@@ -88,6 +96,16 @@ def _scale_min_k4(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([lo_s, hi_s], -1), torch.cat([lo_m, hi_m], -1)
 
 
+def _iq4xs(b: torch.Tensor) -> dict:
+    n = b.shape[0]
+    sh = b[..., 2].to(torch.int32) | (b[..., 3].to(torch.int32) << 8)          # [N, nsb]
+    sl = b[..., 4:8].to(torch.int32).repeat_interleave(2, -1)                 # [N, nsb, 8]
+    j = torch.arange(8, dtype=torch.int32, device=b.device)
+    sc = (((sl >> (4 * (j % 2))) & 0xF) | (((sh.unsqueeze(-1) >> (2 * j)) & 3) << 4)) - 32
+    q = IQ4_VALUES.to(b.device)[_nibbles(b[..., 8:].reshape(n, -1, 8, 16))]  # [N, nsb, 8, 32]
+    return {"w": (q * sc.unsqueeze(-1)).reshape(n, -1, 256), "mn": None, "d": _f16(b[..., 0:2]), "dmin": None}
+
+
 def unpack(raw: torch.Tensor, qtype: Q, k: int) -> dict:
     """raw uint8 [N, row_bytes] -> integer weights and per-block float scales.
 
@@ -98,6 +116,8 @@ def unpack(raw: torch.Tensor, qtype: Q, k: int) -> dict:
     block, size = GGML_QUANT_SIZES[qtype]
     n = raw.shape[0]
     b = raw.reshape(n, k // block, size)
+    if qtype in LOWBIT:
+        return unpack_lowbit(b, qtype)
     if qtype == Q.Q8_0:
         return {"w": b[..., 2:].contiguous().view(torch.int8).to(torch.int32), "d": _f16(b[..., 0:2]), "m": None}
     if qtype == Q.Q4_0:
@@ -105,12 +125,7 @@ def unpack(raw: torch.Tensor, qtype: Q, k: int) -> dict:
     if qtype == Q.IQ4_NL:
         return {"w": IQ4_VALUES.to(raw.device)[_nibbles(b[..., 2:])], "d": _f16(b[..., 0:2]), "m": None}
     if qtype == Q.IQ4_XS:
-        sh = b[..., 2].to(torch.int32) | (b[..., 3].to(torch.int32) << 8)          # [N, nsb]
-        sl = b[..., 4:8].to(torch.int32).repeat_interleave(2, -1)                 # [N, nsb, 8]
-        j = torch.arange(8, dtype=torch.int32, device=raw.device)
-        sc = (((sl >> (4 * (j % 2))) & 0xF) | (((sh.unsqueeze(-1) >> (2 * j)) & 3) << 4)) - 32
-        q = IQ4_VALUES.to(raw.device)[_nibbles(b[..., 8:].reshape(n, -1, 8, 16))]  # [N, nsb, 8, 32]
-        return {"w": (q * sc.unsqueeze(-1)).reshape(n, -1, 256), "mn": None, "d": _f16(b[..., 0:2]), "dmin": None}
+        return _iq4xs(b)
     if qtype == Q.Q4_1:
         return {"w": _nibbles(b[..., 4:]), "d": _f16(b[..., 0:2]), "m": _f16(b[..., 2:4])}
     if qtype == Q.Q5_0:
@@ -179,7 +194,7 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: Q, n: int, k: int) -> torc
         if qtype in (Q.Q4_1, Q.Q5_1):
             sx = dx * bsx  # [M, nb]
             t = t + u["m"].unsqueeze(0) * sx.unsqueeze(1)
-        elif qtype in (Q.Q4_K, Q.Q5_K):
+        elif u.get("mn") is not None:   # Q4_K, Q5_K, Q2_K
             mn = u["mn"].reshape(nc, nb, 32).to(torch.float64)
             imn = torch.einsum("mbk,nbk->mnb", xq64, mn).to(torch.float32)
             t = t - (u["dmin"].repeat_interleave(8, 1).unsqueeze(0) * dx.unsqueeze(1)) * imn

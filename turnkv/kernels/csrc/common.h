@@ -8,7 +8,9 @@
 namespace tkv {
 
 // ggml type ids
-enum QType : int { F16 = 1, BF16 = 30, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23 };
+enum QType : int { F16 = 1, BF16 = 30, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12,
+                   Q5_K = 13, Q6_K = 14, IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22,
+                   IQ4_XS = 23 };
 
 // IQ4_NL / IQ4_XS: a 4-bit index into this non-linear table of int8 values (ggml's kvalues_iq4nl)
 alignas(16) static const int8_t kIQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -29,18 +31,25 @@ extern int g_fused_rows;    // the paired limit in force (set_fused_rows, 8..FUS
 inline int fused_rows_for(int isa) { return isa >= 2 && g_pair ? g_fused_rows : 8; }
 
 inline bool is_kquant(int qt) { return qt == Q4_K || qt == Q5_K || qt == Q6_K; }
-// 256-value super-blocks with 32-value sub-block scales: the k-quants and IQ4_XS
-inline bool is_super(int qt) { return is_kquant(qt) || qt == IQ4_XS; }
+// the 2- and 3-bit types (lowbit.h): 256-value super-blocks decoded to int8 values and one
+// integer scale (and, Q2_K, min) per 16 values
+inline constexpr bool is_lowbit(int qt) {
+    return qt == Q2_K || qt == Q3_K || qt == IQ2_XXS || qt == IQ2_XS || qt == IQ2_S || qt == IQ3_XXS || qt == IQ3_S;
+}
+// 256-value super-blocks with 32- or 16-value sub-block scales: the k-quants, IQ4_XS, the low-bit types
+inline bool is_super(int qt) { return is_kquant(qt) || qt == IQ4_XS || is_lowbit(qt); }
 // weights signed as decoded (int8): Q8_0 as stored, the IQ4 types' table values
 inline constexpr bool signed_w(int qt) { return qt == Q8_0 || qt == IQ4_NL || qt == IQ4_XS; }
 inline int block_elems(int qt) { return is_super(qt) ? 256 : 32; }
 // F16 / BF16 weights: their own matmul (float_matmul.inc), float activations, no blocks
 inline bool is_float_w(int qt) { return qt == F16 || qt == BF16; }
-inline int block_bytes(int qt) {
+inline constexpr int block_bytes(int qt) {
     switch (qt) {
         case Q4_0: return 18; case Q4_1: return 20; case Q5_0: return 22; case Q5_1: return 24;
         case Q8_0: return 34; case Q4_K: return 144; case Q5_K: return 176; case Q6_K: return 210;
         case IQ4_NL: return 18; case IQ4_XS: return 136;
+        case Q2_K: return 84; case Q3_K: return 110; case IQ2_XXS: return 66; case IQ2_XS: return 74;
+        case IQ2_S: return 82; case IQ3_XXS: return 98; case IQ3_S: return 110;
     }
     return 0;
 }
@@ -68,6 +77,13 @@ inline int block_fields(int qt, int* w) {
         case Q6_K: add(4, 32); add(4, 16); add(4, 4); add(2, 1); break; // ql, qh, scales, d
         case IQ4_NL: add(2, 1); add(4, 4); break;                      // d, qs (Q4_0's layout)
         case IQ4_XS: add(2, 2); add(4, 1); add(4, 32); break;          // d, scales_h, scales_l, qs
+        case Q2_K: add(4, 4); add(4, 16); add(2, 2); break;            // scales, qs, d, dmin
+        case Q3_K: add(4, 8); add(4, 16); add(4, 3); add(2, 1); break; // hmask, qs, scales, d
+        case IQ2_XXS: add(2, 1); add(4, 16); break;                    // d, qs (indices, signs + scale)
+        case IQ2_XS: add(2, 1); add(4, 16); add(4, 2); break;          // d, qs, scales
+        case IQ2_S: add(2, 1); add(4, 8); add(4, 8); add(4, 2); add(4, 2); break;  // d, qs, signs, qh, scales
+        case IQ3_XXS: add(2, 1); add(4, 16); add(4, 8); break;         // d, qs, scales and signs
+        case IQ3_S: add(2, 1); add(4, 16); add(4, 2); add(4, 8); add(4, 1); break;  // d, qs, qh, signs, scales
     }
     return n;
 }
@@ -160,8 +176,8 @@ struct Scratch {
     float* d;          // [nblocks][TILE]
     float* m;          // [nblocks][TILE]   (Q4_1/Q5_1 min, k-quant dmin)
     int16_t* lsc;      // k-quants: [TILE][K/32][8] per-lane integer scale
-    int32_t* rsc;      // Q4_K/Q5_K: [nsb][8][TILE] mins; Q6_K: [nsb][16][TILE] scales
-    int32_t* csc;      // SIMD Q4_K/Q5_K/IQ4_XS: [nsb][8][TILE] scales
+    int32_t* rsc;      // Q4_K/Q5_K: [nsb][8][TILE] mins; Q6_K and the low-bit types: [nsb][16][TILE] scales
+    int32_t* csc;      // SIMD Q4_K/Q5_K/IQ4_XS: [nsb][8][TILE] scales; Q2_K: [nsb][16][TILE] mins
     uint16_t* hd;      // SIMD: [nblocks][TILE] the blocks' float16 scale d, as stored
     uint16_t* hm;      // SIMD: [nblocks][TILE] float16 min m / dmin, as stored
     uint8_t* zero;     // a tile of 8 zero rows (valid blocks with scale 0): a 16-row tile's missing half

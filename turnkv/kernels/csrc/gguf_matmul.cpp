@@ -13,6 +13,7 @@
 #include <algorithm>
 
 #include "common.h"
+#include "lowbit.h"
 #include "cpu_family.h"
 #include "write_attend.h"
 

@@ -1,0 +1,159 @@
+// turnkv: the 2- and 3-bit GGUF types (Q2_K, Q3_K, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S), one
+// 256-value super-block of one row decoded to what the integer dot products take (docs/kernels.md):
+//
+//   t = (d * dx) * float(sum over the chunk's two 16-value halves h of sc_h * dot_h)
+//       [Q2_K: - (dmin * dx) * float(sum_h mn_h * bsum_h)]
+//
+// dot_h = sum (v - offset) * xq over the half's 16 values: Q2_K / Q3_K keep their stored unsigned
+// q (0..3 / 0..7; Q3_K's offset 4 comes off through the activation sums), the IQ types their
+// signed grid values (grid entry times its signs, |v| <= 62). d is the block's float16 scale times
+// a power of two (exact): ggml's IQ2 scale d * (0.5 + s) / 4 is d / 8 * (2 s + 1), IQ3_XXS's
+// d * (0.5 + s) / 2 is d / 4 * (2 s + 1), so every sub-block scale is an integer.
+#pragma once
+#include "common.h"
+#include "lowbit_grids.h"
+
+namespace tkv {
+
+struct LowBlock {
+    int8_t v[256];
+    int32_t sc[16];   // per 16 values
+    int32_t mn[16];   // Q2_K; 0 otherwise
+    uint16_t d, dmin; // float16 as stored (dmin: Q2_K)
+};
+
+// the power of two the block's d is taken times (exact in float32)
+inline constexpr float lowbit_dscale(int qt) {
+    return qt == IQ2_XXS || qt == IQ2_XS || qt == IQ2_S ? 0.125f : qt == IQ3_XXS ? 0.25f : 1.f;
+}
+// the offset subtracted from each stored value (Q3_K: q - 4)
+inline constexpr int lowbit_offset(int qt) { return qt == Q3_K ? 4 : 0; }
+inline constexpr bool lowbit_signed(int qt) { return is_lowbit(qt) && qt != Q2_K && qt != Q3_K; }
+
+// The grids expanded (one byte a value) and the sign masks: an 8-value group's signs as 8 bytes
+// of 0xFF (negative) / 0x00, from the 8 sign bits (IQ2_S, IQ3_S) or from 7 bits and their parity
+// (ggml's ksigns: IQ2_XXS, IQ2_XS, IQ3_XXS).
+struct LowTables {
+    uint64_t iq2xxs[256], iq2xs[512], iq2s[1024], sign8[256], sign7[128];
+    uint32_t iq3xxs[256], iq3s[512];
+};
+
+inline LowTables make_low_tables() {
+    LowTables t;
+    auto iq2 = [](const uint16_t* packed, int n, uint64_t* out) {
+        static const uint8_t map[4] = {0x08, 0x19, 0x2b, 0};
+        for (int e = 0; e < n; e++) {
+            uint64_t v = 0;
+            for (int j = 0; j < 8; j++) v |= (uint64_t)map[(packed[e] >> (2 * j)) & 3] << (8 * j);
+            out[e] = v;
+        }
+    };
+    auto iq3 = [](const uint16_t* packed, int n, const uint8_t* map, uint32_t* out) {
+        for (int e = 0; e < n; e++) {
+            uint32_t v = 0;
+            for (int j = 0; j < 4; j++) v |= (uint32_t)map[(packed[e] >> (4 * j)) & 0xF] << (8 * j);
+            out[e] = v;
+        }
+    };
+    static const uint8_t map3xxs[16] = {0x04, 0x0c, 0x14, 0x1c, 0x24, 0x2c, 0x34, 0x3e};
+    static const uint8_t map3s[16] = {0x01, 0x03, 0x05, 0x07, 0x09, 0x0b, 0x0d, 0x0f};
+    iq2(kIQ2XXSPacked, 256, t.iq2xxs);
+    iq2(kIQ2XSPacked, 512, t.iq2xs);
+    iq2(kIQ2SPacked, 1024, t.iq2s);
+    iq3(kIQ3XXSPacked, 256, map3xxs, t.iq3xxs);
+    iq3(kIQ3SPacked, 512, map3s, t.iq3s);
+    auto mask = [](int bits) {
+        uint64_t m = 0;
+        for (int i = 0; i < 8; i++)
+            if ((bits >> i) & 1) m |= (uint64_t)0xFF << (8 * i);
+        return m;
+    };
+    for (int b = 0; b < 256; b++) t.sign8[b] = mask(b);
+    for (int b = 0; b < 128; b++) t.sign7[b] = mask(b | ((__builtin_popcount(b) & 1) << 7));
+    return t;
+}
+
+static const LowTables kLow = make_low_tables();
+
+inline uint32_t rd32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
+
+// 8 grid values (bytes, all 1..62) with their signs: -v is ~v + 1 bytewise, no carry between bytes
+inline void put8(int8_t* o, uint64_t g, uint64_t m) {
+    const uint64_t v = (g ^ m) + (m & 0x0101010101010101ULL);
+    std::memcpy(o, &v, 8);
+}
+
+inline void decode_k(int qt, const uint8_t* p, LowBlock& o) {
+    const bool q3 = qt == Q3_K;
+    const uint8_t* qs = p + (q3 ? 32 : 16);
+    for (int n = 0; n < 2; n++)
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++) {
+                int v = (qs[32 * n + l] >> (2 * j)) & 3;
+                if (q3) v |= ((p[l] >> (4 * n + j)) & 1) << 2;   // hmask bit 4n + j of byte l
+                o.v[128 * n + 32 * j + l] = (int8_t)v;
+            }
+    for (int i = 0; i < 16; i++) {
+        if (q3) {   // 4 low bits in bytes 0..7 (high nibbles for 8..15), 2 high bits in bytes 8..11
+            const int lo = (p[96 + i % 8] >> (4 * (i / 8))) & 0xF, hi = (p[104 + i % 4] >> (2 * (i / 4))) & 3;
+            o.sc[i] = (lo | (hi << 4)) - 32;
+            o.mn[i] = 0;
+        } else {
+            o.sc[i] = p[i] & 0xF;
+            o.mn[i] = p[i] >> 4;
+        }
+    }
+    o.d = rd16(p + (q3 ? 108 : 80));
+    o.dmin = q3 ? 0 : rd16(p + 82);
+}
+
+// one super-block of one row, p in GGUF's block layout
+inline void decode_lowbit(int qt, const uint8_t* p, LowBlock& o) {
+    const LowTables& T = kLow;
+    if (qt == Q2_K || qt == Q3_K) return decode_k(qt, p, o);
+    o.d = rd16(p);
+    o.dmin = 0;
+    for (int i = 0; i < 16; i++) o.mn[i] = 0;
+    for (int ib = 0; ib < 8; ib++) {
+        int8_t* v = o.v + 32 * ib;
+        int s0 = 0, s1 = 0;
+        if (qt == IQ2_XXS) {
+            const uint8_t* q = p + 2 + 8 * ib;
+            const uint32_t a = rd32(q + 4);
+            for (int l = 0; l < 4; l++) put8(v + 8 * l, T.iq2xxs[q[l]], T.sign7[(a >> (7 * l)) & 127]);
+            s0 = s1 = 2 * (int)(a >> 28) + 1;
+        } else if (qt == IQ2_XS) {
+            for (int l = 0; l < 4; l++) {
+                const uint16_t q = rd16(p + 2 + 2 * (4 * ib + l));
+                put8(v + 8 * l, T.iq2xs[q & 511], T.sign7[q >> 9]);
+            }
+            s0 = 2 * (p[66 + ib] & 0xF) + 1;
+            s1 = 2 * (p[66 + ib] >> 4) + 1;
+        } else if (qt == IQ2_S) {
+            for (int l = 0; l < 4; l++) {
+                const int idx = p[2 + 4 * ib + l] | (((p[66 + ib] >> (2 * l)) & 3) << 8);
+                put8(v + 8 * l, T.iq2s[idx], T.sign8[p[34 + 4 * ib + l]]);
+            }
+            s0 = 2 * (p[74 + ib] & 0xF) + 1;
+            s1 = 2 * (p[74 + ib] >> 4) + 1;
+        } else if (qt == IQ3_XXS) {
+            const uint8_t* q = p + 2 + 8 * ib;
+            const uint32_t a = rd32(p + 66 + 4 * ib);
+            for (int l = 0; l < 4; l++)
+                put8(v + 8 * l, T.iq3xxs[q[2 * l]] | (uint64_t)T.iq3xxs[q[2 * l + 1]] << 32, T.sign7[(a >> (7 * l)) & 127]);
+            s0 = s1 = 2 * (int)(a >> 28) + 1;
+        } else {  // IQ3_S
+            const uint8_t* q = p + 2 + 8 * ib;
+            const int qh = p[66 + ib];
+            for (int l = 0; l < 4; l++) {
+                const int i0 = q[2 * l] | (((qh >> (2 * l)) & 1) << 8), i1 = q[2 * l + 1] | (((qh >> (2 * l + 1)) & 1) << 8);
+                put8(v + 8 * l, T.iq3s[i0] | (uint64_t)T.iq3s[i1] << 32, T.sign8[p[74 + 4 * ib + l]]);
+            }
+            s0 = s1 = 1 + 2 * ((p[106 + ib / 2] >> (4 * (ib % 2))) & 0xF);
+        }
+        o.sc[2 * ib] = s0;
+        o.sc[2 * ib + 1] = s1;
+    }
+}
+
+}  // namespace tkv
