@@ -237,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {DEFAULT_MAX_BATCH_TOKENS})")
     b.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help=f"requests waiting for a slot before the server answers 429 (default {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--kv-events", default=None, metavar="ENDPOINT", help="publish what the prompt cache can "
+                   "restore as vLLM's KV events on a ZMQ PUB socket, e.g. tcp://*:5557 (docs/scale-out.md)")
     p.set_defaults(func=cmd_serve)
     return parser
 

@@ -258,6 +258,11 @@ def engine_from(args, progress: bool = True):
         cache.attach(build_tiers(engine.fingerprint, args.cache_dir, args.disk_cache_mb, args.redis_url,
                                  args.redis_cache_mb, args.redis_timeout_ms / 1000,
                                  keep_turns=getattr(args, "tier_keep_turns", 1)), engine.family, engine.device)
+    if getattr(args, "kv_events", None):
+        from .prompt_cache.kv_events import ZmqPublisher
+        publisher = ZmqPublisher(args.kv_events)
+        cache.publish_events(publisher.publish)
+        print(f"turnkv: KV events on {publisher.endpoint} (vLLM's schema, docs/scale-out.md)", file=sys.stderr)
     if getattr(args, "chat_template", None) and engine.tokenizer is not None:
         from .loading.tokenizer import chat_template_source
         engine.tokenizer = engine.tokenizer.with_template(chat_template_source(args.chat_template),

@@ -137,9 +137,19 @@ class PromptCache:
         self._bytes = 0
         self._counts: dict[str, Counter[str]] = {}           # owner -> COUNTERS
         self._refusals: Counter[str] = Counter()
+        self._events = None        # a kv_events.BlockIndex when KV events are published (--kv-events)
 
     def _count(self, owner: str, name: str, n: int = 1) -> None:
         self._counts.setdefault(owner, Counter())[name] += n
+
+    def publish_events(self, publish) -> None:
+        """Announce what the cache can restore as KV events through ``publish(events)`` (called
+        under the store's lock; it must not block), starting from what it holds now."""
+        from .kv_events import BlockIndex
+        with self._lock:
+            self._events = BlockIndex(publish)
+            for entry in self._lru.values():
+                self._events.stored(entry.ns, entry.tokens, entry.lo)
 
     @property
     def enabled(self) -> bool:
@@ -197,11 +207,12 @@ class PromptCache:
             if snap.nbytes > self._budget_of(ns.owner):
                 self._refusals[OVER_BUDGET] += 1
                 return False
+            # added before the entries it subsumes go, so the blocks they share stay announced
+            self._add(entry)
             if trie is not None:
                 for old in trie.prefixes(tokens):
-                    if subsumes(entry, old):
+                    if old is not entry and subsumes(entry, old):
                         self._remove(old)
-            self._add(entry)
             owner = ns.owner
             # the owner's share first: a tenant over it loses its own oldest entries, nobody else's
             while self._owner_bytes[owner] > self._budget_of(owner):
@@ -237,8 +248,10 @@ class PromptCache:
             self._part_refs[part.uid] = refs + 1
         self._bytes += entry.snap.logits_nbytes
         self._owner_bytes[owner] += entry.snap.logits_nbytes
+        if self._events is not None:
+            self._events.stored(entry.ns, entry.tokens, entry.lo)
 
-    def _remove(self, entry: _Entry) -> None:
+    def _remove(self, entry: _Entry, announce: bool = True) -> None:
         owner = entry.ns.owner
         trie = self._tries[entry.ns]
         trie.remove(entry.tokens, entry)
@@ -261,6 +274,8 @@ class PromptCache:
         self._owner_bytes[owner] -= entry.snap.logits_nbytes
         if not self._owner_bytes[owner] and owner not in self._owner_lru:
             del self._owner_bytes[owner]
+        if self._events is not None and announce:
+            self._events.removed(entry.ns, entry.tokens, entry.lo)
 
     # --- bookkeeping --------------------------------------------------------------------------
     def record_prefill(self, n_tokens: int, owner: str = "") -> None:
@@ -278,7 +293,9 @@ class PromptCache:
             before_entries, before_bytes = len(self._lru), self._bytes
             victims = list(self._lru.values()) if owner is None else list(self._owner_lru.get(owner, {}).values())
             for entry in victims:
-                self._remove(entry)
+                self._remove(entry, announce=owner is not None)
+            if owner is None and self._events is not None:
+                self._events.cleared()      # one event for everything, as vLLM's reset sends
             return before_entries - len(self._lru), before_bytes - self._bytes
 
     def stats(self, owner: str | None = None) -> dict:
