@@ -50,6 +50,11 @@ def hf_inputs(model, ids: list[int], images) -> dict:
         if images:
             kw["pixel_values"] = torch.cat([im.pixel_values for im in images])
             kw["image_grid_thw"] = torch.tensor([list(im.extra["grid_thw"]) for im in images])
+    elif model.family == "lfm2_vl":
+        if images:
+            kw.update(pixel_values=torch.cat([im.pixel_values for im in images]),
+                      pixel_attention_mask=torch.cat([im.pixel_mask for im in images]),
+                      spatial_shapes=torch.cat([im.extra["spatial_shapes"] for im in images]))
     elif images:
         kw["pixel_values"] = torch.cat([im.pixel_values for im in images])[None]
         kw["pixel_attention_mask"] = torch.cat([im.pixel_mask for im in images])[None]
@@ -118,6 +123,7 @@ def as_stored_in_f16(hf, folder_engine) -> None:
 
 FAMILIES = {"smolvlm": ("SmolVLMForConditionalGeneration", "idefics3", None),
             "gemma3": ("Gemma3ForConditionalGeneration", "gemma3_vision", as_stored_in_f16),
+            "lfm2": ("Lfm2VlForConditionalGeneration", "lfm2_vl", None),
             "qwen3_5": ("Qwen3_5ForConditionalGeneration", "qwen3_5_vl", None)}
 
 
@@ -211,18 +217,20 @@ def test_mmproj_is_found_named_or_refused(tmp_path):
         Engine.load(str(FIXTURES / "qwen3_5" / "qwen3_5-f32.gguf"), mmproj=str(mmproj), **KW)
 
 
-def test_a_projector_turnkv_does_not_read_yet_is_a_clear_error(tmp_path):
-    """LFM2-VL's mmproj (projector type lfm2): the converter writes it, turnkv refuses it by name."""
+def test_a_projector_of_another_family_is_a_clear_error(tmp_path):
+    """An mmproj of a family turnkv does not run (Pixtral's projector): refused by name, with the
+    projector types turnkv reads."""
     import gguf
 
     text, _, _ = pair("smolvlm")
-    path = tmp_path / "mmproj-lfm2.gguf"
+    path = tmp_path / "mmproj-pixtral.gguf"
     w = gguf.GGUFWriter(str(path), "clip")
     w.add_bool("clip.has_vision_encoder", True)
-    w.add_string("clip.projector_type", "lfm2")
+    w.add_string("clip.projector_type", "pixtral")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelLoadError, match=r"vision projector 'lfm2' \(LFM2-VL\) is not supported from GGUF"):
+    with pytest.raises(ModelLoadError, match=r"unsupported vision projector type 'pixtral' \(supported: gemma3 "
+                                             r"\(Gemma 3\), idefics3 .*lfm2 \(LFM2-VL\)"):
         Engine.load(str(text), mmproj=str(path), **KW)

@@ -35,7 +35,7 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smol
                    help="bundled model name (see `turnkv models`), a .gguf file, or an HF folder")
     g.add_argument("--mmproj", default=None, metavar="FILE",
                    help="vision projector GGUF (llama.cpp's mmproj) for a text .gguf: SmolVLM / Idefics3, Gemma 3, "
-                        "Qwen3.5-VL (default: an mmproj*.gguf beside the model file; docs/images.md)")
+                        "LFM2-VL, Qwen3.5-VL (default: an mmproj*.gguf beside the model file; docs/images.md)")
     g.add_argument("--no-mmproj", action="store_true", help="do not look for an mmproj*.gguf beside the model file")
     g.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="compute dtype (default float32)")
     g.add_argument("--weights", default=None, choices=list(WEIGHT_FORMATS),

@@ -2,15 +2,16 @@
 
     python tests/gguf_fixtures/vision.py --llama-cpp PATH/TO/llama.cpp FAMILY [FAMILY ...]
 
-For each family (smolvlm, gemma3, qwen3_5) it builds the tiny random transformers vision model of
-tests/vision_chat.py (Gemma 3's here, as its family test builds it; the text vocabulary widened to convert.py's byte tokenizer), saves it with its
+For each family (smolvlm, gemma3, lfm2, qwen3_5) it builds the tiny random transformers vision
+model of tests/vision_chat.py (Gemma 3's here, as its family test builds it; LFM2-VL's tower resized
+for the converter; the text vocabulary widened to convert.py's byte tokenizer), saves it with its
 image processor under `tests/gguf_fixtures/<family>_vision/hf/` (the reference the tests compare
 with), and converts that folder twice, as users of GGUF engines get vision models: the text model
 (`<family>_vision-f32.gguf`) and the vision tower + projector (`mmproj-<family>_vision-f32.gguf`,
 the converter's `--mmproj`). The folder is shown to the converter as released checkpoints write it
-where transformers 5 saves otherwise (SmolVLM's text architecture, Gemma 3's tower tensor names), as
-convert.py does for remote-code configs; what a GGUF cannot say is set as released checkpoints
-and llama.cpp have it (each make_* says what).
+where transformers 5 saves otherwise (SmolVLM's and LFM2-VL's text architecture, the Gemma 3 and
+LFM2-VL towers' tensor names), as convert.py does for remote-code configs; what a GGUF cannot say is
+set as released checkpoints and llama.cpp have it (each make_* says what).
 """
 
 from __future__ import annotations
@@ -122,6 +123,37 @@ def make_qwen3_5(folder: Path):
     byte_tokenizer(folder, VOCAB, QWEN3_5_SPECIALS)
     with_template(folder, TEMPLATE)
     return {}
+
+
+LFM2_SPECIALS = ("<|pad|>", "<|startoftext|>", "<|im_end|>", "<|im_start|>", "<image>", "<|image_start|>",
+                 "<|image_end|>", "<|img_thumbnail|>", *(f"<|img_row_{r}_col_{c}|>" for r in range(1, 4) for c in range(1, 4)))
+
+
+def make_lfm2(folder: Path):
+    """LFM2-VL: conv, attention, conv; SigLIP 2 NaFlex of 3 layers (the converter's tensor map only
+    names projector layers up to the tower's depth) in 16 px patches (it reshapes the patch
+    embedding for 16 px only), downsample 2. The processor keeps its defaults, which are llama.cpp's
+    fixed LFM2 preprocessing (512 px tiles, 64 to 256 image tokens)."""
+    from transformers import Lfm2VlForConditionalGeneration
+    from test_server_images_qwen3_5_vl import TEMPLATE
+    from vision_chat import tiny_lfm2_vl_config
+
+    torch.manual_seed(0)
+    cfg = tiny_lfm2_vl_config(LFM2_SPECIALS.index("<image>"))
+    cfg.text_config.vocab_size = VOCAB
+    cfg.vision_config.patch_size, cfg.vision_config.num_hidden_layers = 16, 3
+    cfg.vision_config.vision_use_head = False                 # as released: no pooling head
+    cfg.text_config.block_auto_adjust_ff_dim = False          # a 128-wide MLP, not rounded up to 256
+    hf = perturb(Lfm2VlForConditionalGeneration(cfg))
+    hf.save_pretrained(folder)
+    released_names(folder, "model.vision_tower.", "model.vision_tower.vision_model.")
+    (folder / "processor_config.json").write_text(json.dumps({
+        "processor_class": "Lfm2VlProcessor", "use_image_special_tokens": True,
+        "image_processor": {"image_processor_type": "Lfm2VlImageProcessor", "encoder_patch_size": 16,
+                            "downsample_factor": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}}))
+    byte_tokenizer(folder, VOCAB, LFM2_SPECIALS)
+    with_template(folder, TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>"))
+    return {"architectures": ["Lfm2ForCausalLM"]}
 
 
 def released_names(folder: Path, old: str, new: str) -> None:

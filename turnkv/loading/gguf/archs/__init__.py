@@ -12,11 +12,11 @@ two KDA/MLA hybrids), never in another family's module (llama's q/k un-permute a
 from __future__ import annotations
 
 from ..architecture import GGUFArchitecture
-from . import (afmoe, bailing_hybrid, exaone4, gemma3, gemma4, glm4_moe, gpt_oss, kimi_linear, llama, ministral,
-               muse_glimmer, qwen3_5)
+from . import (afmoe, bailing_hybrid, exaone4, gemma3, gemma4, glm4_moe, gpt_oss, kimi_linear, lfm2, llama,
+               ministral, muse_glimmer, qwen3_5)
 
 FAMILIES = (llama, gemma3, afmoe, kimi_linear, muse_glimmer, bailing_hybrid, exaone4, ministral, gpt_oss, glm4_moe,
-            qwen3_5, gemma4)
+            qwen3_5, gemma4, lfm2)
 
 SUPPORTED_GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     name: arch for family in FAMILIES for name, arch in family.ARCHITECTURES.items()}

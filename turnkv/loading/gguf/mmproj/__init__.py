@@ -21,12 +21,10 @@ import torch
 from ...errors import ModelLoadError
 from ..dequant import dequantize
 from ..reader import GGUFHeader, fingerprint, open_mmap, parse_header, read_header, release
-from . import gemma3, idefics3, qwen3vl
+from . import gemma3, idefics3, lfm2, qwen3vl
 from .layout import MmprojLayout
 
-LAYOUTS: dict[str, MmprojLayout] = {**idefics3.LAYOUTS, **gemma3.LAYOUTS, **qwen3vl.LAYOUTS}
-# projector types of the vision families turnkv runs from folders whose GGUF pairing is not read yet
-NOT_YET: dict[str, str] = {"lfm2": "LFM2-VL"}
+LAYOUTS: dict[str, MmprojLayout] = {**idefics3.LAYOUTS, **gemma3.LAYOUTS, **lfm2.LAYOUTS, **qwen3vl.LAYOUTS}
 
 
 @dataclass
@@ -66,13 +64,10 @@ def layout_of(path: str | Path, text_type: str | None = None) -> MmprojLayout:
     """The projector's layout, checked against the text GGUF's model type when given."""
     h = _header(Path(path))
     kind = h.get("clip.vision.projector_type", None) or h.get("clip.projector_type")
-    if kind in NOT_YET:
-        raise ModelLoadError(f"{path}: vision projector '{kind}' ({NOT_YET[kind]}) is not supported from GGUF "
-                             f"yet; run the transformers folder (docs/images.md)")
     layout = LAYOUTS.get(kind)
     if layout is None:
-        raise ModelLoadError(f"{path}: unsupported vision projector type '{kind}' "
-                             f"(supported: {', '.join(sorted(LAYOUTS))})")
+        raise ModelLoadError(f"{path}: unsupported vision projector type '{kind}' (supported: "
+                             f"{', '.join(f'{k} ({v.family})' for k, v in sorted(LAYOUTS.items()))})")
     if text_type is not None and text_type not in layout.text_types:
         raise ModelLoadError(f"{path}: a {layout.family} projector ('{kind}') pairs with a text GGUF of "
                              f"{', '.join(layout.text_types)}, not '{text_type}'")
