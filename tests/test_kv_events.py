@@ -1,7 +1,8 @@
 """KV events (``--kv-events``): a plain pyzmq SUB socket decodes the stream as any subscriber of
 vLLM's would, rebuilds the prefixes the announced blocks spell (each block's tokens after its
 parent's), and that set must equal what the prompt cache's entries can restore, after inserts,
-evictions, an owner's flush and a full flush; for a full-attention model and a sliding-window one.
+evictions, an owner's flush and a full flush; for a full-attention model, a sliding-window one and
+a hybrid (LFM2: short convolutions and attention).
 
 The rule under test (turnkv/prompt_cache/kv_events.py): an entry of L tokens restorable down to lo
 announces its first L // 64 blocks when it can be restored to that block boundary, none otherwise.
@@ -94,31 +95,44 @@ def stream():
     pub.close()
 
 
-def conversation(eng, seed: int, turns: int, tenant: str = "") -> None:
-    msgs = [prompt(90, seed=seed).tolist()]
+def conversation(eng, seed: int, turns: int, tenant: str = "", first: int = 90) -> None:
+    msgs = [prompt(first, seed=seed).tolist()]
     for t in range(turns):
         req = request(msgs, 6, tenant=tenant)
         req.owner = tenant
         msgs += [eng.generate(req).token_ids, prompt(40, seed=seed * 10 + t).tolist()]
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_events_match_the_cache(stream, family):
+def tiny_model(family: str, tiny_pair):
+    if family == "llama":
+        return tiny_llama()[0]
+    if family == "gemma3":
+        return tiny_gemma3(window=16)[0]
+    import test_family_lfm2
+    return tiny_pair(test_family_lfm2.tiny)[0]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "lfm2"])
+def test_events_match_the_cache(stream, family, tiny_pair):
+    """Full attention announces every entry's blocks; sliding windows (gemma3) and the hybrid's
+    recurrent layers (lfm2) only entries restorable to a block boundary: for lfm2 the checkpoints
+    at the end of a first message of exactly 128 tokens."""
     pub, sub = stream
-    model = tiny_llama()[0] if family == "llama" else tiny_gemma3(window=16)[0]
-    eng = engine(model, budget=1 << 30)
+    eng = engine(tiny_model(family, tiny_pair), budget=1 << 30)
     cache = eng.prompt_cache
     cache.publish_events(pub.publish)
+    first = 128 if family == "lfm2" else 90
     for seed in (1, 2):
-        conversation(eng, seed, turns=3)
+        conversation(eng, seed, turns=3, first=first)
     sub.sync(pub)
     assert sub.prefixes() == restorable(cache) != set()
-    # a later turn replaces its conversation's earlier entry: the shared blocks stay announced
-    assert "BlockRemoved" not in sub.kinds
-    if family == "gemma3":      # windows cannot truncate: long entries end up announced whole or not at all
-        assert any(e.snap.min_restore() > 0 for e in cache._lru.values())
+    if family == "llama":   # a later turn replaces its conversation's earlier entry: shared blocks stay
+        assert "BlockRemoved" not in sub.kinds
+    else:                   # what cannot truncate: some entries are announced, some not
+        unaligned = [e for e in cache._lru.values() if e.snap.min_restore() > BLOCK * (e.length // BLOCK)]
+        assert unaligned
 
-    conversation(eng, 3, turns=2, tenant="b")        # another tenant: its own blocks, its own flush
+    conversation(eng, 3, turns=2, tenant="b", first=first)   # another tenant: its own blocks and flush
     sub.sync(pub)
     assert sub.prefixes() == restorable(cache)
     cache.clear("b")
@@ -128,7 +142,7 @@ def test_events_match_the_cache(stream, family):
     cache.clear()
     sub.sync(pub)
     assert sub.kinds[-1] == "AllBlocksCleared" and sub.prefixes() == set() == restorable(cache)
-    conversation(eng, 4, turns=2)
+    conversation(eng, 4, turns=2, first=first)
     sub.sync(pub)
     assert sub.prefixes() == restorable(cache) != set()
 
