@@ -35,8 +35,8 @@ def loaded():
     return {k: load_model(str(p), torch.float32, "gguf", False) for k, p in FAMILIES.items()}
 
 
-def make_engine(model, speculative="off", drafter=None, budget=1 << 30, **kw) -> Engine:
-    eng = Engine(model.net, None, fingerprint=f"spec-{model.net.family}", weights=model.weights,
+def make_engine(model, speculative="off", drafter=None, budget=1 << 30, tokenizer=None, **kw) -> Engine:
+    eng = Engine(model.net, tokenizer, fingerprint=f"spec-{model.net.family}", weights=model.weights,
                  prompt_cache=PromptCache(budget), slack=4, prefill_chunk=16, max_context=4096,
                  speculative=speculative, draft_max=6, **kw)
     if drafter is not None:
@@ -79,7 +79,6 @@ def plain_runs(model, reqs) -> list:
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_drafts_change_no_token_alone_and_batched(loaded, family, params):
-    model = loaded[family].net
     reqs = [req(tokens(1, 30), **params), req(tokens(2, 9), 25, **params), req(tokens(3, 50), 1, **params)]
     want = plain_runs(loaded[family], reqs)
     oracle = Oracle([r.prompt_ids + w.token_ids for r, w in zip(reqs, want)], wrong=0.25)
@@ -89,12 +88,14 @@ def test_drafts_change_no_token_alone_and_batched(loaded, family, params):
     assert alone.logprobs == want[0].logprobs if params is SAMPLED else alone.logprobs is None
     assert alone.stats.speculative == NGRAM and 0 < alone.stats.accepted < alone.stats.drafted
     assert eng.steps < len(want[0].token_ids) + 2          # drafts saved forward passes
-    # batched: sequences with and without drafts (the third one ends at its first token) in one step
+    # batched: sequences with drafts beside one that asked for none and one that prefills
+    reqs[1].params.speculative = "off"
     eng = make_engine(loaded[family], "ngram", oracle, max_seqs=3, max_batch_tokens=24)
     sinks, _ = run_all(eng, reqs)
     for sink, w in zip(sinks, want):
         assert sink.result.token_ids == w.token_ids == sink.tokens
-    assert model.family and eng.spec.accepted > 0
+    assert sinks[1].result.stats.drafted == 0 and sinks[0].result.stats.accepted > 0
+    assert eng.spec.accepted == sinks[0].result.stats.accepted
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -192,3 +193,32 @@ def test_speculation_is_off_where_it_cannot_be_exact(tiny_pair, family):
     got = eng.generate(r)
     assert got.token_ids == want.token_ids and got.stats.speculative == f"off ({why})"
     assert eng.spec.off == {why: 1} and eng.spec.drafted == 0
+
+
+def test_server_request_field_stats_and_metrics(loaded):
+    """Over HTTP: the body field turns drafts on, the reply is the plain one, and the timings,
+    /v1/cache/stats and /metrics count the drafts."""
+    import httpx
+    from test_server_faults import Running
+
+    text = tokens(9, 20)
+    prompt = text + text + text[:6]
+    srv = Running(make_engine(loaded["full"], budget=0, tokenizer=loaded["full"].tokenizer))
+    try:
+        def complete(**extra):
+            body = {"prompt": prompt, "max_tokens": 30, "temperature": 0, "ignore_eos": True, **extra}
+            return httpx.post(srv.url + "/v1/completions", json=body, timeout=120).json()
+
+        plain, drafted = complete(), complete(speculative="ngram", draft_max=4)
+        assert drafted["choices"][0]["text"] == plain["choices"][0]["text"] != ""
+        t = drafted["timings"]
+        assert t["speculative"] == "ngram" and 0 < t["accepted_tokens"] <= t["drafted_tokens"]
+        assert plain["timings"]["speculative"] == "off" and plain["timings"]["drafted_tokens"] == 0
+        stats = httpx.get(srv.url + "/v1/cache/stats", timeout=30).json()["speculative"]
+        assert stats["drafted"] == t["drafted_tokens"] and stats["accepted"] == t["accepted_tokens"]
+        metrics = httpx.get(srv.url + "/metrics", timeout=30).text
+        assert f'turnkv_spec_draft_tokens_total{{kind="ngram"}} {float(t["drafted_tokens"])}' in metrics
+        bad = httpx.post(srv.url + "/v1/completions", json={"prompt": prompt, "speculative": "mtp"}, timeout=30)
+        assert bad.status_code == 400
+    finally:
+        srv.close()

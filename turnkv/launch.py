@@ -288,6 +288,11 @@ def print_banner(engine, budget_mb: float, enabled: bool) -> None:
     print(f"turnkv: KV mode {describe_modes(list(engine.modes), engine.specs)}; prompt cache "
           f"{'on, budget ' + format(budget_mb, 'g') + ' MiB' if enabled and budget_mb > 0 else 'off'}",
           file=sys.stderr)
+    if engine.speculative != "off":     # the probe runs here, on the thread that runs the engine
+        blocked = engine.speculation_blocked()
+        print(f"turnkv: speculative {engine.speculative}, drafts of up to {engine.draft_max} tokens"
+              if not blocked else f"turnkv: speculative decoding off for this model ({blocked}; docs/speculative.md)",
+              file=sys.stderr)
     if getattr(engine, "encoder_cache", None) is not None:
         source = getattr(engine.model, "image_source", None)
         print(f"turnkv: images on (docs/images.md): encoder cache {engine.encoder_cache.budget_bytes / 2**20:g} MiB, "

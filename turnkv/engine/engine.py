@@ -32,8 +32,8 @@ from ..prompt_cache.plan import Reuse
 from ..prompt_cache.store import Namespace, PromptCache
 from .requests import ContextLengthError, Requests
 from .scheduler import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_QUEUE, DEFAULT_MAX_SEQS, QueueFull, Scheduler, Work
-from .speculative import DEFAULT_DRAFT_MAX, DRAFTERS, OFF, SpecCounters, Speculation, check_mode, chunk_invariant, \
-    NOT_CHUNK_INVARIANT, state_reason
+from .speculative import (DEFAULT_DRAFT_MAX, DRAFTERS, OFF, SpecCounters, Speculation, blocked_reason, check_mode,
+                          verify_draft)
 from .sequence import (DECODE, FINISHED, PREFILL, Failure, GenerationRequest, Result, Sequence, Stats,
                        TokenEvent, Usage)
 
@@ -378,27 +378,8 @@ class Engine:
             self._finish(seq)
 
     def _verify(self, w: Work, rows: torch.Tensor) -> bool:
-        """A decode token and its draft ran as one chunk (``rows``: their logits). Take tokens
-        from the rows in order as plain decoding would, while each equals the draft token fed
-        after it; then cut the state back to what those tokens leave (docs/speculative.md)."""
-        seq, draft = w.seq, w.tokens[1:]
-        base = seq.state.length - len(w.tokens)
-        taken = matched = 0
-        finished = False
-        for i in range(len(w.tokens)):
-            finished = seq.take(rows[i])
-            taken += 1
-            if i == len(draft) or seq.generated[-1] != draft[i]:
-                break
-            matched += 1
-            if finished:
-                break
-        if base + taken < seq.state.length:
-            seq.state.truncate(base + taken)
-        seq.spec.record(len(draft), matched)
-        self.spec.drafted += len(draft)
-        self.spec.accepted += matched
-        self.spec.verify_steps += 1
+        finished, matched = verify_draft(w.seq, w.tokens, rows)
+        self.spec.count(w.draft, matched)
         return finished
 
     def _speculation(self, seq: Sequence) -> Speculation | None:
@@ -406,17 +387,23 @@ class Engine:
         mode = seq.params.speculative or self.speculative
         if mode == OFF:
             return None
-        if self._spec_block is None:
-            self._spec_block = state_reason(self.specs) or ("" if chunk_invariant(
-                self.model, self.specs, self.dtype, self.device, self.modes, self.slack, 16) else NOT_CHUNK_INVARIANT)
-            if self._spec_block:
-                log.warning("speculative decoding is off for this model: %s (docs/speculative.md)", self._spec_block)
-        if self._spec_block:
-            seq.stats.speculative = f"off ({self._spec_block})"
-            self.spec.off[self._spec_block] = self.spec.off.get(self._spec_block, 0) + 1
+        blocked = self.speculation_blocked()
+        if blocked:
+            seq.stats.speculative = f"off ({blocked})"
+            self.spec.off[blocked] = self.spec.off.get(blocked, 0) + 1
             return None
         seq.stats.speculative = mode
         return Speculation(mode, seq.params.draft_max or self.draft_max, self.drafters[mode]())
+
+    def speculation_blocked(self) -> str:
+        """Why no draft can be verified exactly on this model ("" when drafts can be): its state
+        cannot be cut back, or the probe found its forward not chunk-invariant (computed once, on
+        the engine's thread: the first request that asks, or the banner)."""
+        if self._spec_block is None:
+            self._spec_block = blocked_reason(self.model, self.specs, self.dtype, self.device, self.modes, self.slack)
+            if self._spec_block:
+                log.warning("speculative decoding is off for this model: %s (docs/speculative.md)", self._spec_block)
+        return self._spec_block
 
     def _reap_cancelled(self) -> bool:
         """End sequences cancelled (client gone) or past their deadline; what they computed is stored."""

@@ -76,8 +76,10 @@ class Stats:
     accepted: int = 0            # of them, those plain decoding produced too
 
     def line(self, usage: Usage) -> str:
+        drafts = f" | drafts: {self.accepted} of {self.drafted} tok accepted" if self.drafted else ""
         return (f"[prompt {usage.prompt_tokens} tok, cached {usage.cached_tokens}, prefilled {self.prefilled_tokens} | "
-                f"TTFT {self.ttft_ms:.0f} ms | {usage.completion_tokens} tok at {self.decode_tokens_per_s:.1f} tok/s]")
+                f"TTFT {self.ttft_ms:.0f} ms | {usage.completion_tokens} tok at {self.decode_tokens_per_s:.1f} tok/s"
+                f"{drafts}]")
 
 
 @dataclass

@@ -104,15 +104,48 @@ class SpecCounters:
     verify_steps: int = 0
     off: dict[str, int] = field(default_factory=dict)     # requests that asked, by why it was off
 
+    def count(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        self.verify_steps += 1
+
     def as_dict(self) -> dict:
         rate = self.accepted / self.drafted if self.drafted else 0.0
         return {"drafted": self.drafted, "accepted": self.accepted, "acceptance_rate": round(rate, 4),
                 "verify_steps": self.verify_steps, "off": dict(self.off)}
 
 
-def state_reason(specs: list[CacheSpec]) -> str | None:
-    """Why a model's state cannot take a draft (None: every layer can be cut back live)."""
-    return RECURRENT_STATE if any(s.kind == RECURRENT for s in specs) else None
+def verify_draft(seq, tokens: list[int], rows: torch.Tensor) -> tuple[bool, int]:
+    """``tokens`` (a sequence's next token and its draft) ran as one chunk; ``rows`` are their
+    logits. Take tokens from the rows in order as plain decoding would (``seq.take``: sampler,
+    penalties, grammar, logprobs, stops, events), while each equals the draft token fed after it;
+    then cut the state back to what the taken tokens leave. Returns (finished, draft tokens
+    accepted)."""
+    draft = tokens[1:]
+    base = seq.state.length - len(tokens)
+    taken = matched = 0
+    finished = False
+    for i in range(len(tokens)):
+        finished = seq.take(rows[i])
+        taken += 1
+        if i == len(draft) or seq.generated[-1] != draft[i]:
+            break
+        matched += 1
+        if finished:
+            break
+    if base + taken < seq.state.length:
+        seq.state.truncate(base + taken)
+    seq.spec.record(len(draft), matched)
+    return finished, matched
+
+
+def blocked_reason(model, specs: list[CacheSpec], dtype, device, modes, slack: int) -> str:
+    """Why drafts cannot be verified exactly on ``model`` ("" when they can): a layer whose state
+    cannot be cut back, or a forward that is not chunk-invariant (the probe, up to 17 rows: both
+    of the kernels' tile widths)."""
+    if any(s.kind == RECURRENT for s in specs):
+        return RECURRENT_STATE
+    return "" if chunk_invariant(model, specs, dtype, device, modes, slack, 16) else NOT_CHUNK_INVARIANT
 
 
 @torch.inference_mode()
