@@ -18,7 +18,7 @@ from test_engine_batching import run_all
 from turnkv.engine.engine import Engine
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.sequence import GenerationRequest
-from turnkv.engine.speculative import NGRAM, NgramDrafter
+from turnkv.engine.speculative import MAX_PAUSE, NGRAM, NgramDrafter, Speculation
 from turnkv.loading.model import load_model
 from turnkv.prompt_cache.store import PromptCache
 
@@ -222,3 +222,22 @@ def test_server_request_field_stats_and_metrics(loaded):
         assert bad.status_code == 400
     finally:
         srv.close()
+
+
+def test_drafting_backs_off_when_drafts_fail_and_recovers():
+    class Always:
+        def draft(self, history, k):
+            return [0] * k
+
+    spec = Speculation(NGRAM, 8, Always())
+    drafted_steps = 0
+    for _ in range(200):
+        draft = spec.propose([1, 2, 3], 8)
+        drafted_steps += bool(draft)
+        if draft:
+            spec.record(len(draft), 0)
+    assert drafted_steps < 200 / MAX_PAUSE + 10 and spec.length == 1
+    while not spec.propose([1], 8):        # the pause ends; a draft taken whole doubles the length
+        pass
+    spec.record(1, 1)
+    assert spec.pause == 0 and spec.length == 2 and spec.propose([1], 8) == [0, 0]

@@ -19,6 +19,7 @@ MODES = (OFF, NGRAM)
 DEFAULT_DRAFT_MAX = 8
 MAX_DRAFT = 64
 NGRAM_MAX, NGRAM_MIN = 4, 2      # suffix lengths prompt lookup tries, longest first
+MAX_PAUSE = 16                   # steps without drafts after repeated rejections, at most
 
 RECURRENT_STATE = "recurrent_state"          # a layer whose state cannot be cut back
 NOT_CHUNK_INVARIANT = "not_chunk_invariant"  # the probe saw a token's logits change with the chunk
@@ -75,24 +76,36 @@ class Speculation:
     length: int = 0
     drafted: int = 0
     accepted: int = 0
+    pause: int = 0         # steps the last back-off paused drafting for
+    skip: int = 0          # steps left in this pause
 
     def __post_init__(self):
         self.length = self.draft_max
 
     def propose(self, history: list[int], room: int) -> list[int]:
-        """A draft of at most ``min(length, room)`` tokens to follow ``history``."""
+        """A draft of at most ``min(length, room)`` tokens to follow ``history`` (none while
+        backing off)."""
+        if self.skip > 0:
+            self.skip -= 1
+            return []
         k = min(self.length, room)
         return self.drafter.draft(history, k) if k > 0 else []
 
     def record(self, drafted: int, accepted: int) -> None:
         """Counts, and the next draft's length: doubled after a draft taken whole, halved after
-        one rejected from its first token (prose that never repeats costs little)."""
+        one rejected from its first token; a one-token draft rejected pauses drafting for 1, 2,
+        4 .. ``MAX_PAUSE`` steps (prose that never repeats costs almost nothing)."""
         self.drafted += drafted
         self.accepted += accepted
-        if accepted == drafted:
-            self.length = min(self.draft_max, self.length * 2)
-        elif accepted == 0:
-            self.length = max(1, self.length // 2)
+        if accepted:
+            self.pause = 0
+            if accepted == drafted:
+                self.length = min(self.draft_max, self.length * 2)
+        elif self.length > 1:
+            self.length //= 2
+        else:
+            self.pause = min(MAX_PAUSE, max(1, self.pause * 2))
+            self.skip = self.pause
 
 
 @dataclass
