@@ -52,6 +52,18 @@ def test_decoding_equals_gguf_dequantize(qtype):
     assert torch.equal(val.reshape(N, K).float(), ref)       # every product exact in float32 too
 
 
+@pytest.mark.parametrize("qtype", [q for q in TYPES if q.name.startswith("IQ")], ids=lambda q: q.name)
+def test_dequantize_and_lookup_before_gguf_made_its_grid(qtype):
+    """A process whose first use of an IQ type is our dequantize (an embedding row, a float copy)
+    still finds gguf-py's grid, which gguf builds lazily."""
+    w = random_weight(qtype)
+    cls = getattr(gguf.quants, qtype.name)
+    cls.grid = None
+    out = w.dequantize()
+    assert torch.equal(w.lookup(torch.tensor([3, 0])), out[[3, 0]])
+    assert torch.equal(out, torch.from_numpy(gguf.quants.dequantize(w.rows().numpy(), qtype).astype(np.float32)))
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_tiles_round_trip(qtype):
     w = random_weight(qtype, n=13)

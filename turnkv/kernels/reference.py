@@ -238,5 +238,7 @@ def dequantize(raw: torch.Tensor | np.ndarray, qtype: Q, shape: tuple[int, int])
         return (q * d).reshape(n, shape[1])
     # the package's block kernel on all blocks at once (its dequantize() loops over groups of
     # rows in Python); elementwise, so the same values
-    out = getattr(gguf.quants, qtype.name).dequantize_blocks(t.contiguous().numpy().reshape(-1, size))
+    cls = getattr(gguf.quants, qtype.name)
+    cls.init_grid()   # the IQ types' grids (gguf's own dequantize() does this first)
+    out = cls.dequantize_blocks(t.contiguous().numpy().reshape(-1, size))
     return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32).reshape(n, shape[1]))
