@@ -214,10 +214,13 @@ def test_openai_agents_sdk_runs_a_two_tool_agent_with_reuse(server):
 
     async def session():
         first = await agents.Runner.run(agent, "What is the weather in Paris?")
-        second = await agents.Runner.run(agent, "And in Rome?", previous_response_id=first.last_response_id)
-        return first, second
+        # the second run streams, continuing the first on the server (previous_response_id)
+        second = agents.Runner.run_streamed(agent, "And in Rome?", previous_response_id=first.last_response_id)
+        events = [e.data.type async for e in second.stream_events() if e.type == "raw_response_event"]
+        return first, second, events
 
-    first, second = asyncio.run(session())
+    first, second, events = asyncio.run(session())
+    assert events.count("response.completed") == 2 and "response.function_call_arguments.done" in events
     assert seen == [("get_weather", "Paris"), ("get_weather", "Rome")]
     for run in (first, second):
         kinds = [type(item).__name__ for item in run.new_items]
