@@ -100,6 +100,7 @@ class Result:
     first_logits: torch.Tensor | None = None   # the logits the first token was sampled from
     index: int = 0                             # the choice (0..n-1)
     logprobs: list[TokenLogprob] | None = None  # one per token of the text (end tokens excluded)
+    stop_string: str | None = None             # the stop string that ended it ("stop" without: an end token)
 
 
 @dataclass
@@ -240,4 +241,5 @@ class Sequence:
             s.decode_tokens_per_s = (len(self.generated) - 1) / (s.decode_ms / 1000)
         text = self.stop.text if self.stop is not None else ""
         return Result(text, list(self.generated), self.finish_reason, self.usage, s, self.first_logits,
-                      index=self.index, logprobs=self.logprobs)
+                      index=self.index, logprobs=self.logprobs,
+                      stop_string=self.stop.matched if self.stop is not None else None)

@@ -11,6 +11,7 @@ class StopMatcher:
         self.buffer = ""        # decoded text not yet emitted
         self.text = ""          # emitted text (the final answer once finished)
         self.stopped = False
+        self.matched: str | None = None     # the stop string found (APIs that name it: Anthropic's)
 
     def _held_back(self, s: str) -> int:
         """Length of the longest suffix of ``s`` that is a proper prefix of a stop string."""
@@ -27,9 +28,10 @@ class StopMatcher:
             return ""
         self.buffer += self.decoder.push(token_id)
         if self.stops:
-            hits = [i for i in (self.buffer.find(s) for s in self.stops) if i >= 0]
+            hits = [(i, s) for s in self.stops if (i := self.buffer.find(s)) >= 0]
             if hits:
-                out = self.buffer[:min(hits)]
+                at, self.matched = min(hits, key=lambda hit: hit[0])
+                out = self.buffer[:at]
                 self.text += out
                 self.buffer = ""
                 self.stopped = True

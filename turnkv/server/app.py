@@ -3,8 +3,9 @@
 The HTTP side validates and tokenizes (off the event loop; requests.py), then hands a
 GenerationRequest to the single engine worker (worker.py) and relays what comes back: one JSON
 body, or SSE chunks while streaming (generation.py, streaming.py). Every refusal is an
-OpenAI-style error body ``{"error": {message, type, param, code}}`` with a 4xx status, FastAPI's own
-422 shape never reaches a client. The endpoints live in routes/, one module per API.
+OpenAI-style error body ``{"error": {message, type, param, code}}`` (Anthropic's
+``{"type": "error", "error": {type, message}}`` under /v1/messages) with a 4xx status, FastAPI's
+own 422 shape never reaches a client. The endpoints live in routes/, one module per API.
 
 Isolation: the prompt cache namespaces snapshots by ``GenerationRequest.tenant``; the server sets
 it to a hash of the tenant the request's API key maps to (tenants.py) and its ``cache_salt``, so
@@ -28,12 +29,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from . import anthropic_api
 from . import logprobs as lp_format
 from . import schemas
 from .context import ServerConfig, ServerContext
 from .metrics import ServerMetrics
 from .routes import register_all
-from .schemas import NOT_FOUND, SERVER_ERROR, RequestError, error_body
+from .schemas import NOT_FOUND, SERVER_ERROR, RequestError
 from .stats import gateway_load, memory_stats, store_stats
 from .streaming import CHAT, COMPLETIONS, RESPONSES
 from .worker import EngineWorker
@@ -76,27 +78,31 @@ def create_app(engine, config: ServerConfig | None = None, engine_thread: bool =
 
 
 def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
-    """Every error in the OpenAI shape; a refused generation request counted per endpoint."""
+    """Every error in its API's shape (OpenAI's; Anthropic's under /v1/messages); a refused
+    generation request counted per endpoint."""
+
+    def respond(request: Request, err: RequestError) -> JSONResponse:
+        body = anthropic_api.error_json(err) if anthropic_api.is_messages_path(request.url.path) else err.body()
+        return JSONResponse(body, status_code=err.status, headers=err.headers)
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, err: RequestError):
-        if request.url.path in (CHAT, COMPLETIONS, RESPONSES):
+        if request.url.path in (CHAT, COMPLETIONS, RESPONSES, anthropic_api.MESSAGES):
             metrics.rejected(request.url.path)
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+        return respond(request, err)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, err: StarletteHTTPException):
         kind = NOT_FOUND if err.status_code == 404 else schemas.INVALID_REQUEST
         message = f"{request.method} {request.url.path}: {err.detail}"
-        return JSONResponse(error_body(message, type=kind), status_code=err.status_code, headers=err.headers)
+        return respond(request, RequestError(message, status=err.status_code, type=kind, headers=err.headers))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, err: RequestValidationError):
-        return JSONResponse(error_body(str(err)), status_code=400)
+        return respond(request, RequestError(str(err)))
 
     @app.exception_handler(Exception)
     async def _server_error(request: Request, err: Exception):
         # an internal fault: the log has the traceback, the client a message that leaks nothing
         log.error("internal error on %s %s", request.method, request.url.path, exc_info=err)
-        return JSONResponse(error_body("internal error (see the server log)", type=SERVER_ERROR),
-                            status_code=500)
+        return respond(request, RequestError("internal error (see the server log)", status=500, type=SERVER_ERROR))

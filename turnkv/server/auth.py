@@ -1,4 +1,5 @@
-"""Who sent a request: the API key in its Authorization header, mapped to a tenant (tenants.py)."""
+"""Who sent a request: the API key in its Authorization header (or the x-api-key header Anthropic's
+clients send), mapped to a tenant (tenants.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ def authorize(request: Request, keys: KeyRing) -> Principal:
     """Who sent the request (the anonymous admin when the server has no keys); 401 otherwise."""
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    principal = keys.identify(token.strip() if scheme.lower() == "bearer" else None)
+    token = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key")
+    principal = keys.identify(token)
     if principal is None:
-        raise RequestError("Incorrect or missing API key: send it as 'Authorization: Bearer <key>'",
+        raise RequestError("Incorrect or missing API key: send it as 'Authorization: Bearer <key>' or "
+                           "'x-api-key: <key>'",
                            status=401, type=AUTHENTICATION, code="invalid_api_key")
     return principal
 

@@ -3,6 +3,8 @@ answered as a stream of SSE chunks or as one JSON body once it ends."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -49,18 +51,20 @@ def submit(ctx: ServerContext, gen: GenerationRequest, endpoint: str, stream: bo
         raise RequestError(str(err), code="invalid_value") from None
 
 
-async def ended(ctx: ServerContext, request: Request, job: Job) -> Finished | Response:
+async def ended(ctx: ServerContext, request: Request, job: Job,
+                error_body: Callable[[RequestError], dict] = RequestError.body) -> Finished | Response:
     """A non-streamed job's end, or the response that replaces the reply: 499 when the client
-    went away, the error body when the generation failed or ran out of time."""
+    went away, the error (in the shape ``error_body`` gives it) when the generation failed or ran
+    out of time."""
     end = await wait_end(job, request)
     if end is None:
         return Response(status_code=499)     # nginx's "client closed request": nobody reads it
     if isinstance(end, Failed):
         err = failure(end.error)
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(error_body(err), status_code=err.status)
     if end.result.finish_reason == "timeout":
         err = timed_out(ctx.config.request_timeout_s)
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(error_body(err), status_code=err.status)
     return end
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from ..context import ServerContext
-from . import cache, completions, responses, status, web, worker_info
+from . import cache, completions, messages, responses, status, tokenize, web, worker_info
 
-ROUTES = (completions, responses, status, cache, worker_info, web)
+ROUTES = (completions, responses, messages, tokenize, status, cache, worker_info, web)
 
 
 def register_all(app: FastAPI, ctx: ServerContext) -> None:
