@@ -117,3 +117,27 @@ def test_jpeg_and_webp_decode_and_text_only_models_refuse(server):
     with pytest.raises(ValueError, match="does not take images"):
         text_only.chat_request([{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": data_url(picture(25))}}]}])
+
+
+def test_anthropic_image_blocks_are_the_same_prompt_as_image_url_parts(server):
+    """/v1/messages: a base64 image block renders as the chat path's image_url part (same prompt,
+    same greedy reply), the repeat restores the image from the cache, and a url source that is not
+    a data URL is refused in Anthropic's error shape."""
+    url, _ = server
+    png = data_url(picture(26))
+    chat = post(url, [{"role": "user", "content": [{"type": "text", "text": "what is in this picture"},
+                                                   {"type": "image_url", "image_url": {"url": png}}]}]).json()
+    source = {"type": "base64", "media_type": "image/png", "data": png.split(",", 1)[1]}
+    body = {"model": "m", "max_tokens": 6, "temperature": 0, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is in this picture"}, {"type": "image", "source": source}]}]}
+    r = httpx.post(url + "/v1/messages", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    msg = r.json()
+    assert msg["content"][0]["text"] == chat["choices"][0]["message"]["content"]
+    u = msg["usage"]
+    assert u["input_tokens"] + u["cache_read_input_tokens"] == chat["usage"]["prompt_tokens"]
+    assert u["cache_read_input_tokens"] == chat["usage"]["prompt_tokens"] - 1     # all but the last token
+    bad = {**body, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}]}]}
+    r = httpx.post(url + "/v1/messages", json=bad, timeout=120)
+    assert r.status_code == 400 and r.json()["type"] == "error" and "not fetched" in r.json()["error"]["message"]
