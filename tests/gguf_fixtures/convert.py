@@ -58,8 +58,8 @@ import sys
 sys.path.insert(0, {llama!r})
 sys.path.insert(1, {gguf_py!r})
 import conversion.base as base
-# A test tokenizer: GPT-2's pre-tokenizer (see tests/gguf_fixtures/convert.py).
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+# A test tokenizer: its pre-tokenizer named (see tests/gguf_fixtures/convert.py).
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}
 for extra in {vocab_patches!r}:
     cls_path, method = extra.split(":")
     mod, cls = cls_path.rsplit(".", 1)
@@ -72,14 +72,15 @@ runpy.run_path({script!r}, run_name="__main__")
 
 
 def convert(llama_cpp: Path, folder: Path, out: Path, outtype: str = "f32", vocab_patches: tuple = (),
-            mmproj: bool = False) -> None:
+            mmproj: bool = False, pre: str = "gpt-2") -> None:
     """Run llama.cpp's converter on `folder`. `vocab_patches`: "module.Class:gpt2" entries whose
     set_vocab reads a sentencepiece or other tokenizer the test folder does not have; they are
     pointed at the converter's own GPT-2-style vocabulary writer instead. `mmproj`: write the
-    vision tower and projector (the converter's ``--mmproj``) instead of the text model."""
+    vision tower and projector (the converter's ``--mmproj``) instead of the text model. `pre`: the
+    pre-tokenizer name written (a released tokenizer's, e.g. "smollm", when the folder holds one)."""
     code = _RUNNER.format(llama=str(llama_cpp), gguf_py=str(llama_cpp / "gguf-py"), folder=str(folder),
                           out=str(out), outtype=outtype, script=str(llama_cpp / "convert_hf_to_gguf.py"),
-                          vocab_patches=list(vocab_patches), extra_args=["--mmproj"] if mmproj else [])
+                          vocab_patches=list(vocab_patches), pre=pre, extra_args=["--mmproj"] if mmproj else [])
     subprocess.run([sys.executable, "-c", code], check=True, cwd=llama_cpp)
 
 
