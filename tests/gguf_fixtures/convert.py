@@ -113,7 +113,10 @@ def main() -> None:
         folder = HERE / name / "hf"
         folder.mkdir(parents=True, exist_ok=True)
         hf_model.save_pretrained(folder)
-        byte_tokenizer(folder, hf_model.config.get_text_config().vocab_size)
+        # a family whose tokenizer class adds its own specials (transformers maps qwen2 to
+        # Qwen2Tokenizer, which appends <|endoftext|>) names them, so the vocabulary keeps its size
+        specials = getattr(hf_model, "tokenizer_specials", ("<pad>", "<s>", "</s>"))
+        byte_tokenizer(folder, hf_model.config.get_text_config().vocab_size, specials)
         with tempfile.TemporaryDirectory() as tmp:
             source = folder
             if released := getattr(hf_model, "released_config", None):

@@ -31,6 +31,32 @@ def make_llama():
     return perturb(LlamaForCausalLM(cfg)), ()
 
 
+def make_qwen3():
+    """Qwen 3 dense: q/k RMS norms, head_dim 32 over a 64-wide residual (no q/k permute)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+                      initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                      tie_word_embeddings=False)
+    return perturb(Qwen3ForCausalLM(cfg)), ()
+
+
+def make_qwen2():
+    """Qwen 2 / 2.5: q/k/v biases, tied embeddings."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                      tie_word_embeddings=True)
+    hf = perturb(Qwen2ForCausalLM(cfg))
+    hf.tokenizer_specials = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+    return hf, ()
+
+
 def make_llama3():
     """Llama 3.x: rope_type llama3, which the converter writes as rope_freqs.weight divisors."""
     from transformers import LlamaConfig, LlamaForCausalLM

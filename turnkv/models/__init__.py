@@ -7,6 +7,8 @@ import importlib
 # model_type -> "module:Class" (explicit registry; a family is one module)
 ARCHITECTURES: dict[str, str] = {
     "llama": "llama:LlamaModel",
+    "qwen2": "llama:LlamaModel",                   # Qwen 2 / 2.5: q/k/v biases
+    "qwen3": "llama:LlamaModel",                   # Qwen 3 dense: q/k RMS norms
     "gemma3_text": "gemma3:Gemma3Model",
     "gemma3": "gemma3_vision:Gemma3VisionModel",   # Gemma3ForConditionalGeneration (vision + text)
     "llama4_text": "llama4:Llama4Model",

@@ -153,12 +153,13 @@ class FusedBlock:
 
 def fuse_llama_block(block) -> "FusedBlock | None":
     """The fused calls of a Llama-shaped block: ``attn`` (hq, hk, d, wqkv, wo and no biases),
-    ``mlp`` (wgu, wdown, SiLU, no biases), ``ln_attn``, ``ln_mlp``, ``eps`` (llama, ministral)."""
+    ``mlp`` (wgu, wdown, SiLU, no biases), ``ln_attn``, ``ln_mlp``, ``eps``, and the attention's
+    ``qk_norm`` rows where it has them (llama, Qwen 3, ministral)."""
     a, m = block.attn, block.mlp
     if any(getattr(o, b, None) is not None for o, b in ((a, "bqkv"), (a, "bo"), (m, "bgu"), (m, "bdown"))):
         return None
     return FusedBlock.build(hq=a.hq, hk=a.hk, head_dim=a.d, eps=block.eps, attn_norm=block.ln_attn, wqkv=a.wqkv,
-                            qk_norm=None, wo=a.wo, post_attn=None, mlp_norm=block.ln_mlp, wgu=m.wgu, act="silu",
+                            qk_norm=getattr(a, "qk_norm", None), wo=a.wo, post_attn=None, mlp_norm=block.ln_mlp, wgu=m.wgu, act="silu",
                             wdown=m.wdown, post_ff=None)
 
 

@@ -1,4 +1,6 @@
-"""Llama (SmolLM2 and friends): full attention on every layer, fused QKV and gate/up projections."""
+"""Llama (SmolLM2 and friends), Qwen 2 and Qwen 3: full attention on every layer, fused QKV and
+gate/up projections. Qwen 2 adds biases to q/k/v (not o); Qwen 3 RMS-norms every q and k head
+before RoPE. Their sliding-window option (``use_sliding_window``) is refused at load."""
 
 from __future__ import annotations
 
@@ -10,16 +12,34 @@ from torch import nn
 from ..cache import specs
 from .base import Model, apply_rope, attention_spans, embedding, linear, rms_norm
 from .batch import Batch
-from .decoder import DecoderArgs, GatedMLP, decoder_weights, out_weights, qkv_weights, rope_for
+from .decoder import DecoderArgs, GatedMLP, decoder_weights, out_weights, qk_norm_rows, qkv_weights, rope_for
 from .fused import FusedSlot, fuse_llama_block, stack_for
 from .rope_config import rope_params
 from .tensors import param, take
 
 
+QWEN = ("qwen2", "qwen3")
+
+
 @dataclass(kw_only=True)
 class ModelArgs(DecoderArgs):
+    model_type: str = "llama"
     attention_bias: bool = False
     mlp_bias: bool = False
+    use_sliding_window: bool = False
+    hidden_act: str = "silu"
+
+    def __post_init__(self):
+        super().__post_init__()
+        t = self.model_type
+        if self.hidden_act != "silu":
+            raise ValueError(f"{t}: hidden_act {self.hidden_act!r} is not supported (silu only)")
+        if t in QWEN and self.use_sliding_window:
+            raise ValueError(f"{t}: use_sliding_window is not supported (every layer attends to the full context)")
+        # Qwen 2's q/k/v carry biases its config does not name; its o_proj has none
+        self.qkv_bias = self.attention_bias or t == "qwen2"
+        self.o_bias = self.attention_bias
+        self.qk_norm = t == "qwen3"
 
 
 class Attention(nn.Module):
@@ -27,13 +47,18 @@ class Attention(nn.Module):
         super().__init__()
         self.hq, self.hk, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         self.scale = self.d ** -0.5
-        self.wqkv, self.bqkv = qkv_weights(t, p, dtype, a.attention_bias)
-        self.wo, self.bo = out_weights(t, p, dtype, a.attention_bias)
+        self.eps = a.rms_norm_eps
+        self.wqkv, self.bqkv = qkv_weights(t, p, dtype, a.qkv_bias)
+        self.wo, self.bo = out_weights(t, p, dtype, a.o_bias)
+        self.qk_norm = param(qk_norm_rows(t, p, self.hq, self.hk), dtype) if a.qk_norm else None
 
     def forward(self, x, batch: Batch, i: int, rope):
         hq, hk = self.hq, self.hk
         qkv = linear(x, self.wqkv, self.bqkv).view(x.shape[0], hq + 2 * hk, self.d).transpose(0, 1)
-        qk = apply_rope(qkv[: hq + hk], *rope)
+        qk = qkv[: hq + hk]
+        if self.qk_norm is not None:
+            qk = rms_norm(qk, None, self.eps).mul_(self.qk_norm)
+        qk = apply_rope(qk, *rope)
         # each sequence's rows over its own KV
         out = attention_spans(batch, i, qk[:hq], qk[hq:], qkv[hq + hk:], self.scale)
         return linear(out, self.wo, self.bo)

@@ -1,0 +1,79 @@
+"""Qwen 3 and Qwen 2 (turnkv.models.llama) against transformers' Qwen3ForCausalLM and
+Qwen2ForCausalLM on tiny random configs: Qwen 3's per-head q/k RMS norms before RoPE and its
+head_dim apart from hidden / heads, Qwen 2's q/k/v biases without an o bias. (The 8-turn chat with
+reuse == cold: tests/test_family_reuse.py; batched == alone: tests/test_batching.py; GGUF ==
+folder: tests/test_gguf_families.py.)
+The contract every family keeps (parity, greedy, KV modes, weight formats):
+tests/test_family_contract.py; here, what is these families' own."""
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from ssm_family_checks import check_parity, perturb_vectors, save_and_load
+from tiny import prompt
+from turnkv.models.llama import ModelArgs
+
+VOCAB = 256
+
+
+def qwen3_config(**overrides) -> Qwen3Config:
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+              initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    return Qwen3Config(**{**kw, **overrides})
+
+
+def qwen2_config(**overrides) -> Qwen2Config:
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+              initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    return Qwen2Config(**{**kw, **overrides})
+
+
+def _pair(hf, tmp_path):
+    hf = hf.eval()
+    perturb_vectors(hf)
+    return save_and_load(hf, tmp_path), hf
+
+
+def tiny(tmp_path, seed=0, **overrides):
+    torch.manual_seed(seed)
+    return _pair(Qwen3ForCausalLM(qwen3_config(**overrides)), tmp_path)
+
+
+def tiny_qwen2(tmp_path, seed=0, **overrides):
+    torch.manual_seed(seed)
+    return _pair(Qwen2ForCausalLM(qwen2_config(**overrides)), tmp_path)
+
+
+def test_qwen3_normalizes_q_and_k_per_head(tmp_path):
+    model, hf = tiny(tmp_path)
+    attn = model.layers[0].attn
+    assert attn.qk_norm is not None and attn.qk_norm.shape == (4 + 2, 1, 32)
+    assert attn.bqkv is None and attn.bo is None
+    # head_dim 32 with hidden 64 and 4 heads: the q projection is wider than the residual
+    assert attn.wqkv.shape[0] == (4 + 2 * 2) * 32
+
+
+def test_qwen2_biases_on_qkv_only(tmp_path):
+    model, hf = tiny_qwen2(tmp_path)
+    attn = model.layers[0].attn
+    assert attn.bqkv is not None and attn.bo is None and attn.qk_norm is None
+    assert model.lm_head is model.embed
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_qwen3_attention_bias_and_llama3_rope(tmp_path, bias):
+    rope = {"rope_type": "llama3", "rope_theta": 1_000_000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    model, hf = tiny(tmp_path, seed=1, attention_bias=bias, rope_parameters=rope, tie_word_embeddings=True)
+    assert (model.layers[0].attn.bo is not None) == bias
+    check_parity(model, hf, prompt(120, seed=9), chunk=13, decode=6)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_sliding_window_is_refused(model_type):
+    config = (qwen3_config if model_type == "qwen3" else qwen2_config)(use_sliding_window=True, sliding_window=16)
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        ModelArgs.from_dict(config.to_dict())
