@@ -156,7 +156,12 @@ def _kimi_linear():
     return build()
 
 
-BUILDERS.update({"gemma4_text": _gemma4_text, "kimi_linear": _kimi_linear})
+def _rwkv7():
+    from test_family_rwkv7 import build   # every layer recurrent: the WKV matrix state and two shift states
+    return build()
+
+
+BUILDERS.update({"gemma4_text": _gemma4_text, "kimi_linear": _kimi_linear, "rwkv7": _rwkv7})
 
 
 def _bailing_hybrid():

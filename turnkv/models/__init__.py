@@ -35,6 +35,7 @@ ARCHITECTURES: dict[str, str] = {
     "idefics3": "idefics3:Idefics3Model",
     "smolvlm": "idefics3:Idefics3Model",
     "lfm2_vl": "lfm2_vl:Lfm2VlModel",
+    "rwkv7": "rwkv7:Rwkv7Model",                   # RWKV7ForCausalLM, the fla-hub layout
 }
 
 
