@@ -78,9 +78,71 @@ static const LowTables kLow = make_low_tables();
 inline uint32_t rd32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
 
 // 8 grid values (bytes, all 1..62) with their signs: -v is ~v + 1 bytewise, no carry between bytes
-inline void put8(int8_t* o, uint64_t g, uint64_t m) {
-    const uint64_t v = (g ^ m) + (m & 0x0101010101010101ULL);
-    std::memcpy(o, &v, 8);
+inline uint64_t signed8(uint64_t g, uint64_t m) { return (g ^ m) + (m & 0x0101010101010101ULL); }
+
+// a block's bytes in GGUF's layout
+struct GgufBytes {
+    const uint8_t* p;
+    uint8_t u8(int o) const { return p[o]; }
+    uint16_t u16(int o) const { return rd16(p + o); }
+    uint32_t u32(int o) const { return rd32(p + o); }
+};
+// row r of a tile's block of an IQ type (a 2-byte d, then 4-byte fields: common.h): byte o >= 2
+// of the row's block is byte (o - 2) % 4 of field (o - 2) / 4, at 16 + 32 field + 4 r
+struct TileRow {
+    const uint8_t* blk;
+    int r;
+    const uint8_t* at(int o) const { return blk + 16 + 8 * ((o - 2) & ~3) + 4 * r + ((o - 2) & 3); }
+    uint8_t u8(int o) const { return *at(o); }
+    uint16_t u16(int o) const { return rd16(at(o)); }   // never across a field (even offsets)
+    uint32_t u32(int o) const { return rd32(at(o)); }   // whole fields
+};
+
+// An IQ type's super-block from its bytes b (offsets of GGUF's layout): put(g, v) takes values
+// 8g..8g+7 as one uint64 (byte i = value 8g + i), scale(i, s) the integer scale of values 16i..
+template <int QT, class Src, class Put, class Scale>
+inline void decode_iq(const Src& b, const Put& put, const Scale& scale) {
+    const LowTables& T = kLow;
+    for (int ib = 0; ib < 8; ib++) {
+        int s0, s1;
+        if constexpr (QT == IQ2_XXS) {
+            const int q = 2 + 8 * ib;
+            const uint32_t a = b.u32(q + 4);
+            for (int l = 0; l < 4; l++) put(4 * ib + l, signed8(T.iq2xxs[b.u8(q + l)], T.sign7[(a >> (7 * l)) & 127]));
+            s0 = s1 = 2 * (int)(a >> 28) + 1;
+        } else if constexpr (QT == IQ2_XS) {
+            for (int l = 0; l < 4; l++) {
+                const uint16_t q = b.u16(2 + 2 * (4 * ib + l));
+                put(4 * ib + l, signed8(T.iq2xs[q & 511], T.sign7[q >> 9]));
+            }
+            s0 = 2 * (b.u8(66 + ib) & 0xF) + 1;
+            s1 = 2 * (b.u8(66 + ib) >> 4) + 1;
+        } else if constexpr (QT == IQ2_S) {
+            const int qh = b.u8(66 + ib);
+            for (int l = 0; l < 4; l++) {
+                const int idx = b.u8(2 + 4 * ib + l) | (((qh >> (2 * l)) & 3) << 8);
+                put(4 * ib + l, signed8(T.iq2s[idx], T.sign8[b.u8(34 + 4 * ib + l)]));
+            }
+            s0 = 2 * (b.u8(74 + ib) & 0xF) + 1;
+            s1 = 2 * (b.u8(74 + ib) >> 4) + 1;
+        } else if constexpr (QT == IQ3_XXS) {
+            const int q = 2 + 8 * ib;
+            const uint32_t a = b.u32(66 + 4 * ib);
+            for (int l = 0; l < 4; l++)
+                put(4 * ib + l, signed8(T.iq3xxs[b.u8(q + 2 * l)] | (uint64_t)T.iq3xxs[b.u8(q + 2 * l + 1)] << 32,
+                                        T.sign7[(a >> (7 * l)) & 127]));
+            s0 = s1 = 2 * (int)(a >> 28) + 1;
+        } else {  // IQ3_S
+            const int q = 2 + 8 * ib, qh = b.u8(66 + ib);
+            for (int l = 0; l < 4; l++) {
+                const int i0 = b.u8(q + 2 * l) | (((qh >> (2 * l)) & 1) << 8), i1 = b.u8(q + 2 * l + 1) | (((qh >> (2 * l + 1)) & 1) << 8);
+                put(4 * ib + l, signed8(T.iq3s[i0] | (uint64_t)T.iq3s[i1] << 32, T.sign8[b.u8(74 + 4 * ib + l)]));
+            }
+            s0 = s1 = 1 + 2 * ((b.u8(106 + ib / 2) >> (4 * (ib % 2))) & 0xF);
+        }
+        scale(2 * ib, s0);
+        scale(2 * ib + 1, s1);
+    }
 }
 
 inline void decode_k(int qt, const uint8_t* p, LowBlock& o) {
@@ -107,52 +169,24 @@ inline void decode_k(int qt, const uint8_t* p, LowBlock& o) {
     o.dmin = q3 ? 0 : rd16(p + 82);
 }
 
+template <int QT>
+inline void decode_iq_block(const uint8_t* p, LowBlock& o) {
+    decode_iq<QT>(GgufBytes{p}, [&](int g, uint64_t v) { std::memcpy(o.v + 8 * g, &v, 8); },
+                  [&](int i, int sc) { o.sc[i] = sc; });
+}
+
 // one super-block of one row, p in GGUF's block layout
 inline void decode_lowbit(int qt, const uint8_t* p, LowBlock& o) {
-    const LowTables& T = kLow;
     if (qt == Q2_K || qt == Q3_K) return decode_k(qt, p, o);
     o.d = rd16(p);
     o.dmin = 0;
     for (int i = 0; i < 16; i++) o.mn[i] = 0;
-    for (int ib = 0; ib < 8; ib++) {
-        int8_t* v = o.v + 32 * ib;
-        int s0 = 0, s1 = 0;
-        if (qt == IQ2_XXS) {
-            const uint8_t* q = p + 2 + 8 * ib;
-            const uint32_t a = rd32(q + 4);
-            for (int l = 0; l < 4; l++) put8(v + 8 * l, T.iq2xxs[q[l]], T.sign7[(a >> (7 * l)) & 127]);
-            s0 = s1 = 2 * (int)(a >> 28) + 1;
-        } else if (qt == IQ2_XS) {
-            for (int l = 0; l < 4; l++) {
-                const uint16_t q = rd16(p + 2 + 2 * (4 * ib + l));
-                put8(v + 8 * l, T.iq2xs[q & 511], T.sign7[q >> 9]);
-            }
-            s0 = 2 * (p[66 + ib] & 0xF) + 1;
-            s1 = 2 * (p[66 + ib] >> 4) + 1;
-        } else if (qt == IQ2_S) {
-            for (int l = 0; l < 4; l++) {
-                const int idx = p[2 + 4 * ib + l] | (((p[66 + ib] >> (2 * l)) & 3) << 8);
-                put8(v + 8 * l, T.iq2s[idx], T.sign8[p[34 + 4 * ib + l]]);
-            }
-            s0 = 2 * (p[74 + ib] & 0xF) + 1;
-            s1 = 2 * (p[74 + ib] >> 4) + 1;
-        } else if (qt == IQ3_XXS) {
-            const uint8_t* q = p + 2 + 8 * ib;
-            const uint32_t a = rd32(p + 66 + 4 * ib);
-            for (int l = 0; l < 4; l++)
-                put8(v + 8 * l, T.iq3xxs[q[2 * l]] | (uint64_t)T.iq3xxs[q[2 * l + 1]] << 32, T.sign7[(a >> (7 * l)) & 127]);
-            s0 = s1 = 2 * (int)(a >> 28) + 1;
-        } else {  // IQ3_S
-            const uint8_t* q = p + 2 + 8 * ib;
-            const int qh = p[66 + ib];
-            for (int l = 0; l < 4; l++) {
-                const int i0 = q[2 * l] | (((qh >> (2 * l)) & 1) << 8), i1 = q[2 * l + 1] | (((qh >> (2 * l + 1)) & 1) << 8);
-                put8(v + 8 * l, T.iq3s[i0] | (uint64_t)T.iq3s[i1] << 32, T.sign8[p[74 + 4 * ib + l]]);
-            }
-            s0 = s1 = 1 + 2 * ((p[106 + ib / 2] >> (4 * (ib % 2))) & 0xF);
-        }
-        o.sc[2 * ib] = s0;
-        o.sc[2 * ib + 1] = s1;
+    switch (qt) {
+        case IQ2_XXS: return decode_iq_block<IQ2_XXS>(p, o);
+        case IQ2_XS: return decode_iq_block<IQ2_XS>(p, o);
+        case IQ2_S: return decode_iq_block<IQ2_S>(p, o);
+        case IQ3_XXS: return decode_iq_block<IQ3_XXS>(p, o);
+        case IQ3_S: return decode_iq_block<IQ3_S>(p, o);
     }
 }
 
