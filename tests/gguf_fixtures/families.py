@@ -378,3 +378,20 @@ def make_bailing_hybrid():
         "norm_topk_prob": True, "no_kda_lora": True, "gated_attention_proj_granularity_type": "head_wise",
         "moe_shared_expert_intermediate_size": 32, "score_function": "sigmoid"}
     return model, ()
+
+
+def make_rwkv7():
+    """RWKV-7 in fla-hub's layout, written by rwkv7-hf's RWKV7ForCausalLM (tests/test_family_rwkv7.py's
+    tiny model at this vocabulary); the converter's own vocabulary writer reads RWKV's world trie
+    file, which a test folder has not. save_pretrained also copies rwkv7-hf's remote-code .py files
+    into hf/: the fixture keeps only the config, weights and tokenizer (turnkv reads no code)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from test_family_rwkv7 import build
+
+    torch.manual_seed(0)
+    model = build(vocab_size=VOCAB)
+    model.config.eos_token_id = 2
+    return model, ("conversion.rwkv.Rwkv7Model:gpt2",)

@@ -88,6 +88,11 @@ def _gguf_tokenizer(src: _Source, header, fp: str, config: dict) -> Tokenizer | 
 
     if "tokenizer.ggml.model" not in header.metadata:
         return None  # weights-only GGUF
+    if header.metadata["tokenizer.ggml.model"] == "rwkv":
+        # llama.cpp's RWKV tokenizer: a greedy longest-match trie over the vocabulary's byte strings,
+        # with no merges; transformers cannot convert it and turnkv has no tokenizer of that kind
+        raise ModelLoadError(f"{src.path}: RWKV's world tokenizer (tokenizer.ggml.model 'rwkv', a greedy "
+                             "longest-match trie) is not supported; the file's weights load, its vocabulary does not")
     template = src.chat_template
     if template is None and "tokenizer.chat_template" not in header.metadata:
         fallback = _FALLBACK_TEMPLATES.get(header.architecture)

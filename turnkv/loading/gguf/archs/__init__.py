@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from ..architecture import GGUFArchitecture
 from . import (afmoe, bailing_hybrid, exaone4, gemma3, gemma4, glm4_moe, gpt_oss, kimi_linear, lfm2, llama,
-               ministral, muse_glimmer, qwen, qwen3_5)
+               ministral, muse_glimmer, qwen, qwen3_5, rwkv7)
 
 FAMILIES = (llama, qwen, gemma3, afmoe, kimi_linear, muse_glimmer, bailing_hybrid, exaone4, ministral, gpt_oss, glm4_moe,
-            qwen3_5, gemma4, lfm2)
+            qwen3_5, gemma4, lfm2, rwkv7)
 
 SUPPORTED_GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     name: arch for family in FAMILIES for name, arch in family.ARCHITECTURES.items()}
