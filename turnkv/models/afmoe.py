@@ -15,13 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..cache import specs
-from .base import BaseArgs, Model, apply_rope, attention_spans, embedding, linear, rms_norm
+from .base import BaseArgs, apply_rope, attention_spans, embedding, linear, rms_norm
 from .batch import Batch, select_rows
-from .decoder import FULL, SLIDING, GatedMLP, out_weights, rope_for
+from .decoder import FULL, SLIDING, DecoderModel, GatedMLP, float32_norm, out_weights
 from .experts import RoutedExperts, expert_stacks
-from .rope_config import rope_params
-from .tensors import fused_weight, param, stored, take, weight
+from .tensors import fused_weight, param, stored, take
 
 def norm32(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers keeps AFMoE's RMSNorms in float32 whatever the model's dtype
@@ -136,28 +134,12 @@ class Block(nn.Module):
         return x + norm32(h, self.ln_post_mlp, self.eps)
 
 
-class AfmoeModel(Model):
+class AfmoeModel(DecoderModel):
     family = "afmoe"
     Args = ModelArgs
+    Block = Block
     packable_weights = ("wqkvg", "wo", "wgu", "wdown")
-    head_weights = ("lm_head",)
-    embedding_weights = ("embed",)
-
-    def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
-        super().__init__()
-        self.args, self.dtype = args, dtype
-        self.embed = weight(stored(tensors, "model.embed_tokens.weight"), dtype)
-        self.layers = nn.ModuleList(Block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
-        self.norm = param(take(tensors, "model.norm.weight"), torch.float32)
-        head = tensors.get("lm_head.weight")
-        self.lm_head = self.embed if head is None or args.tie_word_embeddings else weight(head, dtype)
-        self.rope = rope_for(rope_params(config), args.head_dim, dtype)
-
-    def cache_specs(self):
-        a = self.args
-        return [specs.sliding(a.num_key_value_heads, a.head_dim, a.sliding_window)
-                if lt == SLIDING and a.sliding_window else specs.full(a.num_key_value_heads, a.head_dim)
-                for lt in a.layer_types]
+    norm_weight = staticmethod(float32_norm)
 
     def forward(self, batch):
         rope = self.rope.rows(batch)

@@ -46,10 +46,10 @@ from torch import nn
 
 from ..cache import specs
 from ..cache.kv import KVView
-from .base import BaseArgs, Model, apply_rope, attention, embedding, linear, rms_norm
+from .base import Model, apply_rope, attention, embedding, linear, rms_norm
 from .batch import Batch, Span, spans_apply
-from .decoder import GatedMLP, rope_for
-from .kimi_linear import MoE, kda_chunked, kda_step, l2norm
+from .decoder import GatedMLP, HybridBlock, rope_for
+from .kimi_linear import LatentMoEArgs, MoE, first_set, kda_chunked, kda_step, l2norm
 from .rope_config import rope_params
 from .ssm import causal_conv1d
 from .tensors import fused_weight, param, stored, take, weight
@@ -57,40 +57,14 @@ from .tensors import fused_weight, param, stored, take, weight
 LINEAR, FULL = "linear_attention", "full_attention"
 
 
-@dataclass
-class ModelArgs(BaseArgs):
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    vocab_size: int
+@dataclass(kw_only=True)
+class ModelArgs(LatentMoEArgs):
     moe_intermediate_size: int = 768
-    kv_lora_rank: int = 512
-    q_lora_rank: int | None = None
-    qk_rope_head_dim: int = 64
-    qk_nope_head_dim: int = 128
-    v_head_dim: int = 128
-    head_dim: int = 128
+    head_dim: int | None = 128
     rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    hidden_act: str = "silu"
     routed_scaling_factor: float = 2.5
-    # the MoE settings under transformers' attribute names and under the names config.json uses
-    num_local_experts: int | None = None
-    num_experts: int | None = None
-    num_experts_per_tok: int | None = None
-    num_experts_per_token: int | None = None
-    n_shared_experts: int | None = None
-    num_shared_experts: int | None = None
-    n_group: int | None = None
-    num_expert_group: int | None = None
     topk_group: int | None = None
-    norm_topk_prob: bool | None = None
-    moe_renormalize: bool | None = None
     first_k_dense_replace: int = 2
-    mlp_layer_types: list | None = None
-    layer_types: list | None = None
     layer_group_size: int = 6
     linear_head_dim: int | None = None
     linear_num_heads: int | None = None
@@ -100,26 +74,16 @@ class ModelArgs(BaseArgs):
     kda_lower_bound: float = -5.0
 
     def __post_init__(self):
-        pick = lambda *v, default=None: next((x for x in v if x is not None), default)   # noqa: E731
-        # the names kimi_linear.MoE reads
-        self.experts = pick(self.num_local_experts, self.num_experts, default=512)
-        self.top_k = pick(self.num_experts_per_tok, self.num_experts_per_token, default=8)
-        self.shared = pick(self.n_shared_experts, self.num_shared_experts, default=1)
-        self.groups = pick(self.n_group, self.num_expert_group, default=8)
-        self.topk_group = pick(self.topk_group, default=4)
-        self.renormalize = pick(self.norm_topk_prob, self.moe_renormalize, default=True)
+        super().__post_init__()
+        self.resolve_moe("Bailing hybrid", experts=512, groups=8, topk_group=4)
         # transformers' config turns ``head_dim`` into qk_rope_head_dim after copying it to
         # ``linear_head_dim``; a released config.json has only ``head_dim`` (the KDA head dim)
-        self.linear_head_dim = pick(self.linear_head_dim, self.head_dim)
-        self.linear_num_heads = pick(self.linear_num_heads, self.num_attention_heads)
-        self.linear_conv_kernel_dim = pick(self.linear_conv_kernel_dim, self.short_conv_kernel_size)
+        self.linear_head_dim = first_set(self.linear_head_dim, self.head_dim)
+        self.linear_num_heads = first_set(self.linear_num_heads, self.num_attention_heads)
+        self.linear_conv_kernel_dim = first_set(self.linear_conv_kernel_dim, self.short_conv_kernel_size)
         n = self.num_hidden_layers
         if not self.layer_types:
             self.layer_types = [FULL if (i + 1) % self.layer_group_size == 0 else LINEAR for i in range(n)]
-        if not self.mlp_layer_types:
-            self.mlp_layer_types = ["dense" if i < self.first_k_dense_replace else "sparse" for i in range(n)]
-        if self.hidden_act != "silu":
-            raise ValueError(f"unsupported Bailing hybrid activation {self.hidden_act!r}")
 
 
 _RENAMES = [(re.compile(r"^model\.word_embeddings\."), "model.embed_tokens."),
@@ -294,28 +258,16 @@ class LatentAttention(nn.Module):
         return linear((o * gate[..., None]).reshape(N, H * self.dv), self.wo, self.bo)
 
 
-class Block(nn.Module):
+class Block(HybridBlock):
+    rope_kinds = (FULL,)
+
     def __init__(self, a: ModelArgs, t: dict, i: int, dtype, scale: float):
-        super().__init__()
         p = f"model.layers.{i}"
-        self.eps = a.rms_norm_eps
-        self.kind = a.layer_types[i]
-        self.ln_in = param(take(t, f"{p}.input_layernorm.weight"), dtype)
-        self.ln_post = param(take(t, f"{p}.post_attention_layernorm.weight"), dtype)
-        if self.kind == LINEAR:
-            self.mixer = DeltaAttention(a, t, f"{p}.self_attn", dtype)
-        elif self.kind == FULL:
-            self.mixer = LatentAttention(a, t, f"{p}.self_attn", dtype, scale)
-        else:
-            raise ValueError(f"unknown Bailing hybrid layer type {self.kind!r}")
+        mixers = {LINEAR: lambda: DeltaAttention(a, t, f"{p}.self_attn", dtype),
+                  FULL: lambda: LatentAttention(a, t, f"{p}.self_attn", dtype, scale)}
+        super().__init__(a, t, p, a.layer_types[i], dtype, mixers, "Bailing hybrid layer type")
         q = f"{p}.mlp"
         self.mlp = MoE(a, t, q, dtype) if a.mlp_layer_types[i] == "sparse" else GatedMLP.named(t, q, dtype)
-
-    def forward(self, x, batch, i, rope):
-        h = rms_norm(x, self.ln_in, self.eps)
-        h = self.mixer.forward(h, batch, i) if self.kind == LINEAR else self.mixer.forward(h, batch, i, rope)
-        x = x + h
-        return x + self.mlp.forward(rms_norm(x, self.ln_post, self.eps))
 
 
 class BailingHybridModel(Model):

@@ -1,11 +1,12 @@
 """The decoder skeleton the families share: the common config fields, the embedding / final norm /
-lm_head, RoPE from a config, the gated MLP and the per-layer cache specs of a layer-type pattern.
-A family imports what it uses; its attention and block stay its own."""
+lm_head, RoPE from a config, the gated MLP, the per-layer cache specs of a layer-type pattern and
+``DecoderModel``, the model class a dense family subclasses. A family imports what it uses; its
+attention and block stay its own."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -13,8 +14,8 @@ from torch import nn
 
 from ..cache import specs
 from ..cache.specs import CacheSpec
-from .base import BaseArgs, Rope, linear
-from .rope_config import inv_freq_for
+from .base import BaseArgs, Model, Rope, apply_rope, embedding, linear, rms_norm
+from .rope_config import inv_freq_for, rope_params
 from .tensors import fused_weight, param, stored, take, weight
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -76,6 +77,26 @@ def qk_norm_rows(t: dict, p: str, hq: int, hk: int) -> torch.Tensor:
     return torch.cat([q, k])[:, None]
 
 
+def norm_plus_one(t: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
+    """The weight of an RMSNorm that scales by ``1 + w`` (Gemma, Qwen3-Next), the 1 folded in once
+    at load time."""
+    return param(1.0 + t.float(), dtype)
+
+
+def float32_norm(t: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
+    """A norm weight kept in float32 whatever the model's dtype (transformers'
+    ``_keep_in_fp32_modules``)."""
+    return param(t, torch.float32)
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first ``cos.shape[-1]`` dims of each head, the rest passed through."""
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return apply_rope(x, cos, sin)
+    return torch.cat([apply_rope(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
+
+
 def rope_for(params: dict, head_dim: int, dtype: torch.dtype, partial_rotary_factor: float = 1.0) -> Rope:
     """RoPE tables for ``params`` (``rope_config.rope_params`` of a config), as transformers
     computes them (scaling types, partial rotation)."""
@@ -85,8 +106,8 @@ def rope_for(params: dict, head_dim: int, dtype: torch.dtype, partial_rotary_fac
 
 def attention_specs(layer_types: list[str], kv_heads: int, head_dim: int, window: int | None) -> list[CacheSpec]:
     """One cache spec per layer: a sliding window of ``window`` on ``SLIDING`` layers, full
-    attention elsewhere."""
-    return [specs.sliding(kv_heads, head_dim, window) if lt == SLIDING else specs.full(kv_heads, head_dim)
+    attention elsewhere (and everywhere without a window)."""
+    return [specs.sliding(kv_heads, head_dim, window) if lt == SLIDING and window else specs.full(kv_heads, head_dim)
             for lt in layer_types]
 
 
@@ -122,3 +143,61 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u = linear(x, self.wgu, self.bgu).chunk(2, dim=-1)
         return linear(self.act(g).mul_(u), self.wdown, self.bdown)
+
+
+class HybridBlock(nn.Module):
+    """A hybrid family's layer: its type ``kind`` picks the token mixer (``mixers[kind]()``; an
+    unknown type is an error naming ``what``), between the pre-mixer norm ``ln_in`` and the pre-MLP
+    norm ``ln_post`` (``norm`` of the stored weights); pre-norm residuals, ``x + mixer(norm(x))``
+    then ``x + mlp(norm(x))``. The family sets ``mlp``; the mixers of ``rope_kinds`` take the RoPE rows."""
+
+    rope_kinds: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, a, t: dict, p: str, kind: str, dtype: torch.dtype, mixers: dict[str, Callable[[], nn.Module]],
+                 what: str, norm=param, norms: tuple[str, str] = ("input_layernorm", "post_attention_layernorm")):
+        super().__init__()
+        self.eps = a.rms_norm_eps
+        self.kind = kind
+        self.ln_in = norm(take(t, f"{p}.{norms[0]}.weight"), dtype)
+        self.ln_post = norm(take(t, f"{p}.{norms[1]}.weight"), dtype)
+        if kind not in mixers:
+            raise ValueError(f"unknown {what} {kind!r}")
+        self.mixer = mixers[kind]()
+
+    def forward(self, x, batch, i, rope=None):
+        h = rms_norm(x, self.ln_in, self.eps)
+        h = self.mixer.forward(h, batch, i, rope) if self.kind in self.rope_kinds else self.mixer.forward(h, batch, i)
+        x = x + h
+        return x + self.mlp.forward(rms_norm(x, self.ln_post, self.eps))
+
+
+class DecoderModel(Model):
+    """A decoder family's model: ``Block(args, tensors, i, dtype)`` per layer under the skeleton's
+    weight names (``decoder_weights``, the final norm through ``norm_weight``), one RoPE from the
+    config (``set_rope``), a cache spec per layer from ``args.layer_types`` (every layer full
+    attention without them) and the blocks over the token embeddings. A family sets ``family``,
+    ``Args`` and ``Block`` and overrides what differs."""
+
+    packable_weights = ("wqkv", "wo", "wgu", "wdown")
+    head_weights = ("lm_head",)
+    embedding_weights = ("embed",)
+    Block: ClassVar[type[nn.Module]]
+    norm_weight: ClassVar[Callable[[torch.Tensor, torch.dtype], nn.Parameter]] = staticmethod(param)
+
+    def __init__(self, args: DecoderArgs, config: dict, tensors: dict, dtype: torch.dtype):
+        super().__init__()
+        self.args, self.dtype = args, dtype
+        decoder_weights(self, tensors, args, dtype, self.Block, norm=self.norm_weight)
+        self.set_rope(config)
+
+    def set_rope(self, config: dict) -> None:
+        """``self.rope`` from the config's RoPE parameters (a family with other defaults overrides)."""
+        self.rope = rope_for(rope_params(config), self.args.head_dim, self.dtype)
+
+    def cache_specs(self) -> list[CacheSpec]:
+        a = self.args
+        types = getattr(a, "layer_types", None) or [FULL] * a.num_hidden_layers
+        return attention_specs(types, a.num_key_value_heads, a.head_dim, getattr(a, "sliding_window", None))
+
+    def forward(self, batch):
+        return self.run_decoder(embedding(batch.tokens, self.embed, self.dtype), batch, self.rope.rows(batch))

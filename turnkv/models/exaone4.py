@@ -7,14 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
-from .base import Model, apply_rope, attention_spans, embedding, linear, rms_norm
+from .base import apply_rope, attention_spans, linear, rms_norm
 from .batch import Batch
-from .decoder import (FULL, SLIDING, DecoderArgs, GatedMLP, attention_specs, decoder_weights, out_weights, qk_norm_rows,
-                      qkv_weights, rope_for)
-from .rope_config import rope_params
+from .decoder import FULL, SLIDING, DecoderArgs, DecoderModel, GatedMLP, out_weights, qk_norm_rows, qkv_weights
 from .tensors import param, take
 
 
@@ -86,22 +83,7 @@ class Block(nn.Module):
         return x
 
 
-class Exaone4Model(Model):
+class Exaone4Model(DecoderModel):
     family = "exaone4"
     Args = ModelArgs
-    packable_weights = ("wqkv", "wo", "wgu", "wdown")
-    head_weights = ("lm_head",)
-    embedding_weights = ("embed",)
-
-    def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
-        super().__init__()
-        self.args, self.dtype = args, dtype
-        decoder_weights(self, tensors, args, dtype, Block)
-        self.rope = rope_for(rope_params(config), args.head_dim, dtype)
-
-    def cache_specs(self):
-        a = self.args
-        return attention_specs(a.layer_types, a.num_key_value_heads, a.head_dim, a.sliding_window)
-
-    def forward(self, batch):
-        return self.run_decoder(embedding(batch.tokens, self.embed, self.dtype), batch, self.rope.rows(batch))
+    Block = Block

@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 from ..images import IMAGE_KEY_BASE
-from .base import Model, Rope, apply_rope, attention, attention_spans, embedding, linear, rms_norm
+from .base import Rope, apply_rope, attention, attention_spans, embedding, linear, rms_norm
 from .batch import Batch, Span, select_rows, spans_apply
-from .decoder import (FULL, SLIDING, DecoderArgs, GatedMLP, attention_specs, decoder_weights, gelu_tanh_,
-                      out_weights, qk_norm_rows, qkv_weights, rope_for)
+from .decoder import (FULL, SLIDING, DecoderArgs, DecoderModel, GatedMLP, gelu_tanh_, norm_plus_one, out_weights,
+                      qk_norm_rows, qkv_weights, rope_for)
 from .fused import FusedBlock, FusedSlot, stack_for
 from .rope_config import rope_params
-from .tensors import param, take
+from .tensors import take
 
 
 @dataclass(kw_only=True)
@@ -39,11 +39,6 @@ class ModelArgs(DecoderArgs):
             self.layer_types = [FULL if (i + 1) % n == 0 else SLIDING for i in range(self.num_hidden_layers)]
 
 
-def _norm_weight(t: torch.Tensor, dtype) -> nn.Parameter:
-    # Gemma scales by (1 + w); fold the 1 in once at load time.
-    return param(1.0 + t.float(), dtype)
-
-
 class Attention(nn.Module):
     def __init__(self, a: ModelArgs, t: dict, p: str, dtype, sliding: bool):
         super().__init__()
@@ -54,7 +49,7 @@ class Attention(nn.Module):
         self.sliding = sliding
         self.wqkv, _ = qkv_weights(t, p, dtype)
         self.wo, _ = out_weights(t, p, dtype)
-        self.qk_norm = _norm_weight(qk_norm_rows(t, p, self.hq, self.hk), dtype)
+        self.qk_norm = norm_plus_one(qk_norm_rows(t, p, self.hq, self.hk), dtype)
 
     def forward(self, x, batch: Batch, i: int, rope, blocks: dict | None = None):
         hq, hk = self.hq, self.hk
@@ -130,10 +125,10 @@ class Block(nn.Module):
         p = f"model.layers.{i}"
         self.eps = a.rms_norm_eps
         self.sliding = a.layer_types[i] == SLIDING
-        self.ln_in = _norm_weight(take(t, f"{p}.input_layernorm.weight"), dtype)
-        self.ln_post_attn = _norm_weight(take(t, f"{p}.post_attention_layernorm.weight"), dtype)
-        self.ln_pre_ff = _norm_weight(take(t, f"{p}.pre_feedforward_layernorm.weight"), dtype)
-        self.ln_post_ff = _norm_weight(take(t, f"{p}.post_feedforward_layernorm.weight"), dtype)
+        self.ln_in = norm_plus_one(take(t, f"{p}.input_layernorm.weight"), dtype)
+        self.ln_post_attn = norm_plus_one(take(t, f"{p}.post_attention_layernorm.weight"), dtype)
+        self.ln_pre_ff = norm_plus_one(take(t, f"{p}.pre_feedforward_layernorm.weight"), dtype)
+        self.ln_post_ff = norm_plus_one(take(t, f"{p}.post_feedforward_layernorm.weight"), dtype)
         self.attn = Attention(a, t, f"{p}.self_attn", dtype, self.sliding)
         self.mlp = GatedMLP.named(t, f"{p}.mlp", dtype, gelu_tanh_)
 
@@ -163,19 +158,18 @@ class Block(nn.Module):
         return x
 
 
-class Gemma3Model(Model):
+class Gemma3Model(DecoderModel):
     family = "gemma3"
     Args = ModelArgs
-    packable_weights = ("wqkv", "wo", "wgu", "wdown")
-    head_weights = ("lm_head",)
-    embedding_weights = ("embed",)
+    Block = Block
+    norm_weight = staticmethod(norm_plus_one)
 
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
-        super().__init__()
-        self.args, self.dtype = args, dtype
         # tied (transformers ignores a stored lm_head then): one table, packed once by weight formats
-        decoder_weights(self, tensors, args, dtype, Block, norm=_norm_weight)
+        super().__init__(args, config, tensors, dtype)
         self.embed_scale = torch.tensor(args.hidden_size ** 0.5).to(dtype)
+
+    def set_rope(self, config: dict) -> None:
         self.rope_global = self._rope(config, FULL, default_theta=1_000_000.0)
         self.rope_local = self._rope(config, SLIDING, default_theta=config.get("rope_local_base_freq", 10_000.0))
 
@@ -185,10 +179,6 @@ class Gemma3Model(Model):
             if layer_type == SLIDING:
                 params = {"rope_theta": default_theta, "rope_type": "default"}
         return rope_for(params, self.args.head_dim, self.dtype)
-
-    def cache_specs(self):
-        a = self.args
-        return attention_specs(a.layer_types, a.num_key_value_heads, a.head_dim, a.sliding_window)
 
     def forward(self, batch):
         return self.forward_embeds(embedding(batch.tokens, self.embed, self.dtype) * self.embed_scale, batch)

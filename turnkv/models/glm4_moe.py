@@ -19,12 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache import specs
-from .base import Model, attention_spans, embedding, linear, rms_norm
+from .base import attention_spans, linear, rms_norm
 from .batch import Batch
-from .decoder import DecoderArgs, GatedMLP, decoder_weights, qkv_weights, rope_for
+from .decoder import DecoderArgs, DecoderModel, GatedMLP, apply_partial_rope, qkv_weights, rope_for
 from .experts import RoutedExperts, expert_stacks
-from .qwen3_next import apply_partial_rope
 from .rope_config import rope_params
 from .tensors import param, stored, take, weight
 
@@ -120,24 +118,12 @@ class Block(nn.Module):
         return x
 
 
-class Glm4MoeModel(Model):
+class Glm4MoeModel(DecoderModel):
     family = "glm4_moe"
     Args = ModelArgs
-    packable_weights = ("wqkv", "wo", "wgu", "wdown")
-    head_weights = ("lm_head",)
-    embedding_weights = ("embed",)
+    Block = Block
 
-    def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
-        super().__init__()
-        self.args, self.dtype = args, dtype
-        decoder_weights(self, tensors, args, dtype, Block)
+    def set_rope(self, config: dict) -> None:
         params = rope_params(config)
         partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", DEFAULT_PARTIAL_ROTARY))
-        self.rope = rope_for(params, args.head_dim, dtype, partial)
-
-    def cache_specs(self):
-        a = self.args
-        return [specs.full(a.num_key_value_heads, a.head_dim) for _ in range(a.num_hidden_layers)]
-
-    def forward(self, batch):
-        return self.run_decoder(embedding(batch.tokens, self.embed, self.dtype), batch, self.rope.rows(batch))
+        self.rope = rope_for(params, self.args.head_dim, self.dtype, partial)

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from .batch import Batch
-from .base import BaseArgs, Model, apply_rope, attention_spans, embedding, linear, rms_norm
-from .decoder import FULL, SLIDING, attention_specs, decoder_weights, out_weights, qkv_weights, rope_for
+from .base import BaseArgs, apply_rope, attention_spans, linear, rms_norm
+from .decoder import FULL, SLIDING, DecoderModel, out_weights, qkv_weights, rope_for
 from .rope_config import rope_params
 from .experts import RoutedExperts
 from .tensors import MissingWeight, param, stored, take, weight
@@ -165,25 +165,13 @@ class Block(nn.Module):
         return x
 
 
-class GptOssModel(Model):
+class GptOssModel(DecoderModel):
     family = "gpt_oss"
     Args = ModelArgs
-    packable_weights = ("wqkv", "wo", "wgu", "wdown")
-    head_weights = ("lm_head",)
-    embedding_weights = ("embed",)
+    Block = Block
 
-    def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
-        super().__init__()
-        self.args, self.dtype = args, dtype
-        decoder_weights(self, tensors, args, dtype, Block)
+    def set_rope(self, config: dict) -> None:
         params = dict(rope_params(config))
         if "rope_theta" not in (config.get("rope_parameters") or {}) and "rope_theta" not in config:
             params["rope_theta"] = DEFAULT_THETA
-        self.rope = rope_for(params, args.head_dim, dtype)
-
-    def cache_specs(self):
-        a = self.args
-        return attention_specs(a.layer_types, a.num_key_value_heads, a.head_dim, a.sliding_window)
-
-    def forward(self, batch):
-        return self.run_decoder(embedding(batch.tokens, self.embed, self.dtype), batch, self.rope.rows(batch))
+        self.rope = rope_for(params, self.args.head_dim, self.dtype)

@@ -32,9 +32,9 @@ from torch import nn
 
 from ..cache import specs
 from ..cache.kv import KVView
-from .base import BaseArgs, Model, attention, embedding, linear, rms_norm
+from .base import Model, attention, embedding, linear, rms_norm
 from .batch import Batch, Span, select_rows, spans_apply
-from .decoder import GatedMLP, decoder_weights
+from .decoder import DecoderArgs, GatedMLP, HybridBlock, decoder_weights
 from .experts import RoutedExperts, expert_stacks
 from .ssm import causal_conv1d
 from .tensors import MissingWeight, as_float, fused_weight, param, stored, take, weight
@@ -43,21 +43,22 @@ LINEAR, FULL = "linear_attention", "full_attention"
 KDA_CHUNK = 64
 
 
-@dataclass
-class ModelArgs(BaseArgs):
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    vocab_size: int
+def first_set(*values, default=None):
+    """The first of ``values`` that is not None, else ``default`` (a setting a config may spell two ways)."""
+    return next((x for x in values if x is not None), default)
+
+
+@dataclass(kw_only=True)
+class LatentMoEArgs(DecoderArgs):
+    """The config fields Kimi Linear and Bailing hybrid (models/bailing_hybrid.py) share: MLA's
+    latent sizes, the DeepSeek-style MoE's settings and the per-layer type lists."""
+
     moe_intermediate_size: int = 1024
     kv_lora_rank: int = 512
     q_lora_rank: int | None = None
     qk_rope_head_dim: int = 64
     qk_nope_head_dim: int = 128
     v_head_dim: int = 128
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
     attention_bias: bool = False
     hidden_act: str = "silu"
     routed_scaling_factor: float = 2.446
@@ -76,19 +77,34 @@ class ModelArgs(BaseArgs):
     first_k_dense_replace: int = 1
     mlp_layer_types: list | None = None
     layer_types: list | None = None
+
+    def resolve_moe(self, family: str, experts: int, groups: int, topk_group: int) -> None:
+        """The names MoE reads (``experts``, ``top_k``, ``shared``, ``groups``, ``topk_group``,
+        ``renormalize``) from whichever spelling the config used, else the family's defaults; the
+        dense-then-sparse MLP pattern unless the config lists one; only SiLU experts."""
+        self.experts = first_set(self.num_local_experts, self.num_experts, default=experts)
+        self.top_k = first_set(self.num_experts_per_tok, self.num_experts_per_token, default=8)
+        self.shared = first_set(self.n_shared_experts, self.num_shared_experts, default=1)
+        self.groups = first_set(self.n_group, self.num_expert_group, default=groups)
+        self.topk_group = first_set(self.topk_group, default=topk_group)
+        self.renormalize = first_set(self.norm_topk_prob, self.moe_renormalize, default=True)
+        if not self.mlp_layer_types:
+            n = self.num_hidden_layers
+            self.mlp_layer_types = ["dense" if i < self.first_k_dense_replace else "sparse" for i in range(n)]
+        if self.hidden_act != "silu":
+            raise ValueError(f"unsupported {family} activation {self.hidden_act!r}")
+
+
+@dataclass(kw_only=True)
+class ModelArgs(LatentMoEArgs):
     linear_attn_config: dict | None = None
     linear_head_dim: int = 128
     linear_num_heads: int = 32
     linear_conv_kernel_dim: int = 4
 
     def __post_init__(self):
-        pick = lambda *v, default=None: next((x for x in v if x is not None), default)   # noqa: E731
-        self.experts = pick(self.num_local_experts, self.num_experts, default=256)
-        self.top_k = pick(self.num_experts_per_tok, self.num_experts_per_token, default=8)
-        self.shared = pick(self.n_shared_experts, self.num_shared_experts, default=1)
-        self.groups = pick(self.n_group, self.num_expert_group, default=1)
-        self.topk_group = pick(self.topk_group, default=1)
-        self.renormalize = pick(self.norm_topk_prob, self.moe_renormalize, default=True)
+        super().__post_init__()
+        self.resolve_moe("Kimi Linear", experts=256, groups=1, topk_group=1)
         lac = self.linear_attn_config or {}
         self.linear_head_dim = lac.get("head_dim", self.linear_head_dim)
         self.linear_num_heads = lac.get("num_heads", self.linear_num_heads)
@@ -103,10 +119,6 @@ class ModelArgs(BaseArgs):
                     self.layer_types[i - 1] = LINEAR
             else:
                 self.layer_types = [FULL if i and i % 4 == 0 else LINEAR for i in range(n)]
-        if not self.mlp_layer_types:
-            self.mlp_layer_types = ["dense" if i < self.first_k_dense_replace else "sparse" for i in range(n)]
-        if self.hidden_act != "silu":
-            raise ValueError(f"unsupported Kimi Linear activation {self.hidden_act!r}")
 
 
 def _first(t: dict, *names: str) -> torch.Tensor:
@@ -321,28 +333,16 @@ class MoE(nn.Module):
         return self.experts.forward(x, weights * self.scaling, chosen) + self.shared.forward(x)
 
 
-class Block(nn.Module):
+class Block(HybridBlock):
     def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
-        super().__init__()
         p = f"model.layers.{i}"
-        self.eps = a.rms_norm_eps
-        self.kind = a.layer_types[i]
-        self.ln_in = param(take(t, f"{p}.input_layernorm.weight"), dtype)
-        self.ln_post = param(take(t, f"{p}.post_attention_layernorm.weight"), dtype)
-        if self.kind == LINEAR:
-            self.mixer = DeltaAttention(a, t, f"{p}.self_attn", dtype)
-        elif self.kind == FULL:
-            self.mixer = LatentAttention(a, t, f"{p}.self_attn", dtype)
-        else:
-            raise ValueError(f"unknown Kimi Linear layer type {self.kind!r}")
+        mixers = {LINEAR: lambda: DeltaAttention(a, t, f"{p}.self_attn", dtype),
+                  FULL: lambda: LatentAttention(a, t, f"{p}.self_attn", dtype)}
+        super().__init__(a, t, p, a.layer_types[i], dtype, mixers, "Kimi Linear layer type")
         # the released files name the MoE ``block_sparse_moe`` and the dense MLP ``mlp``;
         # save_pretrained writes ``block_sparse_moe`` for both, transformers' state_dict ``mlp``
         q = f"{p}.mlp" if any(k.startswith(f"{p}.mlp.") for k in t) else f"{p}.block_sparse_moe"
         self.mlp = MoE(a, t, q, dtype) if a.mlp_layer_types[i] == "sparse" else GatedMLP.named(t, q, dtype)
-
-    def forward(self, x, batch, i):
-        x = x + self.mixer.forward(rms_norm(x, self.ln_in, self.eps), batch, i)
-        return x + self.mlp.forward(rms_norm(x, self.ln_post, self.eps))
 
 
 class KimiLinearModel(Model):

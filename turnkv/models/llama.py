@@ -6,15 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
-from ..cache import specs
-from .base import Model, apply_rope, attention_spans, embedding, linear, rms_norm
+from .base import apply_rope, attention_spans, embedding, linear, rms_norm
 from .batch import Batch
-from .decoder import DecoderArgs, GatedMLP, decoder_weights, out_weights, qk_norm_rows, qkv_weights, rope_for
+from .decoder import DecoderArgs, DecoderModel, GatedMLP, out_weights, qk_norm_rows, qkv_weights
 from .fused import FusedSlot, fuse_llama_block, stack_for
-from .rope_config import rope_params
 from .tensors import param, take
 
 
@@ -91,22 +88,10 @@ class Block(nn.Module):
         return x
 
 
-class LlamaModel(Model):
+class LlamaModel(DecoderModel):
     family = "llama"
     Args = ModelArgs
-    packable_weights = ("wqkv", "wo", "wgu", "wdown")
-    head_weights = ("lm_head",)
-    embedding_weights = ("embed",)
-
-    def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
-        super().__init__()
-        self.args, self.dtype = args, dtype
-        decoder_weights(self, tensors, args, dtype, Block)
-        self.rope = rope_for(rope_params(config), args.head_dim, dtype)
-
-    def cache_specs(self):
-        a = self.args
-        return [specs.full(a.num_key_value_heads, a.head_dim) for _ in range(a.num_hidden_layers)]
+    Block = Block
 
     def forward(self, batch):
         return self.forward_embeds(embedding(batch.tokens, self.embed, self.dtype), batch)

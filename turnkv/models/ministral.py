@@ -10,10 +10,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import Model, apply_rope, attention_spans, embedding, linear, rms_norm
+from .base import apply_rope, attention_spans, embedding, linear, rms_norm
 from .batch import Batch
-from .decoder import (FULL, SLIDING, DecoderArgs, GatedMLP, attention_specs, decoder_weights, out_weights, qkv_weights,
-                      rope_for)
+from .decoder import FULL, SLIDING, DecoderArgs, DecoderModel, GatedMLP, out_weights, qkv_weights, rope_for
 from .fused import FusedSlot, fuse_llama_block
 from .rope_config import rope_params
 from .tensors import param, take
@@ -89,25 +88,16 @@ class Block(nn.Module):
         return x
 
 
-class MinistralModel(Model):
+class MinistralModel(DecoderModel):
     family = "ministral"
     Args = ModelArgs
-    packable_weights = ("wqkv", "wo", "wgu", "wdown")
-    head_weights = ("lm_head",)
-    embedding_weights = ("embed",)
+    Block = Block
 
-    def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
-        super().__init__()
-        self.args, self.dtype = args, dtype
-        decoder_weights(self, tensors, args, dtype, Block)
+    def set_rope(self, config: dict) -> None:
         params = rope_params(config)
-        self.rope = rope_for(params, args.head_dim, dtype)
-        beta = params.get("llama_4_scaling_beta") if args.model_type == "ministral3" else None
+        self.rope = rope_for(params, self.args.head_dim, self.dtype)
+        beta = params.get("llama_4_scaling_beta") if self.args.model_type == "ministral3" else None
         self.q_scaling = (float(beta), int(params["original_max_position_embeddings"])) if beta else None
-
-    def cache_specs(self):
-        a = self.args
-        return attention_specs(a.layer_types, a.num_key_value_heads, a.head_dim, a.sliding_window)
 
     def _query_scale(self, batch: Batch) -> torch.Tensor | None:
         if self.q_scaling is None:

@@ -24,11 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import BaseArgs, Model, apply_rope, attention_spans, embedding, linear
+from .base import BaseArgs, apply_rope, attention_spans, embedding, linear
 from .batch import select_rows
-from .decoder import FULL, SLIDING, GatedMLP, attention_specs, gelu_tanh_, out_weights, rope_for, silu_
-from .rope_config import rope_params
-from .tensors import fused_weight, param, stored, take, weight
+from .decoder import FULL, SLIDING, DecoderModel, GatedMLP, float32_norm, gelu_tanh_, out_weights, silu_
+from .tensors import fused_weight, param, stored, take
 
 PREFIX = "model.language_model."
 ACTIVATIONS = {"silu": silu_, "gelu_pytorch_tanh": gelu_tanh_}
@@ -152,33 +151,23 @@ class Block(nn.Module):
         return x + centered_norm(h, self.ln_post_ff, self.post_eps)
 
 
-class MuseGlimmerModel(Model):
+class MuseGlimmerModel(DecoderModel):
+    """One rotary table (the skeleton's) for every rotated layer, as transformers: a non-zero
+    ``layer_rope_theta`` only switches RoPE on; the frequencies come from rope_parameters."""
+
     family = "muse_glimmer"
+    Block = Block
     packable_weights = ("w_in", "wo", "wgu", "wdown")
-    head_weights = ("lm_head",)
-    embedding_weights = ("embed",)
+    norm_weight = staticmethod(float32_norm)
 
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
-        super().__init__()
-        self.args, self.dtype = args, dtype
-        self.embed = weight(stored(tensors, "model.embed_tokens.weight"), dtype)
-        self.layers = nn.ModuleList(Block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
-        self.norm = param(take(tensors, "model.norm.weight"), torch.float32)
-        head = tensors.get("lm_head.weight")
-        self.lm_head = self.embed if head is None or args.tie_word_embeddings else weight(head, dtype)
-        # one rotary table for every rotated layer, as transformers (a non-zero layer_rope_theta only
-        # switches RoPE on; the frequencies come from rope_parameters)
-        self.rope = rope_for(rope_params(config), args.head_dim, dtype)
+        super().__init__(args, config, tensors, dtype)
         self.media_ids = [m for m in (args.image_token_id, args.video_token_id) if m is not None]
 
     @classmethod
     def from_checkpoint(cls, config, tensors, dtype):
         text, tensors = text_part(config, tensors)
         return cls(ModelArgs.from_dict(text), text, tensors, dtype)
-
-    def cache_specs(self):
-        a = self.args
-        return attention_specs(a.layer_types, a.num_key_value_heads, a.head_dim, a.sliding_window)
 
     def forward(self, batch):
         rope = self.rope.rows(batch)

@@ -12,8 +12,8 @@ from torch import nn
 
 from ..cache import specs
 from .batch import Batch, Span, select_rows, spans_apply
-from .base import BaseArgs, Model, apply_rope, attention_spans, embedding, linear, rms_norm
-from .decoder import GatedMLP, out_weights, rope_for
+from .base import Model, attention_spans, embedding, linear, rms_norm
+from .decoder import DecoderArgs, GatedMLP, HybridBlock, apply_partial_rope, norm_plus_one, out_weights, rope_for
 from .experts import RoutedExperts, expert_stacks
 from .rope_config import rope_params
 from .ssm import causal_conv1d, gated_delta_chunked, gated_delta_step, l2norm
@@ -23,17 +23,11 @@ LINEAR, FULL = "linear_attention", "full_attention"
 DELTA_CHUNK = 64  # the chunk transformers' torch path uses; any size gives the same result
 
 
-@dataclass
-class ModelArgs(BaseArgs):
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    vocab_size: int
+@dataclass(kw_only=True)
+class ModelArgs(DecoderArgs):
     num_key_value_heads: int = 2
     head_dim: int = 256
     rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
     attention_bias: bool = False
     linear_conv_kernel_dim: int = 4
     linear_key_head_dim: int = 128
@@ -54,6 +48,7 @@ class ModelArgs(BaseArgs):
     linear_value_heads_tiled: bool = False
 
     def __post_init__(self):
+        super().__post_init__()
         self.mlp_only_layers = list(self.mlp_only_layers or [])
         if not self.layer_types:
             n = self.full_attention_interval
@@ -62,19 +57,6 @@ class ModelArgs(BaseArgs):
     def is_moe(self, i: int) -> bool:
         return (i not in self.mlp_only_layers and self.num_experts > 0
                 and (i + 1) % self.decoder_sparse_step == 0)
-
-
-def _norm_weight(t: torch.Tensor, dtype) -> nn.Parameter:
-    # Qwen3-Next's RMSNorm scales by (1 + w); fold the 1 in once at load time.
-    return param(1.0 + t.float(), dtype)
-
-
-def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on the first ``cos.shape[-1]`` dims of each head, the rest passed through."""
-    rd = cos.shape[-1]
-    if rd == x.shape[-1]:
-        return apply_rope(x, cos, sin)
-    return torch.cat([apply_rope(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
 
 
 class GatedDeltaNet(nn.Module):
@@ -162,8 +144,8 @@ class Attention(nn.Module):
             self.bqkvg = param(torch.cat([qb.reshape(-1), take(t, f"{p}.k_proj.bias"),
                                           take(t, f"{p}.v_proj.bias"), gb.reshape(-1)]), dtype)
         self.wo, self.bo = out_weights(t, p, dtype, a.attention_bias)
-        self.q_norm = _norm_weight(take(t, f"{p}.q_norm.weight"), dtype)
-        self.k_norm = _norm_weight(take(t, f"{p}.k_norm.weight"), dtype)
+        self.q_norm = norm_plus_one(take(t, f"{p}.q_norm.weight"), dtype)
+        self.k_norm = norm_plus_one(take(t, f"{p}.k_norm.weight"), dtype)
 
     def forward(self, x, batch: Batch, i: int, rope):
         hq, hk, d = self.hq, self.hk, self.d
@@ -196,29 +178,16 @@ class SparseMoE(nn.Module):
         return out + shared
 
 
-class Block(nn.Module):
+class Block(HybridBlock):
     delta_net = GatedDeltaNet   # qwen3_5.py swaps in its un-interleaved projections
+    rope_kinds = (FULL,)
 
     def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
-        super().__init__()
         p = f"model.layers.{i}"
-        self.eps = a.rms_norm_eps
-        self.kind = a.layer_types[i]
-        self.ln_in = _norm_weight(take(t, f"{p}.input_layernorm.weight"), dtype)
-        self.ln_post = _norm_weight(take(t, f"{p}.post_attention_layernorm.weight"), dtype)
-        if self.kind == LINEAR:
-            self.mixer = self.delta_net(a, t, f"{p}.linear_attn", dtype)
-        elif self.kind == FULL:
-            self.mixer = Attention(a, t, f"{p}.self_attn", dtype)
-        else:
-            raise ValueError(f"unknown Qwen3-Next layer type {self.kind!r}")
+        mixers = {LINEAR: lambda: self.delta_net(a, t, f"{p}.linear_attn", dtype),
+                  FULL: lambda: Attention(a, t, f"{p}.self_attn", dtype)}
+        super().__init__(a, t, p, a.layer_types[i], dtype, mixers, "Qwen3-Next layer type", norm=norm_plus_one)
         self.mlp = SparseMoE(a, t, f"{p}.mlp", dtype) if a.is_moe(i) else GatedMLP.named(t, f"{p}.mlp", dtype)
-
-    def forward(self, x, batch, i, rope):
-        h = rms_norm(x, self.ln_in, self.eps)
-        h = self.mixer.forward(h, batch, i) if self.kind == LINEAR else self.mixer.forward(h, batch, i, rope)
-        x = x + h
-        return x + self.mlp.forward(rms_norm(x, self.ln_post, self.eps))
 
 
 class Qwen3NextModel(Model):
@@ -231,7 +200,7 @@ class Qwen3NextModel(Model):
         self.args, self.dtype = args, dtype
         self.embed = weight(stored(tensors, "model.embed_tokens.weight"), dtype)
         self.layers = nn.ModuleList(self.block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
-        self.norm = _norm_weight(take(tensors, "model.norm.weight"), dtype)
+        self.norm = norm_plus_one(take(tensors, "model.norm.weight"), dtype)
         head = tensors.get("lm_head.weight")
         self.lm_head = self.embed if head is None or args.tie_word_embeddings else weight(head, dtype)
         params = rope_params(config)

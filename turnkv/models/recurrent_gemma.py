@@ -12,8 +12,8 @@ from torch import nn
 
 from ..cache import specs
 from .batch import Batch, Span, select_rows, spans_apply
-from .base import BaseArgs, Model, apply_rope, attention_spans, gelu_tanh, linear, rms_norm
-from .decoder import GatedMLP, gelu_tanh_, qkv_weights, rope_for
+from .base import BaseArgs, Model, attention_spans, gelu_tanh, linear, rms_norm
+from .decoder import GatedMLP, HybridBlock, apply_partial_rope, gelu_tanh_, norm_plus_one, qkv_weights, rope_for
 from .rope_config import rope_params
 from .ssm import causal_conv1d, linear_recurrence
 from .tensors import param, take
@@ -44,19 +44,6 @@ class ModelArgs(BaseArgs):
         self.head_dim = self.hidden_size // self.num_attention_heads
         pattern = list(self.block_types or (RECURRENT, RECURRENT, ATTENTION))
         self.layer_kinds = [pattern[i % len(pattern)] for i in range(self.num_hidden_layers)]
-
-
-def _norm_weight(t: torch.Tensor, dtype) -> nn.Parameter:
-    # Gemma-style RMSNorm scales by (1 + w); fold the 1 in once at load time.
-    return param(1.0 + t.float(), dtype)
-
-
-def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on the first ``cos.shape[-1]`` dims of each head, the rest passed through."""
-    rd = cos.shape[-1]
-    if rd == x.shape[-1]:
-        return apply_rope(x, cos, sin)
-    return torch.cat([apply_rope(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
 
 
 class RGLRU(nn.Module):
@@ -147,27 +134,16 @@ class Attention(nn.Module):
         return linear(attention_spans(batch, i, qk[:hq], qk[hq:], qkv[hq + hk:], self.scale), self.wo, self.bo)
 
 
-class Block(nn.Module):
-    def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
-        super().__init__()
-        p = f"model.layers.{i}"
-        self.eps = a.rms_norm_eps
-        self.kind = a.layer_kinds[i]
-        self.ln_temporal = _norm_weight(take(t, f"{p}.temporal_pre_norm.weight"), dtype)
-        self.ln_channel = _norm_weight(take(t, f"{p}.channel_pre_norm.weight"), dtype)
-        if self.kind == RECURRENT:
-            self.temporal = RecurrentBlock(a, t, f"{p}.temporal_block", dtype)
-        elif self.kind == ATTENTION:
-            self.temporal = Attention(a, t, f"{p}.temporal_block", dtype)
-        else:
-            raise ValueError(f"unknown RecurrentGemma block type {self.kind!r}")
-        self.mlp = GatedMLP.named(t, f"{p}.mlp_block", dtype, gelu_tanh_, bias=True)
+class Block(HybridBlock):
+    rope_kinds = (ATTENTION,)
 
-    def forward(self, x, batch, i, rope):
-        h = rms_norm(x, self.ln_temporal, self.eps)
-        h = self.temporal.forward(h, batch, i) if self.kind == RECURRENT else self.temporal.forward(h, batch, i, rope)
-        x = x + h
-        return x + self.mlp.forward(rms_norm(x, self.ln_channel, self.eps))
+    def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
+        p = f"model.layers.{i}"
+        mixers = {RECURRENT: lambda: RecurrentBlock(a, t, f"{p}.temporal_block", dtype),
+                  ATTENTION: lambda: Attention(a, t, f"{p}.temporal_block", dtype)}
+        super().__init__(a, t, p, a.layer_kinds[i], dtype, mixers, "RecurrentGemma block type", norm=norm_plus_one,
+                         norms=("temporal_pre_norm", "channel_pre_norm"))
+        self.mlp = GatedMLP.named(t, f"{p}.mlp_block", dtype, gelu_tanh_, bias=True)
 
 
 class RecurrentGemmaModel(Model):
@@ -181,7 +157,7 @@ class RecurrentGemmaModel(Model):
         # transformers keeps the sqrt(hidden) normalizer as a bfloat16 buffer: use the same rounding
         self.embed_scale = torch.tensor(args.hidden_size ** 0.5, dtype=torch.bfloat16).to(dtype)
         self.layers = nn.ModuleList(Block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
-        self.norm = _norm_weight(take(tensors, "model.final_norm.weight"), dtype)
+        self.norm = norm_plus_one(take(tensors, "model.final_norm.weight"), dtype)
         head = tensors.get("lm_head.weight")
         self.lm_head = self.embed if head is None or args.tie_word_embeddings else param(head, dtype)
         params = rope_params(config)
@@ -190,7 +166,7 @@ class RecurrentGemmaModel(Model):
 
     def cache_specs(self):
         a = self.args
-        return [specs.recurrent(**layer.temporal.state_fields()) if layer.kind == RECURRENT
+        return [specs.recurrent(**layer.mixer.state_fields()) if layer.kind == RECURRENT
                 else specs.sliding(a.num_key_value_heads, a.head_dim, a.attention_window_size)
                 for layer in self.layers]
 
