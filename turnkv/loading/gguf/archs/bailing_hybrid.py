@@ -24,14 +24,11 @@ renormalised only when ``expert_weights_norm`` is set, expert groups only when
 
 from __future__ import annotations
 
-import torch
-
 from ...errors import ModelLoadError
-from ..architecture import GGUFArchitecture
 from ..metadata import scalar
 from ..reader import GGUFHeader
 from .common import f32, per_layer
-from .kda_mla import finish_attention, finish_experts, hybrid_config, hybrid_names
+from .kda_mla import hybrid_architecture, hybrid_config, hybrid_names
 
 ARCH = "bailingmoe3"
 # KDA tensors beyond q/k/v and their convolutions: gguf suffix -> name under self_attn
@@ -76,16 +73,4 @@ def _tensor_names(h: GGUFHeader, config: dict) -> dict[str, str]:
     return hybrid_names(h, config, _KDA, "mlp", _MLA_GATE)
 
 
-def _finish(t: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
-    finish_attention(t, config)
-    finish_experts(t)
-    return t
-
-
-ARCHITECTURES = {ARCH: GGUFArchitecture(
-    model_type="bailing_hybrid",
-    build_config=_config,
-    layer_tensors={},
-    tensor_names=_tensor_names,
-    finish=_finish,
-)}
+ARCHITECTURES = {ARCH: hybrid_architecture("bailing_hybrid", _config, _tensor_names)}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import ModelLoadError
-from ..architecture import GATED_MLP_TENSORS
+from ..architecture import GATED_MLP_TENSORS, GGUFArchitecture
 from ..metadata import scalar, token_ids, vocab_size
 from ..reader import GGUFHeader
 from .common import SIGMOID, f32, fuse_gate_up, global_names, layer_weights
@@ -152,3 +152,15 @@ def finish_experts(t: dict[str, torch.Tensor]) -> None:
     fuse_gate_up(t, "gate_exps", "up_exps")
     for name in [n for n in t if n.endswith(".experts.down_exps")]:
         t[name[: -len("down_exps")] + "down_proj"] = t.pop(name)
+
+
+def _finish(t: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    finish_attention(t, config)
+    finish_experts(t)
+    return t
+
+
+def hybrid_architecture(model_type: str, build_config, tensor_names) -> GGUFArchitecture:
+    """A KDA + MLA family's GGUF architecture: its config and tensor names, the shared finish."""
+    return GGUFArchitecture(model_type=model_type, build_config=build_config, layer_tensors={},
+                            tensor_names=tensor_names, finish=_finish)

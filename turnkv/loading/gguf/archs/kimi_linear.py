@@ -20,13 +20,10 @@ unless ``expert_group_count`` says so, and the KDA layers have ``attention.head_
 
 from __future__ import annotations
 
-import torch
-
-from ..architecture import GGUFArchitecture
 from ..metadata import scalar
 from ..reader import GGUFHeader
 from .common import per_layer, uniform
-from .kda_mla import finish_attention, finish_experts, hybrid_config, hybrid_names
+from .kda_mla import hybrid_architecture, hybrid_config, hybrid_names
 
 ARCH = "kimi-linear"
 # KDA tensors beyond q/k/v and their convolutions: gguf suffix -> name under self_attn
@@ -52,16 +49,4 @@ def _tensor_names(h: GGUFHeader, config: dict) -> dict[str, str]:
     return hybrid_names(h, config, _KDA, "block_sparse_moe")
 
 
-def _finish(t: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
-    finish_attention(t, config)
-    finish_experts(t)
-    return t
-
-
-ARCHITECTURES = {ARCH: GGUFArchitecture(
-    model_type="kimi_linear",
-    build_config=_config,
-    layer_tensors={},
-    tensor_names=_tensor_names,
-    finish=_finish,
-)}
+ARCHITECTURES = {ARCH: hybrid_architecture("kimi_linear", _config, _tensor_names)}
