@@ -16,7 +16,7 @@ reusable (the prompt less each turn's newest user message, which no earlier turn
 
 Families (HF model_type): llama4_text, mamba2, lfm2, qwen3_next, granitemoehybrid, recurrent_gemma,
 exaone4, ministral3, gpt_oss, qwen3_5_moe_text, glm4_moe, afmoe, gemma4_text, kimi_linear, bailing_hybrid,
-muse_glimmer. Llama 4 runs with attention_chunk_size 256 (real checkpoints use
+muse_glimmer, rwkv7. Llama 4 runs with attention_chunk_size 256 (real checkpoints use
 8192), EXAONE 4, Ministral 3 and AFMoE with a 256-token sliding window (gpt-oss with its own 128), so the
 ~1000-token chat crosses them and the chunked / sliding caches really drop blocks.
 """
@@ -246,7 +246,16 @@ def _muse_glimmer(s: Size):
         image_token_id=VOCAB + 1, video_token_id=VOCAB + 2))
 
 
-BUILDERS.update({"bailing_hybrid": _bailing_hybrid, "muse_glimmer": _muse_glimmer})
+def _rwkv7(s: Size):
+    # rwkv7-hf's RWKV7ForCausalLM (fla-hub's layout): every layer recurrent, head_dim 64
+    from rwkv7_hf import RWKV7Config, RWKV7ForCausalLM
+    return RWKV7ForCausalLM(RWKV7Config(
+        vocab_size=VOCAB, hidden_size=s.hidden, num_hidden_layers=s.layers, head_dim=64, intermediate_size=4 * s.hidden,
+        decay_low_rank_dim=64, gate_low_rank_dim=128, a_low_rank_dim=64, v_low_rank_dim=32,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
+BUILDERS.update({"bailing_hybrid": _bailing_hybrid, "muse_glimmer": _muse_glimmer, "rwkv7": _rwkv7})
 
 
 def build(model_type: str, size: Size):

@@ -73,7 +73,8 @@ def wkv7(r, w, k, v, a, b, state):
     S = state.float().transpose(-1, -2)
     out = torch.empty_like(v)
     for t in range(r.shape[0]):
-        S = S * w[t, :, None, :] + torch.matmul(S, a[t, :, :, None]) * b[t, :, None, :] + v[t, :, :, None] * k[t, :, None, :]
+        S = (S * w[t, :, None, :] + torch.matmul(S, a[t, :, :, None]) * b[t, :, None, :]
+             + v[t, :, :, None] * k[t, :, None, :])
         out[t] = torch.matmul(S, r[t, :, :, None])[..., 0]
     return out, S.transpose(-1, -2)
 
@@ -97,7 +98,7 @@ class TimeMix(nn.Module):
         # layer 0's value is the residual every later layer mixes in; some checkpoints carry an
         # unused v_lora there too
         self.v1, self.v2, self.v0 = (None, None, None) if first else lora(t, f"{p}.v_lora", dtype, bias=True)
-        self.k_k, self.k_a = param(take(t, f"{p}.k_k").reshape(-1), dtype), param(take(t, f"{p}.k_a").reshape(-1), dtype)
+        self.k_k, self.k_a = (param(take(t, f"{p}.{n}").reshape(-1), dtype) for n in ("k_k", "k_a"))
         self.r_k = param(take(t, f"{p}.r_k").reshape(self.H, self.D), dtype)
         self.ln_w, self.ln_b = param(take(t, f"{p}.g_norm.weight"), dtype), param(take(t, f"{p}.g_norm.bias"), dtype)
         self.ln_eps = self.D * a.norm_eps
@@ -174,8 +175,8 @@ class Rwkv7Model(Model):
         self.layers = nn.ModuleList(Block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
         self.norm = param(take(tensors, "model.norm.weight"), dtype)
         self.norm_b = param(take(tensors, "model.norm.bias"), dtype) if args.norm_bias else None
-        head = tensors.get("lm_head.weight")
-        self.lm_head = self.embed if head is None or args.tie_word_embeddings else param(take(tensors, "lm_head.weight"), dtype)
+        tied = "lm_head.weight" not in tensors or args.tie_word_embeddings
+        self.lm_head = self.embed if tied else param(take(tensors, "lm_head.weight"), dtype)
 
     @classmethod
     def from_checkpoint(cls, config, tensors, dtype):
