@@ -22,17 +22,41 @@ from ..kernels.attention import attend_many_native, attend_native, native_many_a
 from ..kernels.attention import write_attend_ok
 from ..kernels.attention import native_ok as native_attention_ok
 from ..kernels.norm import native_rms_norm
+from ..loading.errors import ModelLoadError
 from .batch import Batch, Span, select_rows
 from .packed import PackedWeight
 
 _native_norm = native_rms_norm()
 
 
+class UnsupportedConfig(ModelLoadError, ValueError):
+    """A config sets a field that changes what the model computes to a value the family does not
+    implement: running it anyway would silently compute another model than transformers does."""
+
+
+def refuse_unsupported(config: dict[str, Any], computes: dict[str, tuple]) -> None:
+    """Raise UnsupportedConfig for the first ``computes`` field that ``config`` sets (not None) to
+    a value outside the values the family computes."""
+    for key, allowed in computes.items():
+        value = config.get(key)
+        if value is not None and value not in allowed:
+            family = config.get("model_type", "this family")
+            raise UnsupportedConfig(f"{family}: config field {key}={value!r} is not supported "
+                                    f"(turnkv computes {key} in {list(allowed)})")
+
+
 @dataclass
 class BaseArgs:
+    # Config fields that change the computation and that the family does not implement, each with
+    # the values it does compute; from_dict refuses any other value. Keys that do not change the
+    # logits (token ids, dtype, initializer_range, use_cache, ...) are simply ignored.
+    computes: ClassVar[dict[str, tuple]] = {}
+
     @classmethod
     def from_dict(cls, config: dict[str, Any]):
-        """Build from an HF config dict, ignoring keys the family does not use."""
+        """Build from an HF config dict, ignoring keys the family does not use, after refusing
+        the ``computes`` fields it sets to values the family does not implement."""
+        refuse_unsupported(config, cls.computes)
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in config.items() if k in names})
 

@@ -31,6 +31,7 @@ DEFAULT_PARTIAL_ROTARY = 0.5
 
 @dataclass(kw_only=True)
 class ModelArgs(DecoderArgs):
+    computes = {"hidden_act": ("silu",), "sliding_window": ()}
     attention_bias: bool = False
     use_qk_norm: bool = False
     moe_intermediate_size: int = 1408

@@ -20,6 +20,8 @@ QWEN = ("qwen2", "qwen3")
 
 @dataclass(kw_only=True)
 class ModelArgs(DecoderArgs):
+    # whole heads rotate (no partial rotary); Qwen 3's q/k norms come with its model_type
+    computes = {"hidden_act": ("silu",), "partial_rotary_factor": (1, 1.0), "use_qk_norm": (False,)}
     model_type: str = "llama"
     attention_bias: bool = False
     mlp_bias: bool = False
@@ -29,8 +31,6 @@ class ModelArgs(DecoderArgs):
     def __post_init__(self):
         super().__post_init__()
         t = self.model_type
-        if self.hidden_act != "silu":
-            raise ValueError(f"{t}: hidden_act {self.hidden_act!r} is not supported (silu only)")
         if t in QWEN and self.use_sliding_window:
             raise ValueError(f"{t}: use_sliding_window is not supported (every layer attends to the full context)")
         # Qwen 2's q/k/v carry biases its config does not name; its o_proj has none

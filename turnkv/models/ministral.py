@@ -23,12 +23,10 @@ class ModelArgs(DecoderArgs):
     model_type: str
     sliding_window: int | None = None
     layer_types: list | None = None
-    hidden_act: str = "silu"
+    computes = {"hidden_act": ("silu",)}
 
     def __post_init__(self):
         super().__post_init__()
-        if self.hidden_act != "silu":
-            raise ValueError(f"{self.model_type}: hidden_act {self.hidden_act!r} is not supported (silu only)")
         # Ministral 3 windows every layer alike (transformers ignores layer_types there); Ministral
         # follows layer_types, which default to the window on every layer when one is set.
         if self.model_type == "ministral3" or not self.layer_types:

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from .base import UnsupportedConfig
+
 
 def rope_params(config: dict[str, Any], layer_type: str | None = None) -> dict[str, Any]:
     params = config.get("rope_parameters")
@@ -51,7 +53,10 @@ def inv_freq_for(params: dict[str, Any], head_dim: int, partial_rotary_factor: f
         return torch.where(medium, smoothed, scaled), 1.0
     if kind == "yarn":
         return _yarn(params, dim, base)
-    raise ValueError(f"unsupported rope_type {kind!r}")
+    # dynamic NTK rescales every position once a sequence outgrows the original context (no
+    # position's rotation is final, so a cached K could not be reused); longrope et al. unported
+    raise UnsupportedConfig(f"config field rope_type={kind!r} is not supported "
+                            "(turnkv computes default, linear, llama3 and yarn RoPE)")
 
 
 def _yarn(params: dict[str, Any], dim: int, base: float) -> tuple[torch.Tensor, float]:

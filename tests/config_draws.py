@@ -1,0 +1,115 @@
+"""Hypothesis strategies for the config fields real checkpoints vary, and the run that checks one
+drawn config: transformers builds the tiny model from its own config class and saves it (optionally
+rewritten to the transformers 4 layout: ``rope_theta`` / ``rope_scaling`` instead of
+``rope_parameters``), turnkv loads the folder and must either equal transformers (check_parity) or
+refuse the config at load naming the field it does not implement."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+from ssm_family_checks import check_parity, perturb_vectors
+from tiny import prompt
+from turnkv.models.base import UnsupportedConfig
+
+VOCAB = 128
+# derandomized: the same draws on every run (CI reproducible); no example database on disk
+DRAWS = settings(max_examples=25, derandomize=True, deadline=None, database=None, print_blob=True,
+                 suppress_health_check=list(HealthCheck))
+
+
+@dataclass
+class Drawn:
+    """A drawn config: the config class's keyword arguments, the field turnkv must refuse (None:
+    it must equal transformers), and whether to save it in the transformers 4 layout."""
+    kwargs: dict
+    refused: str | None = None
+    old_layout: bool = False
+    notes: list = field(default_factory=list)
+
+
+@st.composite
+def heads(draw, hidden=(32, 64)):
+    """hidden size, query heads, kv heads (a divisor) and head_dim (None: hidden / heads, or one
+    apart from it)."""
+    h = draw(st.sampled_from(hidden))
+    hq = draw(st.sampled_from([2, 4]))
+    hk = draw(st.sampled_from([d for d in (1, 2, 4) if hq % d == 0]))
+    head_dim = draw(st.sampled_from([None, 8, 16, 24]))
+    return dict(hidden_size=h, num_attention_heads=hq, num_key_value_heads=hk, head_dim=head_dim or h // hq)
+
+
+@st.composite
+def rope(draw, kinds=("default", "linear", "llama3", "yarn")):
+    """rope_parameters of one of ``kinds``, scaled over a short original context so the scaling
+    matters within the test prompt."""
+    kind = draw(st.sampled_from(kinds))
+    theta = draw(st.sampled_from([10_000.0, 500_000.0]))
+    p = {"rope_type": kind, "rope_theta": theta}
+    factor = draw(st.sampled_from([2.0, 4.0, 8.0]))
+    if kind in ("linear", "dynamic"):
+        p["factor"] = factor
+    elif kind == "llama3":
+        p.update(factor=factor, low_freq_factor=1.0, high_freq_factor=draw(st.sampled_from([2.0, 4.0])),
+                 original_max_position_embeddings=16)
+    elif kind == "yarn":
+        p.update(factor=factor, original_max_position_embeddings=16,
+                 beta_fast=draw(st.sampled_from([32.0, 16.0])), beta_slow=1.0)
+        if draw(st.booleans()):
+            p["attention_factor"] = draw(st.sampled_from([0.8, 1.2]))
+    elif kind == "longrope":
+        p.update(short_factor=[1.0] * 4, long_factor=[2.0] * 4, original_max_position_embeddings=16)
+    return p
+
+
+def to_old_layout(folder: Path) -> None:
+    """Rewrite a saved config.json as transformers 4 wrote it: ``rope_theta`` at the top and the
+    scaling (with the old ``type`` key) in ``rope_scaling``."""
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    params = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = params.pop("rope_theta")
+    kind = params.pop("rope_type")
+    cfg["rope_scaling"] = None if kind == "default" else {"type": kind, **params}
+    path.write_text(json.dumps(cfg))
+
+
+def save_load_pair(hf, old_layout: bool):
+    """turnkv's model of ``hf`` through save_pretrained (and optionally the old layout) and the
+    loader; raises whatever the load raises."""
+    from turnkv.loading import load_checkpoint
+    from turnkv.models import family_class
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp)
+        if old_layout:
+            to_old_layout(Path(tmp))
+        ckpt = load_checkpoint(tmp, dtype=torch.float32, progress=False)
+        return family_class(ckpt.architecture).from_checkpoint(ckpt.config, ckpt.tensors, torch.float32).eval()
+
+
+def check_drawn(make_hf, drawn: Drawn, seed: int = 0, n: int = 24, chunk: int = 5, decode: int = 6):
+    """Build ``make_hf(**drawn.kwargs)`` (perturbed), load it through turnkv, then assert parity or
+    the refusal naming ``drawn.refused``."""
+    import torch
+
+    torch.manual_seed(seed)
+    hf = make_hf(**drawn.kwargs).eval()
+    perturb_vectors(hf)
+    if drawn.refused is not None:
+        with pytest.raises(UnsupportedConfig, match=drawn.refused):
+            save_load_pair(hf, drawn.old_layout)
+        return None
+    model = save_load_pair(hf, drawn.old_layout)
+    return check_parity(model, hf, prompt(n, seed=seed + 1, vocab=VOCAB), chunk=chunk, decode=decode)
+
+
+__all__ = ["DRAWS", "Drawn", "VOCAB", "check_drawn", "heads", "rope"]
