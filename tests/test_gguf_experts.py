@@ -142,3 +142,56 @@ def test_moe_requests_batched_equal_each_alone_bit_for_bit():
         ref = make(prefill_chunk=512).generate(req)
         assert sink.result.token_ids == ref.token_ids
         assert torch.equal(sink.result.first_logits, ref.first_logits)
+
+
+def unfused(model) -> list:
+    """Turn every RoutedExperts' native call off (the grouped path); returns what was on."""
+    on = [m for m in model.modules() if isinstance(m, RoutedExperts) and m.native is not None]
+    for m in on:
+        m.native = None
+    return on
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K])
+def test_fused_experts_are_the_grouped_experts_bits(qtype):
+    """The native call (a decode step's few rows) gives the grouped path's bits, into zeros or
+    into a given output."""
+    E, hidden, inter = 8, 256, 64
+    gu = GGUFStack.from_raw(random_blocks(qtype, E * 2 * inter, hidden, 3), qtype, (E, 2 * inter, hidden))
+    down = GGUFStack.from_raw(random_blocks(Q.Q8_0, E * hidden, inter, 4), Q.Q8_0, (E, hidden, inter))
+    experts = RoutedExperts.gated(gu, down, torch.float32)
+    assert experts.fuse()
+    g = torch.Generator().manual_seed(1)
+    for rows in (1, 3, RoutedExperts.FUSED_MAX_ROWS):
+        x = torch.randn(rows, hidden, generator=g)
+        chosen = torch.stack([torch.randperm(E, generator=g)[:4] for _ in range(rows)])
+        weights = torch.rand(rows, 4, generator=g)
+        base = torch.randn(rows, hidden, generator=g)
+        fused = [experts.forward(x, weights, chosen), experts.forward(x, weights, chosen, out=base.clone())]
+        native, experts.native = experts.native, None
+        grouped = [experts.forward(x, weights, chosen), experts.forward(x, weights, chosen, out=base.clone())]
+        experts.native = native
+        assert all(torch.equal(a, b) for a, b in zip(fused, grouped)), rows
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["glm4_moe", "qwen3_5_moe"])
+def test_fixture_decode_fused_equals_grouped(name):
+    from turnkv.cache.specs import make_caches
+
+    _, ckpt, model = gguf_moe(name)
+    assert any(isinstance(m, RoutedExperts) and m.native is not None for m in model.modules())
+
+    def decode(steps: int = 6) -> list[torch.Tensor]:
+        caches, x, out = make_caches(model.cache_specs()), torch.arange(3, 23), []
+        with torch.no_grad():
+            for _ in range(steps):
+                logits = model.step(x, caches, logits="last").float().reshape(-1)
+                out.append(logits)
+                x = logits.argmax().reshape(1)
+        return out
+
+    fused = decode()
+    unfused(model)
+    assert all(torch.equal(a, b) for a, b in zip(fused, decode()))

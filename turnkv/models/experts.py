@@ -15,10 +15,12 @@ token's result never depends on which other tokens share the step.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
-from .decoder import GatedMLP, silu_
+from .decoder import GatedMLP, gelu_tanh_, silu_
 from .tensors import Stored, stored, take
 
 
@@ -36,13 +38,39 @@ def expert_stacks(t: dict[str, Stored], p: str, n: int, names: tuple[str, str, s
 
 
 class RoutedExperts(nn.ModuleList):
-    """One module per expert (``experts[e].forward(x)``), and their weighted sum per token."""
+    """One module per expert (``experts[e].forward(x)``), and their weighted sum per token. After
+    ``fuse``, a call of at most ``FUSED_MAX_ROWS`` rows (decode) runs as one native call that
+    does the same operations row by row (csrc/moe_experts.inc): the same bits."""
+
+    FUSED_MAX_ROWS = 8
+    native = None       # the kernels' MoEExperts, once ``fuse`` made it
+    isa = 0
 
     @classmethod
     def gated(cls, gate_up, down, dtype: torch.dtype, act=silu_) -> "RoutedExperts":
         """``GatedMLP`` experts from stacks (``expert_stacks``): expert e's fused gate|up weight is
         ``gate_up[e]``, its down weight ``down[e]``."""
         return cls(GatedMLP([gate_up[e]], down[e], dtype, act) for e in range(len(gate_up)))
+
+    def fuse(self) -> bool:
+        """Let few-row calls run as one native call, when every expert is a bias-free ``GatedMLP``
+        on GGUF blocks (int8 kernels) with one activation and the build has the call
+        (``TURNKV_FUSED_MOE=0`` keeps the grouped path: A/B, tests)."""
+        from .. import kernels
+        from .fused import _qlinear, fused_available
+
+        acts = {silu_: 0, gelu_tanh_: 1}
+        if (not fused_available() or not hasattr(kernels._ext, "moe_experts")
+                or os.environ.get("TURNKV_FUSED_MOE", "1").strip() == "0"):
+            return False
+        if not all(isinstance(m, GatedMLP) and m.bgu is None and m.bdown is None and m.act is self[0].act
+                   for m in self) or self[0].act not in acts:
+            return False
+        gu, down = [_qlinear(m.wgu) for m in self], [_qlinear(m.wdown) for m in self]
+        if None in gu or None in down:
+            return False
+        self.native, self.isa = kernels._ext.MoEExperts(gu, down, acts[self[0].act]), kernels._isa_index(None)
+        return True
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
                 out: torch.Tensor | None = None, scale_input: bool = False) -> torch.Tensor:
@@ -51,9 +79,24 @@ class RoutedExperts(nn.ModuleList):
         product is taken in the promoted dtype of the expert output and ``weights``, then cast to
         ``out``'s. ``scale_input``: the weight scales the expert's input instead (Llama 4)."""
         out = torch.zeros_like(x) if out is None else out
-        for e in torch.unique(chosen).tolist():
-            rows, slot = torch.where(chosen == e)
-            w = weights[rows, slot, None]
+        if (self.native is not None and not scale_input and x.shape[0] <= self.FUSED_MAX_ROWS
+                and x.dtype == weights.dtype == out.dtype == torch.float32 and x.is_contiguous() and out.is_contiguous()):
+            from .. import kernels
+
+            kernels._ext.moe_experts(self.native, x, chosen.contiguous(), weights.contiguous(), out, self.isa)
+            return out
+        k = chosen.shape[1]
+        # every (row, slot) grouped by expert, rows ascending within a group: one sort, not a
+        # search per expert
+        order = torch.sort(chosen.reshape(-1), stable=True)
+        counts = torch.bincount(order.values, minlength=len(self)).tolist()
+        start = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            at = order.indices[start:start + n]
+            start += n
+            rows, w = at // k, weights.reshape(-1)[at, None]
             y = self[e].forward(x[rows] * w) if scale_input else self[e].forward(x[rows]) * w
             out.index_add_(0, rows, y.to(out.dtype))
         return out

@@ -326,6 +326,7 @@ static torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor w, int64_t qt, i
 }
 
 #include "fused_layer.inc"
+#include "moe_experts.inc"
 
 }  // namespace tkv
 
@@ -339,6 +340,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("pair", [] { return (int64_t)tkv::g_pair; }, "1 when the fused path pairs rows in 512-bit vectors");
     m.def("best_isa", &tkv::best_isa, "best ISA path: 0 scalar, 1 avx2, 2 avx512, 3 avx512vnni");
     tkv::register_fused(m);
+    tkv::register_moe(m);
     m.def("write_attend", &tkv_attn::write_attend,
           "one layer's K/V cache writes and attention for a batch of spans (csrc/attention.cpp)", py::arg("q"),
           py::arg("k"), py::arg("v"), py::arg("kbufs"), py::arg("vbufs"), py::arg("lens"), py::arg("tables"),
