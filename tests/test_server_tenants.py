@@ -86,6 +86,29 @@ def test_tenants_never_reuse_each_others_prefixes(server):
     assert cached(chat(server, KEYS["alice"], messages, cache_salt="another")) == 0   # salt: a new namespace
 
 
+def test_x_api_key_is_the_same_tenant_as_bearer(server):
+    """Anthropic's clients send the key as x-api-key: it maps to the same tenant, so alice's
+    /v1/messages request reuses the prompt her chat request left, and carol's does not (carol
+    reuses at most the system turn of her own earlier question)."""
+    messages = ask("Can the courgettes go next to the pumpkins?")
+    chat(server, KEYS["alice"], messages)
+
+    def message(headers: dict) -> httpx.Response:
+        return httpx.post(server.url + "/v1/messages", headers=headers, timeout=300, json={
+            "model": "m", "max_tokens": 4, "temperature": 0, "system": messages[0]["content"],
+            "messages": messages[1:]})
+
+    mine = message({"x-api-key": KEYS["alice"]})
+    assert mine.status_code == 200, mine.text
+    usage = mine.json()["usage"]
+    assert usage["cache_read_input_tokens"] == usage["input_tokens"] + usage["cache_read_input_tokens"] - 1
+    theirs = message({"x-api-key": KEYS["carol"]})
+    assert theirs.status_code == 200
+    assert theirs.json()["usage"]["cache_read_input_tokens"] < usage["cache_read_input_tokens"]
+    wrong = message({"x-api-key": "nobody"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
+
+
 def test_stats_are_per_tenant_and_the_admin_sees_all(server):
     chat(server, KEYS["bob"], ask("Which flowers help the bees?"))
     bob = stats(server, KEYS["bob"])
