@@ -108,3 +108,31 @@ def test_ministral_configs(drawn):
     from transformers import MinistralConfig, MinistralForCausalLM
 
     check_drawn(lambda **kw: MinistralForCausalLM(MinistralConfig(**kw)), drawn)
+
+
+@st.composite
+def exaone4_configs(draw):
+    """EXAONE 4: the window and its pattern or explicit layer types (transformers 5's config class
+    builds no layer types for a "LLG" string pattern or without a window)."""
+    layers = draw(st.sampled_from([2, 3]))
+    window = draw(st.sampled_from([4, 8]))
+    kw = dict(vocab_size=VOCAB, num_hidden_layers=layers, intermediate_size=draw(st.sampled_from([32, 64])),
+              sliding_window=window, sliding_window_pattern=draw(st.sampled_from([2, 3])),
+              tie_word_embeddings=draw(st.booleans()), max_position_embeddings=256, initializer_range=0.1,
+              **draw(heads()))
+    if draw(st.booleans()):
+        kw["layer_types"] = draw(st.lists(st.sampled_from(["sliding_attention", "full_attention"]),
+                                          min_size=layers, max_size=layers))
+    kw["rope_parameters"] = draw(rope())
+    drawn = Drawn(kw, old_layout=draw(st.booleans()))
+    if draw(st.integers(0, 5)) == 0:
+        kw["hidden_act"], drawn.refused = "gelu", "hidden_act"
+    return drawn
+
+
+@DRAWS
+@given(exaone4_configs())
+def test_exaone4_configs(drawn):
+    from transformers import Exaone4Config, Exaone4ForCausalLM
+
+    check_drawn(lambda **kw: Exaone4ForCausalLM(Exaone4Config(**kw)), drawn)

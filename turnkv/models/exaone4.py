@@ -20,12 +20,10 @@ class ModelArgs(DecoderArgs):
     sliding_window: int | None = 4096
     sliding_window_pattern: int | str | None = 4
     layer_types: list | None = None
-    hidden_act: str = "silu"
+    computes = {"hidden_act": ("silu",)}
 
     def __post_init__(self):
         super().__post_init__()
-        if self.hidden_act != "silu":
-            raise ValueError(f"exaone4: hidden_act {self.hidden_act!r} is not supported (silu only)")
         if self.sliding_window is None:
             self.layer_types = [FULL] * self.num_hidden_layers
         elif not self.layer_types:
