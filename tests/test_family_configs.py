@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from config_draws import DRAWS, VOCAB, Drawn, check_drawn, heads, rope
+from ssm_family_checks import perturb_vectors
 
 # a field turnkv's Llama does not implement, set to a value that changes the computation
 LLAMA_REFUSED = {"hidden_act": "gelu", "rope_type": "dynamic"}
@@ -136,3 +137,34 @@ def test_exaone4_configs(drawn):
     from transformers import Exaone4Config, Exaone4ForCausalLM
 
     check_drawn(lambda **kw: Exaone4ForCausalLM(Exaone4Config(**kw)), drawn)
+
+
+@st.composite
+def gpt_oss_configs(draw):
+    """gpt-oss: experts and top-k, the window and layer types, the SwiGLU clamp, sinks (perturbed)."""
+    layers = draw(st.sampled_from([2, 3]))
+    experts = draw(st.sampled_from([2, 4, 8]))
+    kw = dict(vocab_size=VOCAB, num_hidden_layers=layers, intermediate_size=draw(st.sampled_from([32, 64])),
+              num_local_experts=experts, num_experts_per_tok=draw(st.integers(1, min(4, experts))),
+              sliding_window=draw(st.sampled_from([4, 8, 16])), swiglu_limit=draw(st.sampled_from([7.0, 0.5])),
+              tie_word_embeddings=draw(st.booleans()), max_position_embeddings=256, initializer_range=0.1,
+              **draw(heads()))
+    if draw(st.booleans()):
+        kw["layer_types"] = draw(st.lists(st.sampled_from(["sliding_attention", "full_attention"]),
+                                          min_size=layers, max_size=layers))
+    kw["rope_parameters"] = draw(rope(("default", "yarn")))
+    return Drawn(kw)
+
+
+def gpt_oss_hf(**kw):
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    hf = GptOssForCausalLM(GptOssConfig(**kw))
+    perturb_vectors(hf, seed=2, scale=0.5)   # sinks and router biases: the sinks must matter
+    return hf
+
+
+@DRAWS
+@given(gpt_oss_configs())
+def test_gpt_oss_configs(drawn):
+    check_drawn(gpt_oss_hf, drawn)
