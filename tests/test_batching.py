@@ -36,7 +36,7 @@ ATOL = 1e-4
 FAMILIES = ["llama", "gemma3", "llama4_text", "mamba2", "lfm2", "qwen3_next", "granitemoehybrid",
             "recurrent_gemma", "exaone4", "ministral3", "ministral",
             "gpt_oss", "qwen3_5_text", "qwen3_5_moe_text", "glm4_moe", "afmoe", "gemma4_text", "kimi_linear",
-            "bailing_hybrid", "muse_glimmer", "qwen3", "qwen2", "rwkv7"]
+            "bailing_hybrid", "muse_glimmer", "qwen3", "qwen2", "rwkv7", "qwen3_moe"]
 
 
 @pytest.fixture(scope="module")

@@ -89,6 +89,8 @@ ROWS = [
     Row("qwen3", "qwen3", (90, 5, 7, 20), kv_atol=KV_MODE_ATOL, weights="tiny", gguf="qwen3"),
     Row("qwen2", "qwen3", (90, 5, 7, 20), kv_atol=KV_MODE_ATOL, weights="tiny_qwen2", builder="tiny_qwen2",
         gguf="qwen2"),
+    Row("qwen3_moe", "qwen3", (90, 5, 7, 12), kv_atol=KV_MODE_ATOL, weights="tiny_moe", builder="tiny_moe",
+        gguf="qwen3_moe"),
     Row("qwen3_next", "qwen3_next", (100, 3, 7, 10), greedy=(30, 7), varied=False, long=None, rule=RECURRENT),
     Row("recurrent_gemma", "recurrent_gemma", (80, 3, 7, 10), greedy=(30, 7), varied=False, long=None,
         rule=RECURRENT),
@@ -104,7 +106,8 @@ REGISTERED = {"afmoe": "afmoe:AfmoeModel", "bailing_hybrid": "bailing_hybrid:Bai
               "mamba2": "mamba2:Mamba2Model", "ministral3": "ministral:MinistralModel",
               "ministral": "ministral:MinistralModel", "muse_glimmer": "muse_glimmer:MuseGlimmerModel",
               "qwen3_5_text": "qwen3_5:Qwen3_5Model", "qwen3_5_moe_text": "qwen3_5:Qwen3_5Model",
-              "qwen3_next": "qwen3_next:Qwen3NextModel", "qwen3": "llama:LlamaModel", "qwen2": "llama:LlamaModel", "recurrent_gemma": "recurrent_gemma:RecurrentGemmaModel",
+              "qwen3_next": "qwen3_next:Qwen3NextModel", "qwen3": "llama:LlamaModel", "qwen2": "llama:LlamaModel",
+              "qwen3_moe": "qwen3_moe:Qwen3MoeModel", "recurrent_gemma": "recurrent_gemma:RecurrentGemmaModel",
               "rwkv7": "rwkv7:Rwkv7Model"}
 
 

@@ -8,7 +8,8 @@ tests/test_family_contract.py; here, what is these families' own."""
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 from ssm_family_checks import check_parity, perturb_vectors, save_and_load
 from tiny import prompt
@@ -31,6 +32,24 @@ def qwen2_config(**overrides) -> Qwen2Config:
     return Qwen2Config(**{**kw, **overrides})
 
 
+def qwen3_moe_config(**overrides) -> Qwen3MoeConfig:
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+              moe_intermediate_size=32, norm_topk_prob=True, max_position_embeddings=4096,
+              initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    return Qwen3MoeConfig(**{**kw, **overrides})
+
+
+def routed(hf):
+    """transformers zero-initialises the routers, which would send every token to experts 0..k-1."""
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                gate.weight.normal_(0.0, 0.3)
+    return hf
+
+
 def _pair(hf, tmp_path):
     hf = hf.eval()
     perturb_vectors(hf)
@@ -45,6 +64,23 @@ def tiny(tmp_path, seed=0, **overrides):
 def tiny_qwen2(tmp_path, seed=0, **overrides):
     torch.manual_seed(seed)
     return _pair(Qwen2ForCausalLM(qwen2_config(**overrides)), tmp_path)
+
+
+def tiny_moe(tmp_path, seed=0, **overrides):
+    torch.manual_seed(seed)
+    return _pair(routed(Qwen3MoeForCausalLM(qwen3_moe_config(**overrides))), tmp_path)
+
+
+@pytest.mark.parametrize("overrides", [dict(norm_topk_prob=False, mlp_only_layers=[1]),
+                                       dict(decoder_sparse_step=2, tie_word_embeddings=True)])
+def test_qwen3_moe_routing_options_and_dense_layers(tmp_path, overrides):
+    from turnkv.models.qwen3_moe import MoE
+
+    model, hf = tiny_moe(tmp_path, seed=2, **overrides)
+    kinds = [isinstance(layer.mlp, MoE) for layer in model.layers]
+    assert kinds == [isinstance(getattr(layer.mlp, "gate", None), torch.nn.Module) for layer in hf.model.layers]
+    assert not all(kinds) and any(kinds)
+    check_parity(model, hf, prompt(60, seed=4), chunk=11, decode=6)
 
 
 def test_qwen3_normalizes_q_and_k_per_head(tmp_path):

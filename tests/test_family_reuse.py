@@ -233,12 +233,18 @@ def _qwen2():
     return Qwen2ForCausalLM(qwen2_config())
 
 
-BUILDERS.update({"qwen3": _qwen3, "qwen2": _qwen2})
+def _qwen3_moe():
+    from test_family_qwen3 import qwen3_moe_config, routed
+    from transformers import Qwen3MoeForCausalLM
+    return routed(Qwen3MoeForCausalLM(qwen3_moe_config()))
+
+
+BUILDERS.update({"qwen3": _qwen3, "qwen2": _qwen2, "qwen3_moe": _qwen3_moe})
 BUILDERS.update({"qwen3_5_text": _qwen3_5_text, "qwen3_5_moe_text": _qwen3_5_moe_text, "glm4_moe": _glm4_moe,
                  "afmoe": _afmoe})
 # families whose layers are all full attention: no prefill checkpoints, every reuse truncates the
 # end-of-generation snapshot to the common prefix (as llama in tests/test_engine_reuse.py)
-ALL_FULL = {"glm4_moe", "qwen2", "qwen3"}
+ALL_FULL = {"glm4_moe", "qwen2", "qwen3", "qwen3_moe"}
 # the vision-language folders of Qwen 3.5 load the same text model (tests/test_family_qwen3_5.py) under
 # M-RoPE with the vision tower (tests/test_family_qwen3_5_vl.py)
 COVERED |= {"qwen3_5", "qwen3_5_moe"}

@@ -43,6 +43,24 @@ def make_qwen3():
     return perturb(Qwen3ForCausalLM(cfg)), ()
 
 
+def make_qwen3_moe():
+    """Qwen 3 MoE: every block routed, the kept weights renormalized (llama.cpp's qwen3moe graph
+    always renormalizes), routers drawn so tokens spread over the experts."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+                         num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                         max_position_embeddings=4096, initializer_range=0.1, pad_token_id=0, bos_token_id=1,
+                         eos_token_id=2, tie_word_embeddings=False)
+    hf = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 0.3)
+    return perturb(hf), ()
+
+
 def make_qwen2():
     """Qwen 2 / 2.5: q/k/v biases, tied embeddings."""
     from transformers import Qwen2Config, Qwen2ForCausalLM

@@ -9,6 +9,7 @@ ARCHITECTURES: dict[str, str] = {
     "llama": "llama:LlamaModel",
     "qwen2": "llama:LlamaModel",                   # Qwen 2 / 2.5: q/k/v biases
     "qwen3": "llama:LlamaModel",                   # Qwen 3 dense: q/k RMS norms
+    "qwen3_moe": "qwen3_moe:Qwen3MoeModel",
     "gemma3_text": "gemma3:Gemma3Model",
     "gemma3": "gemma3_vision:Gemma3VisionModel",   # Gemma3ForConditionalGeneration (vision + text)
     "llama4_text": "llama4:Llama4Model",

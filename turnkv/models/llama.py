@@ -15,7 +15,7 @@ from .fused import FusedSlot, fuse_llama_block, stack_for
 from .tensors import param, take
 
 
-QWEN = ("qwen2", "qwen3")
+QWEN = ("qwen2", "qwen3", "qwen3_moe")
 
 
 @dataclass(kw_only=True)
@@ -36,7 +36,7 @@ class ModelArgs(DecoderArgs):
         # Qwen 2's q/k/v carry biases its config does not name; its o_proj has none
         self.qkv_bias = self.attention_bias or t == "qwen2"
         self.o_bias = self.attention_bias
-        self.qk_norm = t == "qwen3"
+        self.qk_norm = t in ("qwen3", "qwen3_moe")
 
 
 class Attention(nn.Module):

@@ -1,0 +1,99 @@
+"""Qwen 3 MoE (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder MoE): Qwen 3's attention (per-head q/k
+RMS norms before RoPE; turnkv.models.llama) and, on every ``decoder_sparse_step``-th layer not in
+``mlp_only_layers``, routed experts: a softmax over ``num_experts`` router logits, the top
+``num_experts_per_tok`` kept (renormalized when ``norm_topk_prob``), no shared expert."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache import specs
+from .base import Model, embedding, rms_norm
+from .decoder import GatedMLP, decoder_weights, rope_for
+from .experts import RoutedExperts, expert_stacks
+from .llama import Attention
+from .llama import ModelArgs as QwenArgs
+from .rope_config import rope_params
+from .tensors import param, take
+
+
+@dataclass(kw_only=True)
+class ModelArgs(QwenArgs):
+    model_type: str = "qwen3_moe"
+    num_experts: int | None = None
+    num_local_experts: int | None = None      # transformers 5 saves num_experts under this name
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 768
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list = field(default_factory=list)
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.num_experts = self.num_local_experts or self.num_experts or 128
+
+    def sparse(self, i: int) -> bool:
+        # transformers' Qwen3MoeDecoderLayer rule
+        return i not in self.mlp_only_layers and self.num_experts > 0 and (i + 1) % self.decoder_sparse_step == 0
+
+
+class MoE(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
+        super().__init__()
+        self.top_k, self.norm_topk = a.num_experts_per_tok, a.norm_topk_prob
+        self.w_router = param(take(t, f"{p}.gate.weight"), dtype)
+        self.experts = RoutedExperts.gated(*expert_stacks(t, p, a.num_experts), dtype)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [N, k] in x's dtype, experts [N, k]) as transformers' Qwen3MoeTopKRouter."""
+        logits = F.linear(x, self.w_router)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), chosen
+
+    def forward(self, x):
+        weights, chosen = self.route(x)
+        return self.experts.forward(x, weights, chosen)
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
+        super().__init__()
+        p = f"model.layers.{i}"
+        self.eps = a.rms_norm_eps
+        self.ln_attn = param(take(t, f"{p}.input_layernorm.weight"), dtype)
+        self.ln_mlp = param(take(t, f"{p}.post_attention_layernorm.weight"), dtype)
+        self.attn = Attention(a, t, f"{p}.self_attn", dtype)
+        self.mlp = MoE(a, t, f"{p}.mlp", dtype) if a.sparse(i) else GatedMLP.named(t, f"{p}.mlp", dtype)
+
+    def forward(self, x, batch, i, rope):
+        x += self.attn.forward(rms_norm(x, self.ln_attn, self.eps), batch, i, rope)
+        x += self.mlp.forward(rms_norm(x, self.ln_mlp, self.eps))
+        return x
+
+
+class Qwen3MoeModel(Model):
+    family = "qwen3_moe"
+    Args = ModelArgs
+    packable_weights = ("wqkv", "wo", "wgu", "wdown")
+    head_weights = ("lm_head",)
+    embedding_weights = ("embed",)
+
+    def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
+        super().__init__()
+        self.args, self.dtype = args, dtype
+        decoder_weights(self, tensors, args, dtype, Block)
+        self.rope = rope_for(rope_params(config), args.head_dim, dtype)
+
+    def cache_specs(self):
+        a = self.args
+        return [specs.full(a.num_key_value_heads, a.head_dim) for _ in range(a.num_hidden_layers)]
+
+    def forward(self, batch):
+        return self.run_decoder(embedding(batch.tokens, self.embed, self.dtype), batch, self.rope.rows(batch))
