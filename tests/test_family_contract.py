@@ -89,7 +89,7 @@ ROWS = [
     Row("qwen3", "qwen3", (90, 5, 7, 20), kv_atol=KV_MODE_ATOL, weights="tiny", gguf="qwen3"),
     Row("qwen2", "qwen3", (90, 5, 7, 20), kv_atol=KV_MODE_ATOL, weights="tiny_qwen2", builder="tiny_qwen2",
         gguf="qwen2"),
-    Row("qwen3_moe", "qwen3", (90, 5, 7, 12), kv_atol=KV_MODE_ATOL, weights="tiny_moe", builder="tiny_moe",
+    Row("qwen3_moe", "qwen3", (90, 5, 7, 12), kv_atol=KV_MODE_ATOL, weights="all_routed", builder="tiny_moe",
         gguf="qwen3_moe"),
     Row("qwen3_next", "qwen3_next", (100, 3, 7, 10), greedy=(30, 7), varied=False, long=None, rule=RECURRENT),
     Row("recurrent_gemma", "recurrent_gemma", (80, 3, 7, 10), greedy=(30, 7), varied=False, long=None,

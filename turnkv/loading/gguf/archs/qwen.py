@@ -61,8 +61,10 @@ def _moe_config(h: GGUFHeader) -> dict:
 def _moe_names(h: GGUFHeader, config: dict) -> dict[str, str]:
     attn = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", **ATTN_PROJ_TENSORS,
             **QK_NORM_TENSORS}
-    return moe_decoder_names(h, config["num_hidden_layers"], 0, attn, GATED_MLP_TENSORS,
-                             {"ffn_gate_inp": "mlp.gate"}, "mlp.gate.e_score_correction_bias")
+    names = moe_decoder_names(h, config["num_hidden_layers"], 0, attn, GATED_MLP_TENSORS,
+                              {"ffn_gate_inp": "mlp.gate"}, "unused")
+    # no score-correction bias in this layout
+    return {g: t for g, t in names.items() if not g.endswith(".exp_probs_b.bias")}
 
 
 def _fuse(tensors: dict, config: dict) -> dict:
