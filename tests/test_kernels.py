@@ -409,6 +409,10 @@ def test_take_rows_cat_lookup(qtype):
     assert c.shape == (N, K) and c.nbytes == w.nbytes
     assert torch.equal(c.raw, w.raw) and torch.equal(c.rows(), w.rows())
     assert torch.equal(torch.cat([a.matmul(x), b.matmul(x)], 1), full)
+    # parts of whole tiles (16 rows, then the rest) join tile by tile: the same bytes as above
+    a, b = w.take_rows(torch.arange(0, 16)), w.take_rows(torch.arange(16, N))
+    c = GGUFWeight.cat([a, b])
+    assert c.shape == (N, K) and torch.equal(c.raw, w.raw) and torch.equal(c.rows(), w.rows())
     with pytest.raises(ValueError):
         GGUFWeight.cat([w, random_weight(Q.Q5_0 if qtype != Q.Q5_0 else Q.Q4_0)])
     with pytest.raises(ValueError):
