@@ -1,8 +1,14 @@
-"""Real-size models: random-weight GGUFs of released shapes to measure turnkv on.
+"""Real-size models: make random-weight GGUFs of released shapes, then time turnkv against
+llama.cpp (and ik_llama.cpp where built) on the same files.
 
     .venv/bin/python bench/realsize.py make [--preset llama-3.2-1b ...] [--types Q4_K_M Q8_0 IQ4_XS]
+    .venv/bin/python bench/realsize.py run  [--preset llama-3.2-1b] [--types ...] [--threads 2]
 
-``make`` is described in bench/realsize_models.py.
+``make`` is described in bench/realsize_models.py. ``run`` times, one engine at a time under
+``flock /tmp/turnkv-bench.lock``, per file: turnkv in-process (load time, resident memory after
+load, prefill of a 512-token prompt, decode of 128 tokens), llama.cpp's ``llama-bench -p 512 -n
+128`` and ik_llama.cpp's with ``-rtr 1``; then prints turnkv / peer ratios, the CPU model and a
+read-bandwidth probe, so decode reads as a share of what the machine can stream.
 """
 
 from __future__ import annotations
@@ -20,13 +26,16 @@ from bench.realsize_models import DEFAULT_TYPES, PRESETS, make  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=("make",))
+    ap.add_argument("command", choices=("make", "run"))
     ap.add_argument("--preset", nargs="+", default=["llama-3.2-1b"], choices=list(PRESETS))
     ap.add_argument("--types", nargs="+", default=list(DEFAULT_TYPES))
+    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     for preset in args.preset:
         files = make(preset, args.types)
-        print("\n".join(f"  {t}: {p}" for t, p in files.items()))
+        if args.command == "run":
+            from bench.realsize_run import run_all
+            run_all(preset, {t: files[t.upper()] for t in args.types}, args.threads)
 
 
 if __name__ == "__main__":

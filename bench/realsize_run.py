@@ -1,0 +1,135 @@
+"""``bench/realsize.py run``: turnkv against llama.cpp and ik_llama.cpp on the same GGUF files.
+
+Each engine runs alone (``flock /tmp/turnkv-bench.lock``; turnkv in a child process, so its
+resident memory and load time are its own), with the same thread count."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.machine import cpu_model
+from bench.realsize_models import LLAMA_CPP, PEERS
+
+ROOT = Path(__file__).resolve().parent.parent
+LOCK = "/tmp/turnkv-bench.lock"
+IK_BENCH = PEERS / "ik" / "src" / "build" / "bin" / "llama-bench"
+PROMPT, DECODE = 512, 128
+
+# turnkv in a child: load, RSS after load, one 512-token prefill + 128 decoded tokens (twice: the
+# first run warms the kernels and allocator, the second is reported)
+_TURNKV = r'''
+import json, os, sys, time
+t0 = time.perf_counter()
+import torch
+torch.set_num_threads({threads})
+from turnkv.engine.engine import Engine
+from turnkv.engine.sequence import GenerationRequest
+from turnkv.engine.sampling import SamplingParams
+t1 = time.perf_counter()
+eng = Engine.load({path!r}, weights=None, progress=False, max_context=1024)
+t2 = time.perf_counter()
+rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+out = {{}}
+vocab = eng.requests.model.vocab_size
+for i, seed in enumerate((11, 12)):
+    ids = torch.randint(vocab // 50, vocab * 4 // 5, ({prompt},), generator=torch.Generator().manual_seed(seed)).tolist()
+    req = GenerationRequest(ids, SamplingParams(max_tokens={decode}, ignore_eos=True))
+    r = eng.generate(req)
+    s = r.stats
+    out = dict(prefill_tps={prompt} / (s.prefill_ms / 1e3), decode_tps=s.decode_tokens_per_s,
+               prefilled=s.prefilled_tokens, generated=len(r.token_ids))
+print(json.dumps(dict(out, import_s=t1 - t0, load_s=t2 - t1, rss=rss)))
+'''
+
+
+def _locked(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(["flock", LOCK, *cmd], capture_output=True, text=True, **kw)
+
+
+def run_turnkv(path: Path, threads: int) -> dict:
+    code = _TURNKV.format(path=str(path), threads=threads, prompt=PROMPT, decode=DECODE)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    r = _locked([sys.executable, "-c", code], cwd=ROOT, env=env)
+    if r.returncode != 0:
+        return {"error": (r.stderr.strip().splitlines() or ["failed"])[-1]}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def run_llama_bench(exe: Path, path: Path, threads: int, extra=()) -> dict:
+    """llama-bench's prompt-processing and generation rates (tokens/s), from its JSON output."""
+    cmd = [str(exe), "-m", str(path), "-p", str(PROMPT), "-n", str(DECODE), "-t", str(threads), "-o", "json", *extra]
+    t0 = time.perf_counter()
+    r = _locked(cmd)
+    if r.returncode != 0:
+        return {"error": (r.stderr.strip().splitlines() or ["failed"])[-1]}
+    rows = json.loads(r.stdout[r.stdout.index("["):])
+    out = {"wall_s": time.perf_counter() - t0}
+    for row in rows:
+        key = "prefill_tps" if row.get("n_prompt") else "decode_tps"
+        out[key] = row["avg_ts"]
+    return out
+
+
+def bandwidth_probe(threads: int, mb: int = 512) -> float:
+    """Bytes per second a torch copy of ``mb`` MB streams (read + write counted), best of 5."""
+    import torch
+
+    torch.set_num_threads(threads)
+    src = torch.ones(mb << 18, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / best
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def run_all(preset: str, files: dict[str, Path], threads: int) -> None:
+    """Times each file on each engine and prints one table."""
+    print(f"CPU: {cpu_model()}, {threads} threads; load average {os.getloadavg()[0]:.1f}", flush=True)
+    bw = bandwidth_probe(threads)
+    print(f"read bandwidth probe (torch copy, {threads} threads): {bw / 1e9:.1f} GB/s", flush=True)
+    llama_bench = LLAMA_CPP / "build" / "bin" / "llama-bench"
+    if not IK_BENCH.exists():
+        print(f"ik_llama.cpp: {IK_BENCH} not built, skipped", flush=True)
+    rows = []
+    for qtype, path in files.items():
+        size = path.stat().st_size
+        print(f"{path.name} ({size / 1e6:.0f} MB): turnkv ...", flush=True)
+        tk = run_turnkv(path, threads)
+        print(f"  turnkv {tk}\n  llama.cpp ...", flush=True)
+        lc = run_llama_bench(llama_bench, path, threads)
+        print(f"  llama.cpp {lc}", flush=True)
+        ik = run_llama_bench(IK_BENCH, path, threads, ("-rtr", "1")) if IK_BENCH.exists() else {}
+        if ik:
+            print(f"  ik_llama.cpp {ik}", flush=True)
+        rows.append((qtype, size, tk, lc, ik))
+    _table(preset, rows, bw)
+
+
+def _table(preset: str, rows, bw: float) -> None:
+    print(f"\n{preset}: {PROMPT}-token prefill, {DECODE} decoded tokens (tok/s)")
+    print("| file | turnkv prefill | decode | vs llama.cpp (p / d) | vs ik -rtr (p / d) | load s | RSS / file MB "
+          "| decode GB/s (share of probe) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for qtype, size, tk, lc, ik in rows:
+        if "error" in tk:
+            print(f"| {qtype} | turnkv failed: {tk['error']} |")
+            continue
+        gbs = size * tk["decode_tps"] / 1e9    # weights read once per token (K/V of <=640 tokens is small)
+        print(f"| {qtype} | {tk['prefill_tps']:.1f} | {tk['decode_tps']:.1f} "
+              f"| {_ratio(tk['prefill_tps'], lc.get('prefill_tps'))} / {_ratio(tk['decode_tps'], lc.get('decode_tps'))} "
+              f"| {_ratio(tk['prefill_tps'], ik.get('prefill_tps'))} / {_ratio(tk['decode_tps'], ik.get('decode_tps'))} "
+              f"| {tk['load_s']:.1f} | {tk['rss'] / 1e6:.0f} / {size / 1e6:.0f} | {gbs:.1f} ({gbs * 1e9 / bw:.0%}) |")
+    for qtype, size, tk, lc, ik in rows:
+        print(f"{qtype}: llama.cpp {lc}; ik_llama.cpp {ik or 'not built'}")
