@@ -65,16 +65,14 @@ def _lfm2(**kw):
                       conv_L_cache=3, max_position_embeddings=128000, tie_word_embeddings=True, **kw)
 
 
-def _moe(**kw):
-    # turnkv has no qwen3moe loader; GLM-4.5's MoE carries Qwen3-30B-A3B's expert shapes (hidden
-    # 2048, 128 experts of width 768, 8 per token) with a dense first layer and a shared expert.
-    from transformers import Glm4MoeConfig
-    return Glm4MoeConfig(vocab_size=VOCAB, hidden_size=2048, intermediate_size=6144, num_hidden_layers=6,
-                         num_attention_heads=32, num_key_value_heads=4, head_dim=128, moe_intermediate_size=768,
-                         n_routed_experts=128, num_experts_per_tok=8, n_shared_experts=1, n_group=1, topk_group=1,
-                         first_k_dense_replace=1, use_qk_norm=True, attention_bias=False, partial_rotary_factor=1.0,
-                         num_nextn_predict_layers=0, rope_theta=1000000.0, max_position_embeddings=40960,
-                         tie_word_embeddings=False, **kw)
+def _qwen3_moe(**kw):
+    # Qwen3-30B-A3B's attention and experts (128 of width 768, 8 per token), 6 of its 48 layers
+    from transformers import Qwen3MoeConfig
+    return Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=6, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                          mlp_only_layers=[], rms_norm_eps=1e-6, rope_theta=1000000.0,
+                          max_position_embeddings=40960, tie_word_embeddings=False, **kw)
 
 
 # preset -> (config builder, converter classes whose set_vocab must use the GPT-2 writer)
@@ -83,7 +81,7 @@ PRESETS = {
     "qwen3-4b": (_qwen3, ()),
     "gemma-3-1b": (_gemma3, ()),
     "lfm2-1.2b": (_lfm2, ()),
-    "moe-30b-a3b-shape": (_moe, ("conversion.glm.Glm4MoeModel:gpt2",)),
+    "qwen3-30b-a3b-6l": (_qwen3_moe, ()),
 }
 
 
