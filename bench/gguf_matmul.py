@@ -1,6 +1,6 @@
 """GGUF int8-activation matmul (turnkv/kernels) against float32 F.linear of the dequantized weight.
 
-    .venv/bin/python bench/kernels.py [--isa avx2] [--types Q4_0,Q4_K] [--threads 2]
+    .venv/bin/python bench/gguf_matmul.py [--isa avx2] [--types Q4_0,Q4_K] [--threads 2]
 
 GEMV (M = 1, 4, 8) on a [32768, 2048] weight (larger than the L3, so it streams from DRAM),
 GEMM (M = 64, 512) on [4096, 2048]. Prints the CPU model, the measured read bandwidth
