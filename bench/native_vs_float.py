@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType as Q
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # run as a script from anywhere
 
 import turnkv.kernels as tk  # noqa: E402
-from bench.kernels import random_weight  # noqa: E402
+from bench.gguf_matmul import random_weight  # noqa: E402
 from bench.machine import cpu_model  # noqa: E402
 
 COPIES = 4

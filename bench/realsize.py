@@ -17,8 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-# run as a script from anywhere; bench/ itself off the path (bench/kernels.py would shadow the
-# `kernels` package transformers imports)
+# run as a script from anywhere: the repository root first on the path
 sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from bench.realsize_models import DEFAULT_TYPES, PRESETS, make  # noqa: E402

@@ -84,7 +84,7 @@ def kernel_rows(threads: int, peak: dict[str, float]) -> list[tuple[str, float, 
     from gguf import GGMLQuantizationType as Q
 
     import turnkv.kernels as tk
-    from bench.kernels import best_time, random_weight
+    from bench.gguf_matmul import best_time, random_weight
     from turnkv.kernels import attention as A
 
     torch.set_num_threads(threads)
