@@ -16,7 +16,7 @@ MESSAGES = [{"role": "user", "content": "Here is a Python file:\n\n```python\n" 
              "with the class StopMatcher renamed to StopStrings. Reply with the complete file only."}]
 
 
-@pytest.fixture(scope="module", params=["smollm2-135m"])
+@pytest.fixture(scope="module", params=["smollm2-135m", pytest.param("gemma3-270m", marks=pytest.mark.slow)])
 def loaded(request):
     from turnkv import kernels
     from turnkv.loading.bundled import find_bundled
