@@ -168,3 +168,36 @@ def gpt_oss_hf(**kw):
 @given(gpt_oss_configs())
 def test_gpt_oss_configs(drawn):
     check_drawn(gpt_oss_hf, drawn)
+
+
+@st.composite
+def qwen_configs(draw):
+    """Qwen 2 (q/k/v biases) and Qwen 3 (q/k norms) on the Llama family; a window they switch on
+    (use_sliding_window) is refused."""
+    kind = draw(st.sampled_from(["qwen2", "qwen3"]))
+    kw = dict(vocab_size=VOCAB, num_hidden_layers=draw(st.sampled_from([2, 3])),
+              intermediate_size=draw(st.sampled_from([32, 64])), tie_word_embeddings=draw(st.booleans()),
+              max_position_embeddings=256, initializer_range=0.1, **draw(heads()))
+    if kind == "qwen2":
+        kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]    # Qwen 2 has no head_dim apart
+    else:
+        kw["attention_bias"] = draw(st.booleans())
+    kw["rope_parameters"] = draw(rope())
+    drawn = Drawn(dict(kw, kind=kind), old_layout=draw(st.booleans()))
+    if draw(st.integers(0, 5)) == 0:
+        drawn.kwargs.update(use_sliding_window=True, sliding_window=8)
+        drawn.refused = "use_sliding_window"
+    return drawn
+
+
+def qwen_hf(kind, **kw):
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    config, model = (Qwen2Config, Qwen2ForCausalLM) if kind == "qwen2" else (Qwen3Config, Qwen3ForCausalLM)
+    return model(config(**kw))
+
+
+@DRAWS
+@given(qwen_configs())
+def test_qwen_configs(drawn):
+    check_drawn(qwen_hf, drawn)

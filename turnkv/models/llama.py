@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .base import apply_rope, attention_spans, embedding, linear, rms_norm
+from .base import UnsupportedConfig, apply_rope, attention_spans, embedding, linear, rms_norm
 from .batch import Batch
 from .decoder import DecoderArgs, DecoderModel, GatedMLP, out_weights, qk_norm_rows, qkv_weights
 from .fused import FusedSlot, fuse_llama_block, stack_for
@@ -32,7 +32,8 @@ class ModelArgs(DecoderArgs):
         super().__post_init__()
         t = self.model_type
         if t in QWEN and self.use_sliding_window:
-            raise ValueError(f"{t}: use_sliding_window is not supported (every layer attends to the full context)")
+            raise UnsupportedConfig(f"{t}: config field use_sliding_window=True is not supported "
+                                    "(every layer attends to the full context)")
         # Qwen 2's q/k/v carry biases its config does not name; its o_proj has none
         self.qkv_bias = self.attention_bias or t == "qwen2"
         self.o_bias = self.attention_bias
