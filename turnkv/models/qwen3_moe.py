@@ -11,13 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache import specs
-from .base import Model, embedding, rms_norm
-from .decoder import GatedMLP, decoder_weights, rope_for
+from .base import rms_norm
+from .decoder import DecoderModel, GatedMLP
 from .experts import RoutedExperts, expert_stacks
 from .llama import Attention
 from .llama import ModelArgs as QwenArgs
-from .rope_config import rope_params
 from .tensors import param, take
 
 
@@ -78,22 +76,7 @@ class Block(nn.Module):
         return x
 
 
-class Qwen3MoeModel(Model):
+class Qwen3MoeModel(DecoderModel):
     family = "qwen3_moe"
     Args = ModelArgs
-    packable_weights = ("wqkv", "wo", "wgu", "wdown")
-    head_weights = ("lm_head",)
-    embedding_weights = ("embed",)
-
-    def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
-        super().__init__()
-        self.args, self.dtype = args, dtype
-        decoder_weights(self, tensors, args, dtype, Block)
-        self.rope = rope_for(rope_params(config), args.head_dim, dtype)
-
-    def cache_specs(self):
-        a = self.args
-        return [specs.full(a.num_key_value_heads, a.head_dim) for _ in range(a.num_hidden_layers)]
-
-    def forward(self, batch):
-        return self.run_decoder(embedding(batch.tokens, self.embed, self.dtype), batch, self.rope.rows(batch))
+    Block = Block
