@@ -27,7 +27,7 @@ import turnkv.kernels as tk  # noqa: E402
 from bench.machine import cpu_model  # noqa: E402
 from turnkv.kernels import GGUFWeight  # noqa: E402
 
-TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "F16", "BF16"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4", "F16", "BF16"]
 GEMV = (32768, 2048)
 GEMM = (4096, 2048)
 
@@ -51,6 +51,8 @@ def random_weight(qtype: Q, n: int, k: int, seed: int = 0) -> GGUFWeight:
     elif qtype == Q.Q2_K:
         b[..., 80:82] = half()
         b[..., 82:84] = half()
+    elif qtype == Q.MXFP4:   # one E8M0 byte: scales 2^-10 .. 2^-4
+        b[..., 0] = rng.integers(118, 125, size=(n, k // block))
     else:
         b[..., 0:2] = half()
         if qtype in (Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K):

@@ -29,7 +29,7 @@ from turnkv.models.weights import load_model
 
 FIXTURES = Path(__file__).resolve().parent / "gguf_fixtures"
 # gemma4 keeps float copies of its experts for now (models/gemma4.py says why)
-MOE = ("glm4_moe", "qwen3_5_moe", "afmoe", "kimi_linear", "bailing_hybrid", "gpt_oss")
+MOE = ("glm4_moe", "qwen3_5_moe", "afmoe", "kimi_linear", "bailing_hybrid", "gpt_oss", "gpt_oss_mxfp4")
 # max |native - float| over a token's outputs, relative to the largest: the int8 rounding of the
 # activations (per block of 32 or 256) at the gate/up and again at the down projection
 TOLERANCE = 0.05

@@ -29,7 +29,7 @@ QUANTIZABLE = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]  # gguf.quants can quanti
 KQUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]  # built as random valid blocks
 IQ4 = [Q.IQ4_NL, Q.IQ4_XS]  # random valid blocks too (every byte pattern is one)
 SUPER = KQUANTS + [Q.IQ4_XS]  # 256-value super-blocks
-ALL = QUANTIZABLE + KQUANTS + IQ4
+ALL = QUANTIZABLE + KQUANTS + IQ4 + [Q.MXFP4]
 N, K = 67, 512  # N not a multiple of the 8-row tile; K = 16 blocks of 32 / 2 of 256
 ISAS = tk.available_isas()
 
@@ -48,6 +48,8 @@ def random_weight(qtype: Q, n: int = N, k: int = K, seed: int = 0) -> GGUFWeight
     blocks = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
     if qtype in IQ4:
         blocks[..., 0:2] = _f16_bytes(rng, (n, k // block), 1e-4, 2e-3)  # d (IQ4_XS: its scales follow)
+    elif qtype == Q.MXFP4:
+        blocks[..., 0] = rng.integers(118, 125, size=(n, k // block))   # E8M0 scales 2^-10 .. 2^-4
     elif qtype in (Q.Q4_K, Q.Q5_K):
         blocks[..., 0:2] = _f16_bytes(rng, (n, k // block), 1e-4, 2e-3)  # d
         blocks[..., 2:4] = _f16_bytes(rng, (n, k // block), 1e-4, 2e-3)  # dmin
@@ -184,7 +186,7 @@ def test_tiles_of_8_rows(qtype, n):
     assert (tk.untile_rows(tiles, qtype, npad)[n:] == 0).all()       # zero rows pad the last tile
     # GGUF's block fields (ggml-common.h): 2-byte scales, then 4-byte pieces; Q6_K's d comes last
     head = {Q.Q4_0: (2,), Q.Q4_1: (2, 2), Q.Q5_0: (2, 4), Q.Q5_1: (2, 2, 4), Q.Q8_0: (2,),
-            Q.Q4_K: (2, 2), Q.Q5_K: (2, 2), Q.Q6_K: (), Q.IQ4_NL: (2,), Q.IQ4_XS: (2, 2)}[qtype]
+            Q.Q4_K: (2, 2), Q.Q5_K: (2, 2), Q.Q6_K: (), Q.IQ4_NL: (2,), Q.IQ4_XS: (2, 2), Q.MXFP4: (1,)}[qtype]
     tail = (2,) if qtype == Q.Q6_K else ()
     widths = head + (4,) * ((bb - sum(head) - sum(tail)) // 4) + tail
     flat = tiles.view(-1)
@@ -305,7 +307,7 @@ def test_paired_rows_same_bits_as_unpaired(qtype):
 
 def _largest_block(qtype: Q) -> np.ndarray:
     """One GGUF block whose quantized values are all the type's largest (4-bit 15, 5-bit 31,
-    6-bit 63; IQ4 index 0 = -127, IQ4_XS sub-block scales -32), scales 1."""
+    6-bit 63; IQ4 index 0 = -127, IQ4_XS sub-block scales -32; MXFP4 +-12), scales 1."""
     one = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
     ff = lambda n: np.full(n, 0xFF, np.uint8)   # noqa: E731  every nibble / high bit set
     parts = {
@@ -319,6 +321,7 @@ def _largest_block(qtype: Q) -> np.ndarray:
         Q.Q8_0: [one, np.tile(np.array([0x7F, 0x80], np.uint8), 16)],       # +127 and -128 (VNNI: w + 128 = 255, 0)
         Q.IQ4_NL: [one, np.zeros(16, np.uint8)],                            # -127 (VNNI: w + 128 = 1)
         Q.IQ4_XS: [one, np.zeros(6, np.uint8), np.zeros(128, np.uint8)],    # -127 x scale -32
+        Q.MXFP4: [np.full(1, 128, np.uint8), np.full(16, 0x7F, np.uint8)],  # -12 and +12 (doubled), scale 1
     }[qtype]
     block = np.concatenate(parts)
     assert block.size == GGML_QUANT_SIZES[qtype][1]
@@ -391,7 +394,7 @@ def test_error_bound_vs_float(qtype):
 # ------------------------------------------------------------------ (5) row operations, dtypes
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4], ids=lambda q: q.name)
 def test_take_rows_cat_lookup(qtype):
     w = random_weight(qtype)
     x = _x(4)

@@ -134,8 +134,8 @@ def describe_types(tensors, kept: dict | None = None) -> str:
 #
 # The native kernels read a weight as tiles of TILE_ROWS rows: tile t holds rows 8t..8t+7 (the
 # last tile padded with zero rows, whose blocks have scale 0), block after block; block b of a
-# tile is its 8 rows' block b cut into fields (2- or 4-byte pieces: scales, mins, high bits, the
-# quants as 4-byte groups), each field of the 8 rows side by side:
+# tile is its 8 rows' block b cut into fields (2- or 4-byte pieces, and MXFP4's 1-byte scale:
+# scales, mins, high bits, the quants as 4-byte groups), each field of the 8 rows side by side:
 #     Q4_1 block of a tile = d[8] (16 B) | m[8] (16 B) | group 0 of rows 0..7 (32 B) | ... group 3
 # so one 32-byte load gives a group of all 8 rows (row r in bytes 4r..4r+3), the layout the dot
 # products want, where GGUF's rows needed an 8x8 transpose per block (docs/kernels.md, "Layouts").
@@ -155,6 +155,7 @@ _FIELDS = {
     _Q.Q6_K: (4,) * 32 + (4,) * 16 + (4,) * 4 + (2,),         # ql, qh, scales, d
     _Q.IQ4_NL: (2,) + (4,) * 4,                               # d, qs
     _Q.IQ4_XS: (2, 2, 4) + (4,) * 32,                         # d, scales_h, scales_l, qs
+    _Q.MXFP4: (1,) + (4,) * 4,                                # e (E8M0), qs
     _Q.Q2_K: (4,) * 4 + (4,) * 16 + (2, 2),                   # scales, qs, d, dmin
     _Q.Q3_K: (4,) * 8 + (4,) * 16 + (4,) * 3 + (2,),          # hmask, qs, scales, d
     _Q.IQ2_XXS: (2,) + (4,) * 16,                             # d, qs (indices, signs + scale)
@@ -180,23 +181,30 @@ def _tile_fields(rows: torch.Tensor, qtype) -> torch.Tensor:
     return torch.cat(parts, -1).reshape(n, rb)
 
 
+def _unit(qtype) -> int:
+    """The bytes a tile moves as one: 2 where every field is 2 or 4 bytes wide, 1 for MXFP4 (its
+    1-byte scale; a row may then have an odd size)."""
+    return 1 if any(w % 2 for w in _FIELDS[GGMLQuantizationType(qtype)]) else 2
+
+
 @functools.lru_cache(maxsize=None)
 def _tile_index(qtype, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
-    """(forward, inverse) gathers over a tile's 2-byte units (every field is 2 or 4 bytes wide):
-    unit j of a tile comes from unit forward[j] of its 8 rows, and back. One numpy take per
-    weight moves its bytes at memory speed, where field-by-field tensor ops took seconds per
-    layer of a 1B model."""
-    units = torch.arange(TILE_ROWS * row_bytes // 2).view(TILE_ROWS, row_bytes // 2)
-    forward = _tile_fields(units.repeat_interleave(2, 1), qtype).reshape(-1)[::2].numpy().copy()
+    """(forward, inverse) gathers over a tile's units (``_unit`` bytes): unit j of a tile comes
+    from unit forward[j] of its 8 rows, and back. One numpy take per weight moves its bytes at
+    memory speed, where field-by-field tensor ops took seconds per layer of a 1B model."""
+    u = _unit(qtype)
+    units = torch.arange(TILE_ROWS * row_bytes // u).view(TILE_ROWS, row_bytes // u)
+    forward = _tile_fields(units.repeat_interleave(u, 1), qtype).reshape(-1)[::u].numpy().copy()
     return forward, np.argsort(forward)
 
 
 def _gather_units(src: torch.Tensor, index: np.ndarray, rows: int) -> torch.Tensor:
-    """``src`` [tiles * 8, row_bytes] uint8, each tile's 2-byte units gathered by ``index``."""
+    """``src`` [tiles * 8, row_bytes] uint8, each tile's units gathered by ``index``."""
     rb = src.shape[1]
     out = torch.empty((rows, rb), dtype=torch.uint8)
-    np.take(src.contiguous().numpy().view(np.int16).reshape(rows // TILE_ROWS, -1), index, axis=1,
-            out=out.numpy().view(np.int16).reshape(rows // TILE_ROWS, -1), mode="clip")
+    view = np.int16 if TILE_ROWS * rb == 2 * index.size else np.uint8
+    np.take(src.contiguous().numpy().view(view).reshape(rows // TILE_ROWS, -1), index, axis=1,
+            out=out.numpy().view(view).reshape(rows // TILE_ROWS, -1), mode="clip")
     return out
 
 
@@ -238,8 +246,9 @@ def _own_bytes(raw, qtype: GGMLQuantizationType, rows: int, k: int) -> torch.Ten
 def _row_gather(qtype, row_bytes: int) -> torch.Tensor:
     """[8, row_bytes] int64: where byte j of row i of a tile lies in that tile's bytes (the
     inverse of ``tile_rows`` for one row, as offsets from the tile's start)."""
+    u = _unit(qtype)
     inverse = torch.from_numpy(_tile_index(GGMLQuantizationType(qtype), row_bytes)[1])
-    return torch.stack([2 * inverse, 2 * inverse + 1], 1).reshape(TILE_ROWS, row_bytes)
+    return torch.stack([u * inverse + i for i in range(u)], 1).reshape(TILE_ROWS, row_bytes)
 
 
 def _isa_index(isa: str | None) -> int:

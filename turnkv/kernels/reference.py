@@ -9,8 +9,9 @@ The math, which the native kernels reproduce bit for bit (docs/kernels.md):
   same integer), then one fixed float32 formula gives the block's term ``t_b`` (k-quants: d,
   dmin are the block's superblock scales, sc/m its sub-block scales, bsum sums of xq):
 
-  - Q4_0 / Q5_0 / Q8_0 / IQ4_NL: ``t = (dw * dx) * float(isum)``, isum = sum (q - offset) * xq
-    (IQ4_NL: q = the table value kvalues_iq4nl[index], offset 0)
+  - Q4_0 / Q5_0 / Q8_0 / IQ4_NL / MXFP4: ``t = (dw * dx) * float(isum)``, isum = sum (q - offset) * xq
+    (IQ4_NL: q = the table value kvalues_iq4nl[index], offset 0; MXFP4: q = twice the E2M1
+    value, kvalues_mxfp4[code], and dw = 2^(e - 128), half the E8M0 scale, as ggml computes it)
   - Q4_1 / Q5_1:        ``t = (dw * dx) * float(isum) + mw * (dx * float(sum xq))``
   - Q4_K / Q5_K:        ``t = (d * dx) * float(sc * dot) - (dmin * dx) * float(m * bsum)``
   - Q6_K:               ``t = (d * dx) * float(sum_{two 16-value halves i} sc_i (dot_i - 32 bsum_i))``
@@ -37,13 +38,15 @@ import gguf.quants
 from .lowbit import LOWBIT, unpack as unpack_lowbit
 
 SUPPORTED = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.F16, Q.BF16,
-             Q.Q3_K, Q.Q2_K, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S)
+             Q.Q3_K, Q.Q2_K, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.MXFP4)
 FLOAT_W = (Q.F16, Q.BF16)   # float weights kept as stored, float32 activations
 # 256-value super-blocks with per-32 or per-16 integer scales (IQ4_XS and the low-bit types are
 # computed like them)
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS) + LOWBIT
 # IQ4_NL / IQ4_XS: 4-bit indices into this table (ggml's kvalues_iq4nl)
 IQ4_VALUES = torch.tensor(gguf.quants.IQ4_NL.kvalues, dtype=torch.int32)
+# MXFP4: 4-bit E2M1 codes -> twice their value (ggml's kvalues_mxfp4); the E8M0 scale is halved
+MXFP4_VALUES = torch.tensor(gguf.quants.MXFP4.kvalues, dtype=torch.int32)
 # bound on M * N * blocks elements per reference chunk (memory of the fallback path)
 _CHUNK = 1 << 22
 
@@ -71,6 +74,13 @@ def quantize_activations(x: torch.Tensor, qb: int) -> tuple[torch.Tensor, torch.
 def _f16(b: torch.Tensor) -> torch.Tensor:
     """[..., 2] uint8 -> [...] float32 (exact)."""
     return b.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """MXFP4's E8M0 bytes [...] uint8 -> 2^(e - 128) float32 [...] (ggml's GGML_E8M0_TO_FP32_HALF;
+    e < 2 give subnormals), exact."""
+    e = e.to(torch.int32)
+    return torch.where(e < 2, 0x00200000 << e, (e - 1) << 23).view(torch.float32)
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -126,6 +136,8 @@ def unpack(raw: torch.Tensor, qtype: Q, k: int) -> dict:
         return {"w": IQ4_VALUES.to(raw.device)[_nibbles(b[..., 2:])], "d": _f16(b[..., 0:2]), "m": None}
     if qtype == Q.IQ4_XS:
         return _iq4xs(b)
+    if qtype == Q.MXFP4:
+        return {"w": MXFP4_VALUES.to(raw.device)[_nibbles(b[..., 1:])], "d": e8m0_half(b[..., 0]), "m": None}
     if qtype == Q.Q4_1:
         return {"w": _nibbles(b[..., 4:]), "d": _f16(b[..., 0:2]), "m": _f16(b[..., 2:4])}
     if qtype == Q.Q5_0:

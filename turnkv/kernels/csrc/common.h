@@ -10,10 +10,21 @@ namespace tkv {
 // ggml type ids
 enum QType : int { F16 = 1, BF16 = 30, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12,
                    Q5_K = 13, Q6_K = 14, IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22,
-                   IQ4_XS = 23 };
+                   IQ4_XS = 23, MXFP4 = 39 };
 
 // IQ4_NL / IQ4_XS: a 4-bit index into this non-linear table of int8 values (ggml's kvalues_iq4nl)
 alignas(16) static const int8_t kIQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// MXFP4: a 4-bit E2M1 code (sign bit 3) -> twice its value, ggml's kvalues_mxfp4; the block's
+// E8M0 scale is taken as half (e8m0_half) so that value x scale is exact
+alignas(16) static const int8_t kMXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// MXFP4's E8M0 byte e -> 2^(e - 128) as float32 (ggml's GGML_E8M0_TO_FP32_HALF: e < 2 are subnormals)
+inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
 
 constexpr int TILE = 8;       // weight rows per tile of the scalar path
 constexpr int TILE_MAX = 16;  // the widest tile (512-bit paths); sizes the scratch
@@ -38,8 +49,8 @@ inline constexpr bool is_lowbit(int qt) {
 }
 // 256-value super-blocks with 32- or 16-value sub-block scales: the k-quants, IQ4_XS, the low-bit types
 inline bool is_super(int qt) { return is_kquant(qt) || qt == IQ4_XS || is_lowbit(qt); }
-// weights signed as decoded (int8): Q8_0 as stored, the IQ4 types' table values
-inline constexpr bool signed_w(int qt) { return qt == Q8_0 || qt == IQ4_NL || qt == IQ4_XS; }
+// weights signed as decoded (int8): Q8_0 as stored, the IQ4 types' and MXFP4's table values
+inline constexpr bool signed_w(int qt) { return qt == Q8_0 || qt == IQ4_NL || qt == IQ4_XS || qt == MXFP4; }
 inline int block_elems(int qt) { return is_super(qt) ? 256 : 32; }
 // F16 / BF16 weights: their own matmul (float_matmul.inc), float activations, no blocks
 inline bool is_float_w(int qt) { return qt == F16 || qt == BF16; }
@@ -47,7 +58,7 @@ inline constexpr int block_bytes(int qt) {
     switch (qt) {
         case Q4_0: return 18; case Q4_1: return 20; case Q5_0: return 22; case Q5_1: return 24;
         case Q8_0: return 34; case Q4_K: return 144; case Q5_K: return 176; case Q6_K: return 210;
-        case IQ4_NL: return 18; case IQ4_XS: return 136;
+        case IQ4_NL: return 18; case IQ4_XS: return 136; case MXFP4: return 17;
         case Q2_K: return 84; case Q3_K: return 110; case IQ2_XXS: return 66; case IQ2_XS: return 74;
         case IQ2_S: return 82; case IQ3_XXS: return 98; case IQ3_S: return 110;
     }
@@ -56,7 +67,7 @@ inline constexpr int block_bytes(int qt) {
 
 // Every type is read as tiles of 8 rows (turnkv/kernels/__init__.py, tile_rows): tile t = rows
 // 8t..8t+7 (zero rows pad the last), block after block; block b of a tile is the 8 rows' block b
-// cut into its fields (2- or 4-byte pieces: scales, mins, high bits, 4-byte groups of quants),
+// cut into its fields (2- or 4-byte pieces, MXFP4's 1-byte scale: scales, mins, high bits, 4-byte groups of quants),
 // each field of the 8 rows side by side (row r at r * width). So the field that starts at byte o
 // of a row's block starts at byte 8 * o of the tile's block, and a 4-byte field there is one
 // 32-byte vector with row r in lane r.
@@ -77,6 +88,7 @@ inline int block_fields(int qt, int* w) {
         case Q6_K: add(4, 32); add(4, 16); add(4, 4); add(2, 1); break; // ql, qh, scales, d
         case IQ4_NL: add(2, 1); add(4, 4); break;                      // d, qs (Q4_0's layout)
         case IQ4_XS: add(2, 2); add(4, 1); add(4, 32); break;          // d, scales_h, scales_l, qs
+        case MXFP4: add(1, 1); add(4, 4); break;                       // e, qs (Q4_0's layout)
         case Q2_K: add(4, 4); add(4, 16); add(2, 2); break;            // scales, qs, d, dmin
         case Q3_K: add(4, 8); add(4, 16); add(4, 3); add(2, 1); break; // hmask, qs, scales, d
         case IQ2_XXS: add(2, 1); add(4, 16); break;                    // d, qs (indices, signs + scale)
@@ -172,8 +184,8 @@ struct Args {
 // Per-thread tile scratch: a tile's weights unpacked to one byte per value plus its scales.
 struct Scratch {
     std::vector<uint8_t> buf;
-    uint8_t* w;        // [TILE][K] u8 values (Q8_0, IQ4_NL, IQ4_XS: int8)
-    float* d;          // [nblocks][TILE]
+    uint8_t* w;        // [TILE][K] u8 values (Q8_0, IQ4_NL, IQ4_XS, MXFP4: int8)
+    float* d;          // [nblocks][TILE] (SIMD: MXFP4's scales only, the others keep hd)
     float* m;          // [nblocks][TILE]   (Q4_1/Q5_1 min, k-quant dmin)
     int16_t* lsc;      // k-quants: [TILE][K/32][8] per-lane integer scale
     int32_t* rsc;      // Q4_K/Q5_K: [nsb][8][TILE] mins; Q6_K and the low-bit types: [nsb][16][TILE] scales
