@@ -124,6 +124,8 @@ def test_help_defaults_match_the_engine():
                                                                          images.DEFAULT_IMAGE_CACHE_MB)
     from turnkv.prompt_cache import tier as tiers
     assert cli.build_parser().parse_args(["generate", "-p", "hi"]).tier_keep_turns == tiers.DEFAULT_KEEP_TURNS
+    from turnkv import perplexity
+    assert (cli.PPL_CTX, cli.PPL_BATCH) == (perplexity.DEFAULT_CTX, perplexity.DEFAULT_BATCH)
     from turnkv.server import context as app
     assert (cli.DEFAULT_MAX_MESSAGES, cli.DEFAULT_MAX_CONNECTIONS) == (app.DEFAULT_MAX_MESSAGES,
                                                                        app.DEFAULT_MAX_CONNECTIONS)

@@ -1,4 +1,4 @@
-"""turnkv command line: serve | chat | generate | models."""
+"""turnkv command line: serve | chat | generate | perplexity | models."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_IMAGE_CACHE_MB = 4096 * 4096, 256.0     # = tu
 SPECULATIVE_MODES, DEFAULT_DRAFT_MAX = ("off", "ngram"), 8
 # the names of turnkv.models.weights.FORMATS, listed here so `--help` does not import torch
 WEIGHT_FORMATS = ("native", "bf16", "int8", "int4x2", "int4", "auto", "gguf")
+# perplexity.py's DEFAULT_CTX and DEFAULT_BATCH, for the same reason
+PPL_CTX, PPL_BATCH = 512, 512
 
 
 
@@ -181,12 +183,36 @@ def cmd_serve(args) -> int:
     return serve(args)
 
 
+def cmd_perplexity(args) -> int:
+    from .perplexity import run
+    return run(args)
+
+
+def add_perplexity_parser(sub) -> None:
+    p = sub.add_parser("perplexity", help="perplexity of a text file, chunked as llama.cpp's llama-perplexity")
+    p.add_argument("-m", "--model", default="smollm2-135m",
+                   help="bundled model name (see `turnkv models`), a .gguf file, or an HF folder")
+    p.add_argument("-f", "--file", required=True, help="the text file to score")
+    p.add_argument("-c", "--ctx-size", type=int, default=PPL_CTX,
+                   help=f"tokens per chunk; the second half of each is scored (default {PPL_CTX})")
+    p.add_argument("-b", "--batch-size", type=int, default=PPL_BATCH,
+                   help=f"tokens per forward within a chunk (default {PPL_BATCH})")
+    p.add_argument("--chunks", type=int, default=None, help="score at most this many chunks (default all)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU compute threads (default: one per core)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="compute dtype (default float32)")
+    p.add_argument("--weights", default=None, choices=list(WEIGHT_FORMATS),
+                   help="weight format, as for serve (default: gguf for a GGUF when the kernels are built)")
+    p.add_argument("--kv-cache-mode", default="auto", choices=["auto", "native", "bf16", "fp16", "int8", "int4"],
+                   help="storage mode of attention KV, as for serve (default auto)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no loading progress bar")
+    p.set_defaults(func=cmd_perplexity)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="turnkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("models", help="list the bundled models")
-    p.set_defaults(func=cmd_models)
+    sub.add_parser("models", help="list the bundled models").set_defaults(func=cmd_models)
 
     p = sub.add_parser("generate", help="generate a reply to one prompt")
     add_model_args(p)
@@ -240,12 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events", default=None, metavar="ENDPOINT", help="publish what the prompt cache can "
                    "restore as vLLM's KV events on a ZMQ PUB socket, e.g. tcp://*:5557 (docs/scale-out.md)")
     p.set_defaults(func=cmd_serve)
+    add_perplexity_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if argv is None and args.func in (cmd_serve, cmd_chat, cmd_generate):
+    if argv is None and args.func in (cmd_serve, cmd_chat, cmd_generate, cmd_perplexity):
         from .launch import ensure_hugepages
         ensure_hugepages()   # a command that loads a model starts over once with glibc's huge-page heap
     from .errors import user_errors

@@ -22,6 +22,7 @@ __all__ = [
     "StreamDecoder",
     "SUPPORTED_GGUF_ARCHITECTURES",
     "Tokenizer",
+    "bos_to_add",
     "gguf_runs_quantized",
     "gguf_type_summary",
     "load_checkpoint",
@@ -180,6 +181,31 @@ def gguf_type_summary(model: str | os.PathLike, quantized: dict | None = None) -
                 seen.add(id(stack))
                 kept[w.qtype] = kept.get(w.qtype, 0) + getattr(stack, "sources", 1)
     return describe_types([(t.qtype, t.shape) for t in header.tensors.values()], kept)
+
+
+# GGUF vocabularies whose text starts with BOS when the file does not say (llama.cpp's llama-vocab.cpp:
+# SentencePiece and WordPiece vocabularies, and BPE ones with Llama 3's pre-tokenizer or a kin of it)
+_BOS_VOCABS = ("llama", "bert")
+_BOS_PRES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano")
+
+
+def bos_to_add(model: str | os.PathLike, tokenizer: Tokenizer) -> int | None:
+    """The BOS id that starts a text for ``model`` (None: none does), decided as llama.cpp decides
+    for a GGUF (``tokenizer.ggml.add_bos_token``, else its vocabulary type's default; Gemma 4's
+    pre-tokenizer always adds it) and as the folder's own tokenizer does for an HF folder."""
+    src = _resolve(model)
+    if src.kind != "gguf":
+        bos = tokenizer.bos_token_id
+        adds = bos is not None and tokenizer.encode("a")[:1] == [bos] and tokenizer.encode("a", False)[:1] != [bos]
+        return bos if adds else None
+    from . import gguf
+
+    meta = gguf.read_header(src.path).metadata
+    vocab, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "")
+    default = vocab in _BOS_VOCABS or pre in _BOS_PRES
+    adds = bool(meta.get("tokenizer.ggml.add_bos_token", default)) or "gemma4" in (vocab, pre)
+    bos = meta.get("tokenizer.ggml.bos_token_id", tokenizer.bos_token_id)
+    return int(bos) if adds and bos is not None else None
 
 
 def load_checkpoint(model: str | os.PathLike, dtype: torch.dtype = torch.float32, progress: bool = True,
