@@ -47,6 +47,36 @@ def heads(draw, hidden=(32, 64)):
 
 
 @st.composite
+def common(draw, layers=(2, 3), intermediate=(32, 48, 64), hidden=(32, 64), **fixed):
+    """The keyword arguments every decoder draws: vocab, depth, MLP width, tied embeddings and
+    ``heads``; ``fixed`` overrides any of them."""
+    kw = dict(vocab_size=VOCAB, num_hidden_layers=draw(st.sampled_from(layers)),
+              intermediate_size=draw(st.sampled_from(intermediate)), tie_word_embeddings=draw(st.booleans()),
+              max_position_embeddings=256, initializer_range=0.1, **draw(heads(hidden)))
+    kw.update(fixed)
+    return kw
+
+
+def layer_types(draw, n: int, kinds=("sliding_attention", "full_attention")) -> list[str]:
+    """An explicit per-layer type list of ``n`` layers."""
+    return draw(st.lists(st.sampled_from(kinds), min_size=n, max_size=n))
+
+
+def refuse(draw, drawn: "Drawn", options: dict, odds: int = 6) -> None:
+    """One draw in ``odds`` sets one of ``options`` (field -> value, or a function that edits the
+    kwargs and returns the field turnkv must name) and marks the draw as refused."""
+    if draw(st.integers(0, odds - 1)) != 0:
+        return
+    name = draw(st.sampled_from(sorted(options)))
+    value = options[name]
+    if callable(value):
+        name = value(drawn.kwargs) or name
+    else:
+        drawn.kwargs[name] = value
+    drawn.refused = name
+
+
+@st.composite
 def rope(draw, kinds=("default", "linear", "llama3", "yarn")):
     """rope_parameters of one of ``kinds``, scaled over a short original context so the scaling
     matters within the test prompt."""
@@ -75,6 +105,9 @@ def to_old_layout(folder: Path) -> None:
     path = folder / "config.json"
     cfg = json.loads(path.read_text())
     params = dict(cfg.pop("rope_parameters"))
+    if "full_attention" in params:      # per layer type (Gemma 3): the local theta had its own key
+        cfg["rope_local_base_freq"] = params.pop("sliding_attention")["rope_theta"]
+        params = dict(params["full_attention"])
     cfg["rope_theta"] = params.pop("rope_theta")
     kind = params.pop("rope_type")
     cfg["rope_scaling"] = None if kind == "default" else {"type": kind, **params}
@@ -112,4 +145,4 @@ def check_drawn(make_hf, drawn: Drawn, seed: int = 0, n: int = 24, chunk: int = 
     return check_parity(model, hf, prompt(n, seed=seed + 1, vocab=VOCAB), chunk=chunk, decode=decode)
 
 
-__all__ = ["DRAWS", "Drawn", "VOCAB", "check_drawn", "heads", "rope"]
+__all__ = ["DRAWS", "Drawn", "VOCAB", "check_drawn", "common", "heads", "layer_types", "refuse", "rope"]

@@ -29,6 +29,7 @@ def norm32(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 @dataclass
 class ModelArgs(BaseArgs):
+    computes = {"hidden_act": ("silu",)}
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int

@@ -20,6 +20,8 @@ from .tensors import take
 
 @dataclass(kw_only=True)
 class ModelArgs(DecoderArgs):
+    computes = {"hidden_activation": ("gelu_pytorch_tanh",), "attention_bias": (False,),
+                "use_bidirectional_attention": (False,)}
     num_key_value_heads: int = 1
     head_dim: int = 256
     rms_norm_eps: float = 1e-6
@@ -28,7 +30,6 @@ class ModelArgs(DecoderArgs):
     sliding_window_pattern: int = 6
     query_pre_attn_scalar: float = 256
     final_logit_softcapping: float | None = None
-    attn_logit_softcapping: float | None = None
     hidden_activation: str = "gelu_pytorch_tanh"
     tie_word_embeddings: bool = True
 
@@ -44,7 +45,9 @@ class Attention(nn.Module):
         super().__init__()
         self.hq, self.hk, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         self.scale = a.query_pre_attn_scalar ** -0.5
-        self.softcap = a.attn_logit_softcapping
+        # transformers' Gemma 3 never soft-caps the scores: attn_logit_softcapping, a field kept
+        # from Gemma 2's config, is read by no layer (llama.cpp's gemma3 has none either)
+        self.softcap = None
         self.eps = a.rms_norm_eps
         self.sliding = sliding
         self.wqkv, _ = qkv_weights(t, p, dtype)

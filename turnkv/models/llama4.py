@@ -23,6 +23,7 @@ CHUNKED, FULL = "chunked_attention", "full_attention"
 
 @dataclass
 class ModelArgs(BaseArgs):
+    computes = {"hidden_act": ("silu",)}
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -61,8 +62,6 @@ class ModelArgs(BaseArgs):
         if self.layer_types is None:
             self.layer_types = [CHUNKED if rope and self.attention_chunk_size is not None else FULL
                                 for rope in self.no_rope_layers]
-        if self.hidden_act != "silu":
-            raise ValueError(f"llama4: unsupported hidden_act {self.hidden_act!r}")
 
 
 def interleaved_to_half(w: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:

@@ -1,0 +1,125 @@
+"""Configs beyond the tests' defaults, for the families with sliding-window / per-layer-type
+attention (Gemma 3 and 4, Ministral 3, Llama 4, AFMoE, Muse Glimmer): 25 configurations drawn from
+transformers' own config class per family, each equal to transformers or refused at load naming
+the field turnkv does not implement (tests/config_draws.py)."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from config_draws import DRAWS, Drawn, check_drawn, common, layer_types, refuse, rope
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@st.composite
+def gemma3_configs(draw):
+    """Gemma 3: query_pre_attn_scalar, the window and the layer types, soft-caps, a RoPE per layer
+    type (scaled on the global layers only, as the released 4B-27B are)."""
+    kw = draw(common())
+    layers = kw["num_hidden_layers"]
+    kw.update(query_pre_attn_scalar=draw(st.sampled_from([kw["head_dim"], 24, 256])),
+              sliding_window=draw(st.sampled_from([4, 8])), layer_types=layer_types(draw, layers),
+              final_logit_softcapping=draw(st.sampled_from([None, 3.0])),
+              attn_logit_softcapping=draw(st.sampled_from([None, 2.0])), rms_norm_eps=1e-6)
+    kw["rope_parameters"] = {FULL: draw(rope()),
+                             SLIDING: {"rope_type": "default", "rope_theta": draw(st.sampled_from([1e4, 5e4]))}}
+    drawn = Drawn(kw, old_layout=draw(st.booleans()))
+    refuse(draw, drawn, {"attention_bias": True, "hidden_activation": "gelu", "use_bidirectional_attention": True})
+    return drawn
+
+
+@DRAWS
+@given(gemma3_configs())
+def test_gemma3_configs(drawn):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    check_drawn(lambda **kw: Gemma3ForCausalLM(Gemma3TextConfig(**kw)), drawn)
+
+
+@st.composite
+def ministral3_configs(draw):
+    """Ministral 3 (a transformers 5 model type): one window on every layer or none, any RoPE kind
+    with Llama 4's query scaling by position over a short original context (transformers reads
+    both fields on every config; a 0 beta scales by 1)."""
+    kw = draw(common(sliding_window=draw(st.sampled_from([None, 4, 8]))))
+    params = draw(rope())
+    params.setdefault("original_max_position_embeddings", draw(st.sampled_from([8, 16])))
+    params["llama_4_scaling_beta"] = draw(st.sampled_from([0.0, 0.1, 0.5]))
+    kw["rope_parameters"] = params
+    drawn = Drawn(kw)
+    refuse(draw, drawn, {"hidden_act": "gelu"})
+    return drawn
+
+
+@DRAWS
+@given(ministral3_configs())
+def test_ministral3_configs(drawn):
+    from transformers import Ministral3Config, Ministral3ForCausalLM
+
+    check_drawn(lambda **kw: Ministral3ForCausalLM(Ministral3Config(**kw)), drawn)
+
+
+@st.composite
+def llama4_configs(draw):
+    """Llama 4: experts and top-k, which layers are MoE, the NoPE layers, the chunk, QK-norm,
+    attention temperature tuning (a small floor so it changes within the prompt), biases."""
+    kw = draw(common(intermediate=(16, 32), head_dim=None))
+    kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
+    experts = draw(st.sampled_from([2, 4]))
+    kw.update(intermediate_size_mlp=draw(st.sampled_from([32, 64])), num_local_experts=experts,
+              num_experts_per_tok=draw(st.integers(1, experts)),
+              interleave_moe_layer_step=draw(st.sampled_from([1, 2])),
+              no_rope_layer_interval=draw(st.sampled_from([2, 4])), attention_chunk_size=draw(st.sampled_from([4, 8])),
+              use_qk_norm=draw(st.booleans()), attn_temperature_tuning=draw(st.booleans()),
+              floor_scale=draw(st.sampled_from([4, 8])), attn_scale=draw(st.sampled_from([0.1, 0.5])),
+              attention_bias=draw(st.booleans()), rope_parameters=draw(rope(("default", "llama3"))))
+    drawn = Drawn(kw, old_layout=draw(st.booleans()))
+    refuse(draw, drawn, {"hidden_act": "gelu"})
+    return drawn
+
+
+@DRAWS
+@given(llama4_configs())
+def test_llama4_configs(drawn):
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    check_drawn(lambda **kw: Llama4ForCausalLM(Llama4TextConfig(**kw)), drawn)
+
+
+@st.composite
+def afmoe_configs(draw):
+    """AFMoE: dense layers first, experts / top-k / shared experts / route scale, the window and
+    the global-layer interval or explicit layer types, muP embedding scale, biases."""
+    kw = draw(common(layers=(2, 3, 4)))
+    experts = draw(st.sampled_from([4, 8]))
+    kw.update(moe_intermediate_size=draw(st.sampled_from([16, 32])),
+              num_dense_layers=draw(st.sampled_from([0, 1])), num_experts=experts,
+              num_experts_per_tok=draw(st.integers(1, 4)), num_shared_experts=draw(st.sampled_from([0, 1, 2])),
+              route_scale=draw(st.sampled_from([1.0, 2.5])), sliding_window=draw(st.sampled_from([4, 8])),
+              global_attn_every_n_layers=draw(st.sampled_from([2, 3])), mup_enabled=draw(st.booleans()),
+              attention_bias=draw(st.booleans()), rope_parameters=draw(rope()))
+    if draw(st.booleans()):
+        kw["layer_types"] = layer_types(draw, kw["num_hidden_layers"])
+    drawn = Drawn(kw, old_layout=draw(st.booleans()))
+    refuse(draw, drawn, {"hidden_act": "gelu"})
+    return drawn
+
+
+def afmoe_hf(**kw):
+    import torch
+    from transformers import AfmoeConfig, AfmoeForCausalLM
+
+    hf = AfmoeForCausalLM(AfmoeConfig(**kw))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():   # transformers zero-inits the router: give it values
+        for layer in hf.model.layers[kw["num_dense_layers"]:]:
+            layer.mlp.router.gate.weight.normal_(0.0, 0.3, generator=g)
+    return hf
+
+
+@DRAWS
+@given(afmoe_configs())
+def test_afmoe_configs(drawn):
+    check_drawn(afmoe_hf, drawn)
