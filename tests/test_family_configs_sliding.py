@@ -123,3 +123,93 @@ def afmoe_hf(**kw):
 @given(afmoe_configs())
 def test_afmoe_configs(drawn):
     check_drawn(afmoe_hf, drawn)
+
+
+@st.composite
+def gemma4_configs(draw):
+    """Gemma 4: layer types (the last forced global), window, the global layers' head dim and
+    k = v with their own kv heads, KV sharing and the double-wide MLP of the sharing layers,
+    per-layer inputs, the MoE block, the soft-cap, a RoPE per layer type (proportional partial
+    rotation on the global layers as released, or another kind)."""
+    kw = draw(common(layers=(2, 3, 4)))
+    n = kw["num_hidden_layers"]
+    types = layer_types(draw, n)
+    shared = draw(st.integers(0, n - 1))
+    if shared and not all(t in types[:n - shared] for t in types[n - shared:-1] + [FULL]):
+        shared = 0    # a sharing layer needs an earlier owner of its type
+    kw.update(layer_types=types, sliding_window=draw(st.sampled_from([4, 8])),
+              global_head_dim=draw(st.sampled_from([kw["head_dim"], 32])), num_kv_shared_layers=shared,
+              use_double_wide_mlp=draw(st.booleans()), vocab_size_per_layer_input=kw["vocab_size"],
+              hidden_size_per_layer_input=draw(st.sampled_from([0, 8])),
+              final_logit_softcapping=draw(st.sampled_from([None, 3.0])), attention_bias=draw(st.booleans()))
+    if draw(st.booleans()):
+        kw.update(attention_k_eq_v=True, num_global_key_value_heads=draw(st.sampled_from([1, 2])))
+    if draw(st.booleans()):
+        kw.update(enable_moe_block=True, num_experts=4, top_k_experts=draw(st.integers(1, 4)),
+                  moe_intermediate_size=16)
+    full = draw(st.sampled_from(["proportional", "default", "linear"]))
+    full = ({"rope_type": "proportional", "partial_rotary_factor": draw(st.sampled_from([0.25, 0.5])),
+             "rope_theta": 1e6} if full == "proportional" else draw(rope((full,))))
+    kw["rope_parameters"] = {FULL: full, SLIDING: {"rope_type": "default", "rope_theta": 1e4}}
+    drawn = Drawn(kw)
+    refuse(draw, drawn, {"hidden_activation": "gelu", "use_bidirectional_attention": "all"})
+    return drawn
+
+
+def gemma4_hf(**kw):
+    import torch
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    hf = Gemma4ForCausalLM(Gemma4TextConfig(**kw))
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():   # the layer scalars start at 1
+        for layer in hf.model.layers:
+            layer.layer_scalar.copy_(0.5 + torch.rand(1, generator=g))
+    return hf
+
+
+@DRAWS
+@given(gemma4_configs())
+def test_gemma4_configs(drawn):
+    check_drawn(gemma4_hf, drawn)
+
+
+@st.composite
+def muse_glimmer_configs(draw):
+    """Muse Glimmer's text decoder (in its vision-language folder): window and layer types, which
+    layers rotate (layer_rope_theta, 0 = NoPE), biases, the activation, the q/k scale, output
+    multiplier and soft-cap, the post-norm eps, and ties by the outer config's flag."""
+    text = draw(common(layers=(2, 3, 4)))
+    n = text["num_hidden_layers"]
+    text.update(sliding_window=draw(st.sampled_from([4, 8])), attention_bias=draw(st.booleans()),
+                hidden_activation=draw(st.sampled_from(["silu", "gelu_pytorch_tanh"])),
+                qk_scale_factor=draw(st.sampled_from([1.0, 2.0])), output_multiplier=draw(st.sampled_from([0.2, 0.5])),
+                final_logit_softcapping=draw(st.sampled_from([5.0, 20.0])),
+                post_norm_eps=draw(st.sampled_from([1e-8, 1e-5])), rope_parameters=draw(rope()))
+    if draw(st.booleans()):
+        text["layer_types"] = layer_types(draw, n)
+    if draw(st.booleans()):
+        theta = text["rope_parameters"]["rope_theta"]
+        text["layer_rope_theta"] = draw(st.lists(st.sampled_from([0, theta]), min_size=n, max_size=n))
+    drawn = Drawn(dict(text=text, tie_word_embeddings=draw(st.booleans())))
+
+    def gelu(kw):
+        kw["text"]["hidden_activation"] = "gelu"
+    refuse(draw, drawn, {"hidden_activation": gelu})
+    return drawn
+
+
+def muse_glimmer_hf(text, tie_word_embeddings):
+    from transformers import MuseGlimmerConfig, MuseGlimmerForConditionalGeneration
+
+    vocab = text["vocab_size"]
+    vision = dict(hidden_size=32, num_hidden_layers=1, intermediate_size=48, num_attention_heads=2)
+    return MuseGlimmerForConditionalGeneration(MuseGlimmerConfig(
+        text_config=text, vision_config=vision, out_hidden_size=64, projector_hidden_size=32,
+        image_token_id=vocab + 2, video_token_id=vocab + 3, tie_word_embeddings=tie_word_embeddings))
+
+
+@DRAWS
+@given(muse_glimmer_configs())
+def test_muse_glimmer_configs(drawn):
+    check_drawn(muse_glimmer_hf, drawn)

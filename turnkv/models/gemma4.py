@@ -38,6 +38,7 @@ DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
 
 @dataclass
 class ModelArgs(BaseArgs):
+    computes = {"hidden_activation": ("gelu_pytorch_tanh", "gelu_tanh"), "use_bidirectional_attention": (None,)}
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -70,10 +71,6 @@ class ModelArgs(BaseArgs):
             self.layer_types = [SLIDING if (i + 1) % 6 else FULL for i in range(n)]
         self.layer_types = list(self.layer_types)
         self.layer_types[-1] = FULL                      # transformers forces the last layer global
-        if self.use_bidirectional_attention:
-            raise ValueError("Gemma 4 with bidirectional attention is not a causal LM turnkv can serve")
-        if self.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
-            raise ValueError(f"unsupported Gemma 4 activation {self.hidden_activation!r}")
         # per-layer head dim / kv heads: transformers 5.24 writes ``per_layer_config`` {layer: overrides};
         # older configs give ``global_head_dim`` / ``num_global_key_value_heads`` for the full layers
         self.head_dims = [self.head_dim] * n

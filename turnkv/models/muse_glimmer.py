@@ -35,6 +35,7 @@ ACTIVATIONS = {"silu": silu_, "gelu_pytorch_tanh": gelu_tanh_}
 
 @dataclass
 class ModelArgs(BaseArgs):
+    computes = {"hidden_activation": tuple(ACTIVATIONS)}
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -66,8 +67,6 @@ class ModelArgs(BaseArgs):
         if self.layer_rope_theta is None:
             # transformers: 0 (NoPE) every 4th layer counted back from the last, else the global theta
             self.layer_rope_theta = [0 if (n - 1 - i) % 4 == 0 else 1 for i in range(n)]
-        if self.hidden_activation not in ACTIVATIONS:
-            raise ValueError(f"muse_glimmer: hidden_activation {self.hidden_activation!r} is not supported")
 
 
 def text_part(config: dict, tensors: dict) -> tuple[dict, dict]:
