@@ -100,8 +100,9 @@ def rope(draw, kinds=("default", "linear", "llama3", "yarn")):
 
 
 def to_old_layout(folder: Path) -> None:
-    """Rewrite a saved config.json as transformers 4 wrote it: ``rope_theta`` at the top and the
-    scaling (with the old ``type`` key) in ``rope_scaling``."""
+    """Rewrite a saved config.json as transformers 4 wrote it: ``rope_theta`` and
+    ``partial_rotary_factor`` at the top and the scaling (with the old ``type`` key) in
+    ``rope_scaling``."""
     path = folder / "config.json"
     cfg = json.loads(path.read_text())
     params = dict(cfg.pop("rope_parameters"))
@@ -109,6 +110,8 @@ def to_old_layout(folder: Path) -> None:
         cfg["rope_local_base_freq"] = params.pop("sliding_attention")["rope_theta"]
         params = dict(params["full_attention"])
     cfg["rope_theta"] = params.pop("rope_theta")
+    if "partial_rotary_factor" in params:
+        cfg["partial_rotary_factor"] = params.pop("partial_rotary_factor")
     kind = params.pop("rope_type")
     cfg["rope_scaling"] = None if kind == "default" else {"type": kind, **params}
     path.write_text(json.dumps(cfg))

@@ -30,6 +30,7 @@ _LAYER_KINDS = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTIO
 
 @dataclass
 class ModelArgs(BaseArgs):
+    computes = {"hidden_act": ("silu",)}
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
@@ -70,8 +71,6 @@ class ModelArgs(BaseArgs):
             raise ValueError(f"granitemoehybrid: unknown layer type {e.args[0]!r}") from None
         if self.mamba_d_head == "auto":
             self.mamba_d_head = self.mamba_intermediate // self.mamba_n_heads
-        if self.hidden_act != "silu":
-            raise ValueError(f"granitemoehybrid: unsupported hidden_act {self.hidden_act!r}")
 
     @property
     def head_dim(self) -> int:

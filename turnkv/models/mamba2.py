@@ -18,6 +18,7 @@ from .tensors import param, take
 
 @dataclass
 class ModelArgs(BaseArgs):
+    computes = {"hidden_act": ("silu",)}
     hidden_size: int
     num_hidden_layers: int
     vocab_size: int

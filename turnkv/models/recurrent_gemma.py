@@ -23,6 +23,7 @@ RECURRENT, ATTENTION = "recurrent", "attention"
 
 @dataclass
 class ModelArgs(BaseArgs):
+    computes = {"hidden_activation": ("gelu_pytorch_tanh",)}
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
