@@ -103,8 +103,12 @@ def test_restart_and_replica_serve_turn_two_from_lower_tiers(tmp_path, cold):
             assert usage["prompt_tokens_details"]["cached_tokens"] >= usage1["prompt_tokens"], (tier, usage)
             stats = tiers(server)[tier]
             assert stats["hits"] == 1 and not stats["refusals"], stats
+            # the promoted entry ends turn 1, so turn 2 counts as a session resumed from that tier
+            resumes = server.get("/v1/cache/stats").json()["resumes"]
+            assert resumes == {"memory": 0, "disk": 0, "redis": 0, "prefill": 0, tier: 1}, resumes
         metrics = httpx.get(c.url + "/metrics", timeout=60).text
         assert 'turnkv_cache_tier_hits_total{tier="redis"} 1.0' in metrics
+        assert 'turnkv_cache_session_resumes_total{source="redis"} 1.0' in metrics
     finally:
         for s in servers:
             s.stop()

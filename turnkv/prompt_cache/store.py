@@ -14,6 +14,12 @@
 * Bytes are counted once per stored part: a conversation's snapshots share their KV blocks, so its
   bytes grow with its new tokens, not with turns x length. Over budget, least recently used
   entries go first (a lookup hit counts as a use).
+* Sessions survive think time: over budget, entries that a longer entry of their namespace
+  extends (earlier checkpoints) go first, least recently used first; a session's newest entry (a
+  *head*: nothing extends it) goes only when no such entry is left. An evicted head is handed to
+  ``_evicted`` (the tiered store spills it to disk when its write-behind copy is missing).
+  ``stats()["resumes"]`` counts the lookups that resume a session by where its state came from
+  (sessions.py).
 * Tenants: a namespace has an ``owner`` (the tenant an API key maps to; "" without keys). With a
   per-tenant budget, an owner over its share loses its own least recently used entries first, so
   one tenant's flood of unique prompts cannot evict another's conversations. ``clear`` and
@@ -29,6 +35,7 @@ from dataclasses import dataclass, field
 
 from ..cache.base import DIVERGED_UNTRIMMABLE, KV_MODE_MISMATCH
 from ..cache.snapshot import ModelSnapshot
+from .sessions import SOURCES, SessionLedger
 from .trie import RadixTrie
 
 OVER_BUDGET = "over_budget"
@@ -69,6 +76,7 @@ class _Entry:
     origin: str
     lo: int                # snap.min_restore(), computed once
     seq: int = field(default=0)
+    queued: bool = False   # handed to the lower tiers' writer (tiered.py)
 
     @property
     def length(self) -> int:
@@ -114,7 +122,7 @@ def best_match(trie: RadixTrie, tokens: tuple[int, ...]) -> _Choice:
     return best
 
 
-COUNTERS = ("lookups", "hits", "misses", "tokens_reused", "tokens_prefilled", "evictions")
+COUNTERS = ("lookups", "hits", "misses", "tokens_reused", "tokens_prefilled", "evictions", "head_evictions")
 
 
 class PromptCache:
@@ -138,6 +146,7 @@ class PromptCache:
         self._counts: dict[str, Counter[str]] = {}           # owner -> COUNTERS
         self._refusals: Counter[str] = Counter()
         self._events = None        # a kv_events.BlockIndex when KV events are published (--kv-events)
+        self._sessions = SessionLedger()
 
     def _count(self, owner: str, name: str, n: int = 1) -> None:
         self._counts.setdefault(owner, Counter())[name] += n
@@ -157,7 +166,18 @@ class PromptCache:
 
     # --- lookup -------------------------------------------------------------------------------
     def lookup(self, ns: Namespace, tokens: list[int]) -> Hit | None:
+        """The best entry for ``tokens`` (memory, then any lower tier: ``_find``); a lookup that
+        resumes a session is counted by where its state came from."""
         tokens = tuple(tokens)
+        hit = self._find(ns, tokens)
+        if self.enabled:
+            with self._lock:
+                boundary = self._sessions.resumes_at(ns, tokens)
+                if boundary:
+                    self._count(ns.owner, "resume_" + SessionLedger.source(hit, boundary))
+        return hit
+
+    def _find(self, ns: Namespace, tokens: tuple[int, ...]) -> Hit | None:
         with self._lock:
             self._count(ns.owner, "lookups")
             choice = _Choice()
@@ -197,6 +217,8 @@ class PromptCache:
         with self._lock:
             if not self.enabled:
                 return False
+            if origin == "generation":
+                self._sessions.turn_end(ns, tokens)
             entry = _Entry(ns, tokens, snap, origin, lo=snap.min_restore(), seq=next(self._seq))
             trie = self._tries.get(ns)
             if trie is not None:
@@ -216,9 +238,11 @@ class PromptCache:
             owner = ns.owner
             # the owner's share first: a tenant over it loses its own oldest entries, nobody else's
             while self._owner_bytes[owner] > self._budget_of(owner):
-                self._evict(next(iter(self._owner_lru[owner].values())))
+                self._evict(self._victim(self._owner_lru[owner]))
             while self._bytes > self.budget_bytes:
-                self._evict(next(iter(self._lru.values())))
+                self._evict(self._victim(self._lru))
+            # after the evictions: a spilled session's entry goes ahead of this one, which is in memory
+            self._stored(entry)
             return True
 
     def _budget_of(self, owner: str) -> int:
@@ -230,9 +254,30 @@ class PromptCache:
         self._lru.move_to_end(entry.seq)
         self._owner_lru[entry.ns.owner].move_to_end(entry.seq)
 
+    def _is_head(self, entry: _Entry) -> bool:
+        """No longer entry of its namespace extends it: a session's newest checkpoint."""
+        return not any(e.length > entry.length for e in self._tries[entry.ns].extensions(entry.tokens))
+
+    def _victim(self, lru: OrderedDict[int, _Entry]) -> _Entry:
+        """The least recently used entry that is not a head, else the least recently used head."""
+        for entry in lru.values():
+            if not self._is_head(entry):
+                return entry
+        return next(iter(lru.values()))
+
     def _evict(self, entry: _Entry) -> None:
+        head = self._is_head(entry)
         self._remove(entry)
         self._count(entry.ns.owner, "evictions")
+        if head:
+            self._count(entry.ns.owner, "head_evictions")
+            self._evicted(entry)
+
+    def _stored(self, entry: _Entry) -> None:
+        """A new entry is in memory (the tiered store queues its write-behind copy)."""
+
+    def _evicted(self, entry: _Entry) -> None:
+        """A session's newest entry left memory (the tiered store spills it if not written)."""
 
     def _add(self, entry: _Entry) -> None:
         owner = entry.ns.owner
@@ -313,6 +358,7 @@ class PromptCache:
                 budget = self._budget_of(owner)
                 namespaces = sum(1 for ns in self._tries if ns.owner == owner)
             out = {name: counts.get(name, 0) for name in COUNTERS}
+            out["resumes"] = {src: counts.get("resume_" + src, 0) for src in SOURCES}
             out.update(entries=entries, bytes=nbytes, budget_bytes=budget, namespaces=namespaces)
             if owner is None:
                 out["refusals"] = dict(self._refusals)

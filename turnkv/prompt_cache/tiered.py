@@ -7,6 +7,9 @@
   (immutable, so safe to read from another thread) on a bounded queue that one background thread
   serializes and writes. A full queue drops the write and counts it; no request waits on a disk or
   network write.
+* A session's newest entry evicted from memory (store.py's ``_evicted``) whose write-behind copy
+  was never queued (the queue was full then) is queued again at eviction: it *spills* to the
+  lower tiers instead of vanishing (``write_behind.spilled``).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class TieredPromptCache(PromptCache):
         self.family: str | None = None        # set by the engine owner when known (a model check on load)
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max(1, queue_size))
         self._writes = Counter()
+        self._promoting = False
         self._write_ms = 0.0      # background time spent serializing and writing
         self._writer = threading.Thread(target=self._write_loop, name="turnkv-cache-writer", daemon=True)
         self._writer.start()
@@ -68,9 +72,8 @@ class TieredPromptCache(PromptCache):
             self.device = device
 
     # --- lookup -----------------------------------------------------------------------------------
-    def lookup(self, ns, tokens):
-        hit = super().lookup(ns, tokens)
-        tokens = tuple(tokens)
+    def _find(self, ns, tokens):
+        hit = super()._find(ns, tokens)
         have = hit.usable if hit is not None else 0
         if not self.enabled or not self.tiers or have >= len(tokens) - 1:
             return hit
@@ -93,7 +96,12 @@ class TieredPromptCache(PromptCache):
                 continue
             m = found.manifest
             try:     # promote: the next turn of this conversation is a memory hit
-                PromptCache.insert(self, ns, list(m.tokens), snap, origin=m.origin)
+                with self._lock:
+                    self._promoting = True     # already in a tier: _stored queues no write
+                    try:
+                        PromptCache.insert(self, ns, list(m.tokens), snap, origin=m.origin)
+                    finally:
+                        self._promoting = False
             except ValueError as err:
                 log.warning("turnkv: %s entry not promoted: %s", tier.name, err)
             return Hit(snapshot=snap, usable=found.usable, entry_length=len(m.tokens),
@@ -101,15 +109,24 @@ class TieredPromptCache(PromptCache):
         return hit
 
     # --- write-behind -----------------------------------------------------------------------------
-    def insert(self, ns, tokens, snap, origin="checkpoint"):
-        stored = super().insert(ns, tokens, snap, origin)
-        if stored and self.tiers:
-            try:
-                self._queue.put_nowait(_Job(ns, tuple(tokens), snap, origin))
-                self._writes["queued"] += 1
-            except queue.Full:
-                self._writes["dropped"] += 1
-        return stored
+    def _stored(self, entry) -> None:
+        if self._promoting:
+            entry.queued = True
+        elif self.tiers and not entry.queued:
+            entry.queued = self._enqueue(entry, "queued", "dropped")
+
+    def _evicted(self, entry) -> None:
+        if self.tiers and not entry.queued:
+            entry.queued = self._enqueue(entry, "spilled", "spill_dropped")
+
+    def _enqueue(self, entry, done: str, failed: str) -> bool:
+        try:
+            self._queue.put_nowait(_Job(entry.ns, entry.tokens, entry.snap, entry.origin))
+            self._writes[done] += 1
+            return True
+        except queue.Full:
+            self._writes[failed] += 1
+            return False
 
     def _write_loop(self) -> None:
         # On Linux a thread has its own nice value: the writer yields the cores to the engine's
@@ -185,6 +202,7 @@ class TieredPromptCache(PromptCache):
         tiers["write_behind"] = {"depth": self._queue.qsize(), "capacity": self._queue.maxsize,
                                  "queued": self._writes["queued"], "written": self._writes["written"],
                                  "dropped": self._writes["dropped"], "errors": self._writes["errors"],
+                                 "spilled": self._writes["spilled"], "spill_dropped": self._writes["spill_dropped"],
                                  "skipped_unavailable": self._writes["skipped_unavailable"],
                                  "write_ms": round(self._write_ms, 3)}
         out["tiers"] = tiers

@@ -69,8 +69,9 @@ class ServerMetrics:
         if restarts is not None:
             Gauge("turnkv_engine_restarts", "Times the engine loop died and was restarted",
                   registry=self.registry).set_function(lambda: float(restarts()))
-        from .tier_metrics import TierCollector
+        from .tier_metrics import SessionCollector, TierCollector
         self.registry.register(TierCollector(cache_stats))    # disk / Redis tiers, when configured
+        self.registry.register(SessionCollector(cache_stats))
         self.cache_bytes.set_function(lambda: float(cache_stats().get("bytes", 0) or 0))
         self.cache_entries.set_function(lambda: float(cache_stats().get("entries", 0) or 0))
 

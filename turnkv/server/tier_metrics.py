@@ -1,6 +1,7 @@
 """Prometheus series of the prompt cache's lower tiers (disk, Redis), read at scrape time from
 ``stats()["tiers"]``: hits, misses, bytes, entries, evictions, load time, writes, refusals by
-reason, Redis timeouts/errors, and the write-behind queue."""
+reason, Redis timeouts/errors, and the write-behind queue; and where resumed sessions got their
+state from (``stats()["resumes"]``)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,24 @@ class TierCollector:
                                     "the lower tiers", value=float(wb.get("depth", 0)))
             yield CounterMetricFamily("turnkv_cache_write_dropped", "Lower-tier writes dropped because the "
                                       "write-behind queue was full", value=float(wb.get("dropped", 0)))
+
+
+class SessionCollector:
+    """Session resumes by source (memory, disk, redis, prefill) and the sessions' newest entries
+    evicted from memory."""
+
+    def __init__(self, cache_stats: Callable[[], dict]):
+        self.cache_stats = cache_stats
+
+    def collect(self):
+        stats = self.cache_stats()
+        resumes = stats.get("resumes")
+        if resumes is None:          # no prompt cache
+            return
+        family = CounterMetricFamily("turnkv_cache_session_resumes", "Requests that resumed a session, by "
+                                     "where its state came from (prefill: evicted and not found)", labels=["source"])
+        for source, n in resumes.items():
+            family.add_metric([source], float(n))
+        yield family
+        yield CounterMetricFamily("turnkv_cache_head_evictions", "Sessions' newest entries evicted from memory",
+                                  value=float(stats.get("head_evictions", 0)))
