@@ -66,6 +66,13 @@ def test_stack_views_are_the_experts_weights():
     both = GGUFStack.cat_rows([stack, stack])
     assert both.shape == (3, 24, 256) and both.sources == 2
     assert torch.equal(both.dequantize(), torch.cat([want, want], 1))
+    # experts of whole tiles (N = 16) join tile by tile: the same bytes as tiling the joined rows
+    raw16 = random_blocks(Q.Q4_K, 3 * 16, 256, 5)
+    s16 = GGUFStack.from_raw(raw16, Q.Q4_K, (3, 16, 256))
+    joined = GGUFStack.cat_rows([s16, s16])
+    rows = np.concatenate([raw16.reshape(3, 16, -1)] * 2, 1)
+    assert torch.equal(joined.raw, GGUFStack.from_raw(rows.reshape(3 * 32, -1), Q.Q4_K, (3, 32, 256)).raw)
+    assert torch.equal(joined[2].matmul(x), kernels.GGUFWeight.from_raw(rows[2], Q.Q4_K, (32, 256)).matmul(x))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K])

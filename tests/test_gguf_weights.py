@@ -15,6 +15,8 @@ install): the PyTorch reference computes the same numbers but too slowly for a 2
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -259,6 +261,22 @@ def test_no_float32_copy_and_own_cache_namespace(pair):
     big = {tuple(p.shape) for p in native.model.parameters() if p.ndim == 2}
     assert not [p for p in eng.model.parameters() if p.ndim == 2 and tuple(p.shape) in big]
     assert model_nbytes(eng.model) < model_nbytes(native.model) / 3
+
+
+@pytest.mark.real
+@needs_native
+def test_the_loaded_model_keeps_no_view_of_its_file(pair):
+    """The load reads each weight's rows from the file's mapping once, into the weight's tiles,
+    and closes the mapping: no pending weight is left and the file is not mapped any more."""
+    from turnkv.kernels import GGUFWeight
+    from turnkv.loading.bundled import locate_bundled
+
+    name, _, _, eng = pair
+    path = os.path.realpath(locate_bundled(name))
+    weights = [p for m in eng.model.modules() if isinstance(m, GGUFPacked) for p in m.parts]
+    assert weights and all(isinstance(w, GGUFWeight) and w._pending is None for w in weights)
+    with open("/proc/self/maps") as f:
+        assert path not in f.read()
 
 
 @pytest.mark.real

@@ -428,6 +428,27 @@ def test_take_rows_cat_lookup(qtype):
     assert torch.equal(w.lookup(ids[0], torch.float32), w.dequantize()[ids[0]])
 
 
+@native.needs(tk.native_available(), "the native kernels")
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_deferred_weights_tile_on_use_or_into_the_fused_buffer(qtype):
+    """A weight made with defer=True keeps GGUF's rows until used (the loader: a view of the
+    file's mapping); alone it tiles on first use, in a fused weight straight into its place:
+    the same bytes as the eager weights either way."""
+    rows = random_weight(qtype).rows()                  # 67 rows: the last tile padded
+    cut = 24
+    eager = [GGUFWeight.from_raw(rows[:cut], qtype, (cut, K)), GGUFWeight.from_raw(rows[cut:], qtype, (N - cut, K))]
+    lazy = [GGUFWeight.from_raw(rows[:cut], qtype, (cut, K), defer=True),
+            GGUFWeight.from_raw(rows[cut:], qtype, (N - cut, K), defer=True)]
+    assert all(w._pending is not None for w in lazy) and lazy[1].nbytes == eager[1].nbytes
+    fused = GGUFWeight.cat(lazy)
+    assert all(w._pending is not None for w in lazy)     # cat read their rows, tiled none of them
+    assert torch.equal(fused.raw, GGUFWeight.cat(eager).raw)
+    x = _x(3)
+    assert torch.equal(lazy[1].matmul(x), eager[1].matmul(x)) and lazy[1]._pending is None
+    tk.settle_deferred()
+    assert lazy[0]._pending is None and torch.equal(lazy[0].raw, eager[0].raw)
+
+
 def test_bfloat16_and_leading_dims():
     w = random_weight(Q.Q4_0)
     x = _x(6).to(torch.bfloat16)

@@ -16,7 +16,7 @@ import gguf.quants
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 import turnkv.kernels as tk
-from turnkv.kernels import GGUFWeight, lowbit, reference
+from turnkv.kernels import GGUFWeight, lowbit, reference, tiles
 
 TYPES = [q for q in lowbit.LOWBIT if q in tk.SUPPORTED]
 ISAS = tk.available_isas()
@@ -72,7 +72,7 @@ def test_tiles_round_trip(qtype):
     assert w.tiled and w.raw.shape[0] == 16
     rows = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (13, w.row_bytes), dtype=np.uint8))
     assert torch.equal(tk.untile_rows(tk.tile_rows(rows, qtype), qtype, 13), rows)
-    assert sum(tk._FIELDS[qtype]) == GGML_QUANT_SIZES[qtype][1]
+    assert sum(tiles._FIELDS[qtype]) == GGML_QUANT_SIZES[qtype][1]
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)

@@ -103,6 +103,15 @@ def apply_malloc(settings: MallocSettings = RECOMMENDED_MALLOC) -> bool:
     return ok
 
 
+def trim_heap() -> bool:
+    """Give the heap's free pages back to the OS (malloc_trim(3)); False where that is not glibc.
+    Called once a model is loaded: the load's temporaries (a GGUF's rows before their tiles, float
+    copies, file reads) are freed, but the no-trim settings above would keep their pages resident
+    for the life of the process."""
+    libc = _libc()
+    return libc is not None and hasattr(libc, "malloc_trim") and bool(libc.malloc_trim(ctypes.c_size_t(0)))
+
+
 @dataclass(frozen=True)
 class ProcessSettings:
     threads: int

@@ -13,11 +13,11 @@ either way.
 
 from __future__ import annotations
 
-import functools
 import glob
 import importlib.util
 import os
 import warnings
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +25,12 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from . import reference
+from .tiles import TILE_ROWS, _row_gather, tile_rows, untile_rows
 
-__all__ = ["GGUFWeight", "GGUFStack", "describe_types", "kernel_info", "native_available", "ISAS", "SUPPORTED", "tile_rows", "untile_rows"]
+_Q = GGMLQuantizationType
+
+__all__ = ["GGUFWeight", "GGUFStack", "describe_types", "kernel_info", "native_available", "settle_deferred", "ISAS",
+           "SUPPORTED", "tile_rows", "untile_rows"]
 
 SUPPORTED = reference.SUPPORTED
 ISAS = ("scalar", "avx2", "avx512", "avx512vnni")
@@ -130,103 +134,10 @@ def describe_types(tensors, kept: dict | None = None) -> str:
     return "; ".join(out) if out else "no 2-D tensors"
 
 
-# ------------------------------------------------------------------ tiles of 8 rows
-#
-# The native kernels read a weight as tiles of TILE_ROWS rows: tile t holds rows 8t..8t+7 (the
-# last tile padded with zero rows, whose blocks have scale 0), block after block; block b of a
-# tile is its 8 rows' block b cut into fields (2- or 4-byte pieces, and MXFP4's 1-byte scale:
-# scales, mins, high bits, the quants as 4-byte groups), each field of the 8 rows side by side:
-#     Q4_1 block of a tile = d[8] (16 B) | m[8] (16 B) | group 0 of rows 0..7 (32 B) | ... group 3
-# so one 32-byte load gives a group of all 8 rows (row r in bytes 4r..4r+3), the layout the dot
-# products want, where GGUF's rows needed an 8x8 transpose per block (docs/kernels.md, "Layouts").
-# The field at byte o of a row's block starts at byte 8 * o of the tile's block. The bytes are
-# GGUF's own, only moved: a tile is exactly 8 rows' bytes.
-TILE_ROWS = 8
-_Q = GGMLQuantizationType
-# a block's fields in GGUF order, as byte widths (csrc/common.h, block_fields)
-_FIELDS = {
-    _Q.Q4_0: (2,) + (4,) * 4,                                 # d, qs
-    _Q.Q4_1: (2, 2) + (4,) * 4,                               # d, m, qs
-    _Q.Q5_0: (2, 4) + (4,) * 4,                               # d, qh, qs
-    _Q.Q5_1: (2, 2, 4) + (4,) * 4,                            # d, m, qh, qs
-    _Q.Q8_0: (2,) + (4,) * 8,                                 # d, qs
-    _Q.Q4_K: (2, 2) + (4,) * 3 + (4,) * 32,                   # d, dmin, scales, qs
-    _Q.Q5_K: (2, 2) + (4,) * 3 + (4,) * 8 + (4,) * 32,        # d, dmin, scales, qh, qs
-    _Q.Q6_K: (4,) * 32 + (4,) * 16 + (4,) * 4 + (2,),         # ql, qh, scales, d
-    _Q.IQ4_NL: (2,) + (4,) * 4,                               # d, qs
-    _Q.IQ4_XS: (2, 2, 4) + (4,) * 32,                         # d, scales_h, scales_l, qs
-    _Q.MXFP4: (1,) + (4,) * 4,                                # e (E8M0), qs
-    _Q.Q2_K: (4,) * 4 + (4,) * 16 + (2, 2),                   # scales, qs, d, dmin
-    _Q.Q3_K: (4,) * 8 + (4,) * 16 + (4,) * 3 + (2,),          # hmask, qs, scales, d
-    _Q.IQ2_XXS: (2,) + (4,) * 16,                             # d, qs (indices, signs + scale)
-    _Q.IQ2_XS: (2,) + (4,) * 16 + (4,) * 2,                   # d, qs, scales
-    _Q.IQ2_S: (2,) + (4,) * 8 + (4,) * 8 + (4,) * 2 + (4,) * 2,   # d, qs, signs, qh, scales
-    _Q.IQ3_XXS: (2,) + (4,) * 16 + (4,) * 8,                  # d, qs, scales and signs
-    _Q.IQ3_S: (2,) + (4,) * 16 + (4,) * 2 + (4,) * 8 + (4,),  # d, qs, qh, signs, scales
-    _Q.F16: (2,),                                             # one value a "block"
-    _Q.BF16: (2,),
-}
-
-
-def _tile_fields(rows: torch.Tensor, qtype) -> torch.Tensor:
-    """What ``tile_rows`` does, as tensor ops on any dtype (built once per row size, on positions)."""
-    fields = _FIELDS[GGMLQuantizationType(qtype)]
-    n, rb = rows.shape
-    bb = sum(fields)
-    blocks = rows.reshape(n // TILE_ROWS, TILE_ROWS, rb // bb, bb).transpose(1, 2)   # [tiles, nb, 8, bb]
-    parts, off = [], 0
-    for w in fields:
-        parts.append(blocks[..., off:off + w].reshape(n // TILE_ROWS, rb // bb, TILE_ROWS * w))
-        off += w
-    return torch.cat(parts, -1).reshape(n, rb)
-
-
-def _unit(qtype) -> int:
-    """The bytes a tile moves as one: 2 where every field is 2 or 4 bytes wide, 1 for MXFP4 (its
-    1-byte scale; a row may then have an odd size)."""
-    return 1 if any(w % 2 for w in _FIELDS[GGMLQuantizationType(qtype)]) else 2
-
-
-@functools.lru_cache(maxsize=None)
-def _tile_index(qtype, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
-    """(forward, inverse) gathers over a tile's units (``_unit`` bytes): unit j of a tile comes
-    from unit forward[j] of its 8 rows, and back. One numpy take per weight moves its bytes at
-    memory speed, where field-by-field tensor ops took seconds per layer of a 1B model."""
-    u = _unit(qtype)
-    units = torch.arange(TILE_ROWS * row_bytes // u).view(TILE_ROWS, row_bytes // u)
-    forward = _tile_fields(units.repeat_interleave(u, 1), qtype).reshape(-1)[::u].numpy().copy()
-    return forward, np.argsort(forward)
-
-
-def _gather_units(src: torch.Tensor, index: np.ndarray, rows: int) -> torch.Tensor:
-    """``src`` [tiles * 8, row_bytes] uint8, each tile's units gathered by ``index``."""
-    rb = src.shape[1]
-    out = torch.empty((rows, rb), dtype=torch.uint8)
-    view = np.int16 if TILE_ROWS * rb == 2 * index.size else np.uint8
-    np.take(src.contiguous().numpy().view(view).reshape(rows // TILE_ROWS, -1), index, axis=1,
-            out=out.numpy().view(view).reshape(rows // TILE_ROWS, -1), mode="clip")
-    return out
-
-
-def tile_rows(rows: torch.Tensor, qtype) -> torch.Tensor:
-    """GGUF rows [N, row_bytes] -> their tiles [ceil(N / 8) * 8, row_bytes]."""
-    n, rb = rows.shape
-    npad = -(-n // TILE_ROWS) * TILE_ROWS
-    if npad != n:
-        rows = torch.cat([rows, rows.new_zeros(npad - n, rb)])
-    return _gather_units(rows, _tile_index(GGMLQuantizationType(qtype), rb)[0], npad)
-
-
-def untile_rows(tiles: torch.Tensor, qtype, n: int) -> torch.Tensor:
-    """The inverse of ``tile_rows``: GGUF's rows [n, row_bytes]."""
-    npad, rb = tiles.shape
-    rows = _gather_units(tiles, _tile_index(GGMLQuantizationType(qtype), rb)[1], npad)
-    return rows if n == npad else rows[:n].contiguous()
-
-
 def _own_bytes(raw, qtype: GGMLQuantizationType, rows: int, k: int) -> torch.Tensor:
-    """``raw`` (numpy or torch uint8) as a torch uint8 tensor [rows, row_bytes] that owns its
-    bytes, after checking that rows of ``k`` values are whole blocks of ``qtype``."""
+    """``raw`` (numpy or torch uint8) as a torch uint8 tensor [rows, row_bytes] (a read-only
+    numpy array copied, a writable one viewed), after checking that rows of ``k`` values are whole
+    blocks of ``qtype``."""
     if qtype not in SUPPORTED:
         raise NotImplementedError(f"GGUFWeight: {qtype.name} not supported")
     block, size = GGML_QUANT_SIZES[qtype]
@@ -242,15 +153,6 @@ def _own_bytes(raw, qtype: GGMLQuantizationType, rows: int, k: int) -> torch.Ten
     return raw.reshape(rows, k // block * size)
 
 
-@functools.lru_cache(maxsize=None)
-def _row_gather(qtype, row_bytes: int) -> torch.Tensor:
-    """[8, row_bytes] int64: where byte j of row i of a tile lies in that tile's bytes (the
-    inverse of ``tile_rows`` for one row, as offsets from the tile's start)."""
-    u = _unit(qtype)
-    inverse = torch.from_numpy(_tile_index(GGMLQuantizationType(qtype), row_bytes)[1])
-    return torch.stack([u * inverse + i for i in range(u)], 1).reshape(TILE_ROWS, row_bytes)
-
-
 def _isa_index(isa: str | None) -> int:
     if isa is None:
         return _isa
@@ -263,25 +165,44 @@ def _isa_index(isa: str | None) -> int:
 class GGUFWeight:
     """A [N, K] weight kept as its GGUF blocks: ``raw`` is uint8, with the native build its tiles
     of 8 rows (``tiled``; [ceil(N/8)*8, row_bytes]), else GGUF's rows [N, row_bytes]. ``base``:
-    the ``GGUFStack`` whose bytes ``raw`` views (one expert of a stack), else None."""
+    the ``GGUFStack`` whose bytes ``raw`` views (one expert of a stack), else None.
 
-    __slots__ = ("raw", "qtype", "shape", "tiled", "base")
+    A weight made with ``from_raw(..., defer=True)`` holds GGUF's rows (``_pending``: typically a
+    view of the file's mapping) until its tiles are first needed: ``raw`` tiles them then, and
+    ``cat`` tiles them straight into the fused weight's buffer, so a loaded weight's bytes are
+    read from the file once and written once (``settle_deferred`` ends a load)."""
 
-    def __init__(self, raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, int], tiled: bool = False,
-                 base: "GGUFStack | None" = None):
-        self.raw = raw
+    __slots__ = ("_raw", "_pending", "qtype", "shape", "tiled", "base", "__weakref__")
+
+    def __init__(self, raw: torch.Tensor | None, qtype: GGMLQuantizationType, shape: tuple[int, int],
+                 tiled: bool = False, base: "GGUFStack | None" = None, pending: torch.Tensor | None = None):
+        self._raw = raw
+        self._pending = pending
         self.qtype = qtype
         self.shape = shape
         self.tiled = tiled
         self.base = base
 
+    @property
+    def raw(self) -> torch.Tensor:
+        pending = self._pending
+        if pending is not None:
+            self._raw = tile_rows(pending, self.qtype)
+            self._pending = None      # after _raw: a reader that sees None finds the tiles
+        return self._raw
+
     @classmethod
-    def from_raw(cls, raw, qtype, shape) -> "GGUFWeight":
+    def from_raw(cls, raw, qtype, shape, defer: bool = False) -> "GGUFWeight":
+        """``defer``: tile later (see the class); ``raw`` must then stay unchanged until then."""
         qtype = GGMLQuantizationType(qtype)
         n, k = int(shape[0]), int(shape[1])
         raw = _own_bytes(raw, qtype, n, k).contiguous()
         if _ext is not None and raw.is_cpu:   # the layout the native kernels read
-            return cls(tile_rows(raw, qtype), qtype, (n, k), tiled=True)
+            if not defer:
+                return cls(tile_rows(raw, qtype), qtype, (n, k), tiled=True)
+            weight = cls(None, qtype, (n, k), tiled=True, pending=raw)
+            _DEFERRED.add(weight)
+            return weight
         return cls(raw, qtype, (n, k))
 
     def rows(self) -> torch.Tensor:
@@ -290,11 +211,12 @@ class GGUFWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.shape[0] * self.raw.shape[1]
+        return self.shape[0] * self.row_bytes
 
     @property
     def row_bytes(self) -> int:
-        return self.raw.shape[1]
+        pending = self._pending
+        return (self._raw if pending is None else pending).shape[1]
 
     def __repr__(self) -> str:
         return f"GGUFWeight({self.qtype.name}, shape={self.shape})"
@@ -362,10 +284,33 @@ class GGUFWeight:
                 raise ValueError(f"GGUFWeight.cat: mixed parts ({q.name}, K={k}) vs ({p.qtype.name}, K={p.shape[1]})")
         n = sum(p.shape[0] for p in parts)
         if all(p.tiled for p in parts) and all(p.shape[0] % TILE_ROWS == 0 for p in parts[:-1]):
-            # whole tiles: the parts' tiles one after the other are the tiles of their rows
-            return GGUFWeight(torch.cat([p.raw for p in parts], 0), q, (n, k), tiled=True)
+            # whole tiles: the parts' tiles one after the other are the tiles of their rows (a
+            # deferred part's rows are tiled straight into their place)
+            out = torch.empty((-(-n // TILE_ROWS) * TILE_ROWS, parts[0].row_bytes), dtype=torch.uint8)
+            at = 0
+            for p in parts:
+                end = at + -(-p.shape[0] // TILE_ROWS) * TILE_ROWS
+                pending = p._pending
+                if pending is not None:
+                    tile_rows(pending, q, out[at:end])
+                else:
+                    out[at:end].copy_(p._raw)
+                at = end
+            return GGUFWeight(out, q, (n, k), tiled=True)
         raw = torch.cat([p.rows() for p in parts], 0)
         return GGUFWeight.from_raw(raw, q, (n, k))
+
+
+_DEFERRED: "weakref.WeakSet[GGUFWeight]" = weakref.WeakSet()
+
+
+def settle_deferred() -> None:
+    """Tile every deferred weight still in use (``GGUFWeight.from_raw(..., defer=True)``): the end
+    of a load, so that no weight keeps its file's mapping open and the first request pays for
+    none of it. A deferred weight only ``cat`` read (a fused weight's part) is gone by then."""
+    for weight in list(_DEFERRED):
+        weight.raw  # noqa: B018  (tiles it)
+    _DEFERRED.clear()
 
 
 class GGUFStack:
@@ -432,6 +377,12 @@ class GGUFStack:
         first = parts[0]
         if any(p.qtype != first.qtype or p.shape[0] != first.shape[0] or p.shape[2] != first.shape[2] for p in parts):
             raise ValueError("GGUFStack.cat_rows: parts of different types or shapes")
+        if all(p.tiled and p.shape[1] % TILE_ROWS == 0 for p in parts):
+            # whole tiles per expert: each expert's tiles of gate then up are the tiles of its rows
+            e = first.shape[0]
+            tiles = torch.cat([p.raw.view(e, p.shape[1], -1) for p in parts], 1)
+            return GGUFStack(tiles.view(-1, tiles.shape[2]), first.qtype, (e, tiles.shape[1], first.shape[2]), True,
+                             sum(p.sources for p in parts))
         rows = torch.cat([p.rows() for p in parts], 1)
         shape = (first.shape[0], rows.shape[1], first.shape[2])
         return GGUFStack.from_raw(rows, first.qtype, shape, sum(p.sources for p in parts))

@@ -28,7 +28,9 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, weights: str | No
     blocks), or None for the default: ``gguf`` for a GGUF model (stored quantized) of a family with
     packable weights when the native kernels are built, else ``native``. ``mmproj``: the vision
     projector joined to a text GGUF (``load_checkpoint``: None finds a sibling, False none)."""
+    from ..kernels import settle_deferred
     from ..kernels.attention import numerics_tag
+    from ..launch import trim_heap
     from ..models import family_class
     from ..models.weights import GGUF_FORMAT, check_format, default_format
     from ..models.weights import load_model as build
@@ -54,5 +56,9 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, weights: str | No
     # and another build's or CPU kind's kernels compute other bits: their tier entries are other names
     fingerprint = ckpt.fingerprint if weights == "native" else f"{ckpt.fingerprint}+w:{weights}"
     fingerprint = f"{fingerprint}+k:{numerics_tag()}"
-    return LoadedModel(net, ckpt.tokenizer, fingerprint, ckpt.name, weights,
-                       int(ckpt.config.get("max_position_embeddings") or 8192))
+    loaded = LoadedModel(net, ckpt.tokenizer, fingerprint, ckpt.name, weights,
+                         int(ckpt.config.get("max_position_embeddings") or 8192))
+    del ckpt           # with it the parts the fused weights were made from (their rows: file views)
+    settle_deferred()  # the file's mapping closes once no weight views it
+    trim_heap()        # the load's temporaries leave the resident set
+    return loaded

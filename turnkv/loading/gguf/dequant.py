@@ -72,13 +72,11 @@ FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGM
 
 
 def raw_rows(buf: mmap.mmap, info: TensorInfo) -> torch.Tensor:
-    """A 2-D (or stacked 3-D) tensor's stored bytes as a fresh uint8 tensor [rows, row_bytes], a
-    stack's experts' rows one after the other (a copy: the file's mmap is closed after the load)."""
+    """A 2-D (or stacked 3-D) tensor's stored bytes as a uint8 tensor [rows, row_bytes], a stack's
+    experts' rows one after the other: a view of the file's mapping, no copy (what keeps it, a
+    weight's tiles, is written from it; the mapping closes when no view is left)."""
     rows = int(np.prod(info.shape[:-1]))
-    raw = np.frombuffer(buf, dtype=np.uint8, count=info.nbytes, offset=info.offset).reshape(rows, -1)
-    out = torch.empty(raw.shape, dtype=torch.uint8)
-    out.numpy()[...] = raw
-    return out
+    return torch.from_numpy(np.frombuffer(buf, dtype=np.uint8, count=info.nbytes, offset=info.offset).reshape(rows, -1))
 
 
 def expert_stack(name: str, shape) -> bool:

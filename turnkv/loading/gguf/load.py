@@ -117,7 +117,8 @@ def _keep_quantized(buf: mmap.mmap, info: TensorInfo, hf_name: str, arch: GGUFAr
         return GGUFStack.from_raw(raw, info.qtype, tuple(info.shape))
     if transform:
         raw = arch.transform(hf_name, raw, config)
-    return GGUFWeight.from_raw(raw, info.qtype, tuple(info.shape))
+    # tiled when first used, or straight into a fused weight's tiles: one copy from the file
+    return GGUFWeight.from_raw(raw, info.qtype, tuple(info.shape), defer=True)
 
 
 

@@ -1,0 +1,122 @@
+"""Tiles of 8 rows: the layout the native GGUF kernels read a weight in.
+
+Tile t holds rows 8t..8t+7 (the last tile padded with zero rows, whose blocks have scale 0),
+block after block; block b of a tile is its 8 rows' block b cut into fields (2- or 4-byte pieces,
+and MXFP4's 1-byte scale: scales, mins, high bits, the quants as 4-byte groups), each field of the
+8 rows side by side:
+    Q4_1 block of a tile = d[8] (16 B) | m[8] (16 B) | group 0 of rows 0..7 (32 B) | ... group 3
+so one 32-byte load gives a group of all 8 rows (row r in bytes 4r..4r+3), the layout the dot
+products want, where GGUF's rows needed an 8x8 transpose per block (docs/kernels.md, "Layouts").
+The field at byte o of a row's block starts at byte 8 * o of the tile's block. The bytes are
+GGUF's own, only moved: a tile is exactly 8 rows' bytes."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+TILE_ROWS = 8
+_Q = GGMLQuantizationType
+# a block's fields in GGUF order, as byte widths (csrc/common.h, block_fields)
+_FIELDS = {
+    _Q.Q4_0: (2,) + (4,) * 4,                                 # d, qs
+    _Q.Q4_1: (2, 2) + (4,) * 4,                               # d, m, qs
+    _Q.Q5_0: (2, 4) + (4,) * 4,                               # d, qh, qs
+    _Q.Q5_1: (2, 2, 4) + (4,) * 4,                            # d, m, qh, qs
+    _Q.Q8_0: (2,) + (4,) * 8,                                 # d, qs
+    _Q.Q4_K: (2, 2) + (4,) * 3 + (4,) * 32,                   # d, dmin, scales, qs
+    _Q.Q5_K: (2, 2) + (4,) * 3 + (4,) * 8 + (4,) * 32,        # d, dmin, scales, qh, qs
+    _Q.Q6_K: (4,) * 32 + (4,) * 16 + (4,) * 4 + (2,),         # ql, qh, scales, d
+    _Q.IQ4_NL: (2,) + (4,) * 4,                               # d, qs
+    _Q.IQ4_XS: (2, 2, 4) + (4,) * 32,                         # d, scales_h, scales_l, qs
+    _Q.MXFP4: (1,) + (4,) * 4,                                # e (E8M0), qs
+    _Q.Q2_K: (4,) * 4 + (4,) * 16 + (2, 2),                   # scales, qs, d, dmin
+    _Q.Q3_K: (4,) * 8 + (4,) * 16 + (4,) * 3 + (2,),          # hmask, qs, scales, d
+    _Q.IQ2_XXS: (2,) + (4,) * 16,                             # d, qs (indices, signs + scale)
+    _Q.IQ2_XS: (2,) + (4,) * 16 + (4,) * 2,                   # d, qs, scales
+    _Q.IQ2_S: (2,) + (4,) * 8 + (4,) * 8 + (4,) * 2 + (4,) * 2,   # d, qs, signs, qh, scales
+    _Q.IQ3_XXS: (2,) + (4,) * 16 + (4,) * 8,                  # d, qs, scales and signs
+    _Q.IQ3_S: (2,) + (4,) * 16 + (4,) * 2 + (4,) * 8 + (4,),  # d, qs, qh, signs, scales
+    _Q.F16: (2,),                                             # one value a "block"
+    _Q.BF16: (2,),
+}
+
+
+def _tile_fields(rows: torch.Tensor, qtype) -> torch.Tensor:
+    """What ``tile_rows`` does, as tensor ops on any dtype (built once per row size, on positions)."""
+    fields = _FIELDS[GGMLQuantizationType(qtype)]
+    n, rb = rows.shape
+    bb = sum(fields)
+    blocks = rows.reshape(n // TILE_ROWS, TILE_ROWS, rb // bb, bb).transpose(1, 2)   # [tiles, nb, 8, bb]
+    parts, off = [], 0
+    for w in fields:
+        parts.append(blocks[..., off:off + w].reshape(n // TILE_ROWS, rb // bb, TILE_ROWS * w))
+        off += w
+    return torch.cat(parts, -1).reshape(n, rb)
+
+
+def _unit(qtype) -> int:
+    """The bytes a tile moves as one: 2 where every field is 2 or 4 bytes wide, 1 for MXFP4 (its
+    1-byte scale; a row may then have an odd size)."""
+    return 1 if any(w % 2 for w in _FIELDS[GGMLQuantizationType(qtype)]) else 2
+
+
+@functools.lru_cache(maxsize=None)
+def _tile_index(qtype, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, inverse) gathers over a tile's units (``_unit`` bytes): unit j of a tile comes
+    from unit forward[j] of its 8 rows, and back. One numpy take per weight moves its bytes at
+    memory speed, where field-by-field tensor ops took seconds per layer of a 1B model."""
+    u = _unit(qtype)
+    units = torch.arange(TILE_ROWS * row_bytes // u).view(TILE_ROWS, row_bytes // u)
+    forward = _tile_fields(units.repeat_interleave(u, 1), qtype).reshape(-1)[::u].numpy().copy()
+    return forward, np.argsort(forward)
+
+
+def _gather_units(src: torch.Tensor, index: np.ndarray, rows: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``src`` [tiles * 8, row_bytes] uint8, each tile's units gathered by ``index`` into ``out``
+    (a contiguous [rows, row_bytes] uint8; a new one when None)."""
+    rb = src.shape[1]
+    if out is None:
+        out = torch.empty((rows, rb), dtype=torch.uint8)
+    view = np.int16 if TILE_ROWS * rb == 2 * index.size else np.uint8
+    np.take(src.contiguous().numpy().view(view).reshape(rows // TILE_ROWS, -1), index, axis=1,
+            out=out.numpy().view(view).reshape(rows // TILE_ROWS, -1), mode="clip")
+    return out
+
+
+def tile_rows(rows: torch.Tensor, qtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """GGUF rows [N, row_bytes] -> their tiles [ceil(N / 8) * 8, row_bytes], written into ``out``
+    when given (a contiguous buffer of that shape: a slice of a fused weight's tiles), so rows
+    still in a file's mapping are read once and written once."""
+    n, rb = rows.shape
+    npad = -(-n // TILE_ROWS) * TILE_ROWS
+    index = _tile_index(GGMLQuantizationType(qtype), rb)[0]
+    if out is None:
+        out = torch.empty((npad, rb), dtype=torch.uint8)
+    whole = n - n % TILE_ROWS
+    if whole:
+        _gather_units(rows[:whole], index, whole, out[:whole])
+    if npad != whole:      # the last tile, padded with zero rows
+        last = rows.new_zeros(TILE_ROWS, rb)
+        last[:n - whole] = rows[whole:]
+        _gather_units(last, index, TILE_ROWS, out[whole:])
+    return out
+
+
+def untile_rows(tiles: torch.Tensor, qtype, n: int) -> torch.Tensor:
+    """The inverse of ``tile_rows``: GGUF's rows [n, row_bytes]."""
+    npad, rb = tiles.shape
+    rows = _gather_units(tiles, _tile_index(GGMLQuantizationType(qtype), rb)[1], npad)
+    return rows if n == npad else rows[:n].contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def _row_gather(qtype, row_bytes: int) -> torch.Tensor:
+    """[8, row_bytes] int64: where byte j of row i of a tile lies in that tile's bytes (the
+    inverse of ``tile_rows`` for one row, as offsets from the tile's start)."""
+    u = _unit(qtype)
+    inverse = torch.from_numpy(_tile_index(GGMLQuantizationType(qtype), row_bytes)[1])
+    return torch.stack([u * inverse + i for i in range(u)], 1).reshape(TILE_ROWS, row_bytes)
