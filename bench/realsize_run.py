@@ -31,6 +31,7 @@ from turnkv.engine.engine import Engine
 from turnkv.engine.sequence import GenerationRequest
 from turnkv.engine.sampling import SamplingParams
 t1 = time.perf_counter()
+rss0 = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 eng = Engine.load({path!r}, weights=None, progress=False, max_context=1024)
 t2 = time.perf_counter()
 rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -43,7 +44,7 @@ for i, seed in enumerate((11, 12)):
     s = r.stats
     out = dict(prefill_tps={prompt} / (s.prefill_ms / 1e3), decode_tps=s.decode_tokens_per_s,
                prefilled=s.prefilled_tokens, generated=len(r.token_ids))
-print(json.dumps(dict(out, import_s=t1 - t0, load_s=t2 - t1, rss=rss)))
+print(json.dumps(dict(out, import_s=t1 - t0, load_s=t2 - t1, rss=rss, rss_load=rss - rss0)))
 '''
 
 
@@ -119,8 +120,10 @@ def run_all(preset: str, files: dict[str, Path], threads: int) -> None:
 
 def _table(preset: str, rows, bw: float) -> None:
     print(f"\n{preset}: {PROMPT}-token prefill, {DECODE} decoded tokens (tok/s)")
-    print("| file | turnkv prefill | decode | vs llama.cpp (p / d) | vs ik -rtr (p / d) | load s | RSS / file MB "
-          "| decode GB/s (share of probe) |")
+    # RSS: the process after the load; "load" what the load added to the process (torch's own
+    # libraries are resident before it)
+    print("| file | turnkv prefill | decode | vs llama.cpp (p / d) | vs ik -rtr (p / d) | load s "
+          "| RSS (load) / file MB | decode GB/s (share of probe) |")
     print("|---|---|---|---|---|---|---|---|")
     for qtype, size, tk, lc, ik in rows:
         if "error" in tk:
@@ -130,6 +133,7 @@ def _table(preset: str, rows, bw: float) -> None:
         print(f"| {qtype} | {tk['prefill_tps']:.1f} | {tk['decode_tps']:.1f} "
               f"| {_ratio(tk['prefill_tps'], lc.get('prefill_tps'))} / {_ratio(tk['decode_tps'], lc.get('decode_tps'))} "
               f"| {_ratio(tk['prefill_tps'], ik.get('prefill_tps'))} / {_ratio(tk['decode_tps'], ik.get('decode_tps'))} "
-              f"| {tk['load_s']:.1f} | {tk['rss'] / 1e6:.0f} / {size / 1e6:.0f} | {gbs:.1f} ({gbs * 1e9 / bw:.0%}) |")
+              f"| {tk['load_s']:.1f} | {tk['rss'] / 1e6:.0f} ({tk['rss_load'] / 1e6:.0f}) / {size / 1e6:.0f} "
+              f"| {gbs:.1f} ({gbs * 1e9 / bw:.0%}) |")
     for qtype, size, tk, lc, ik in rows:
         print(f"{qtype}: llama.cpp {lc}; ik_llama.cpp {ik or 'not built'}")
