@@ -121,3 +121,161 @@ def test_recurrent_gemma_configs(drawn):
     from transformers import RecurrentGemmaConfig, RecurrentGemmaForCausalLM
 
     check_drawn(lambda **kw: RecurrentGemmaForCausalLM(RecurrentGemmaConfig(**kw)), drawn)
+
+
+@st.composite
+def delta_net(draw, layers=(2, 3)):
+    """The attention sizes (head_dim apart from hidden / heads) and a gated delta-net's (key heads,
+    value heads a multiple of them, head dims, conv kernel), the linear / full layer types, the
+    partial rotation: what Qwen3-Next and Qwen 3.5 share."""
+    kw = draw(common(layers=layers))
+    kw.update(linear_num_key_heads=draw(st.sampled_from([1, 2])), linear_key_head_dim=draw(st.sampled_from([8, 16])),
+              linear_value_head_dim=draw(st.sampled_from([8, 16])), linear_conv_kernel_dim=draw(st.sampled_from([2, 4])),
+              attention_bias=draw(st.booleans()),
+              layer_types=layer_types(draw, kw["num_hidden_layers"], ("linear_attention", "full_attention")))
+    kw["linear_num_value_heads"] = kw["linear_num_key_heads"] * draw(st.sampled_from([1, 2]))
+    params = draw(rope())
+    params["partial_rotary_factor"] = draw(st.sampled_from([0.25, 0.5, 1.0]))
+    kw["rope_parameters"] = params
+    return kw
+
+
+def experts(draw, kw: dict, names=("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                   "shared_expert_intermediate_size")) -> None:
+    """Routed experts, top-k, their width and the shared expert's, into ``kw``."""
+    n = draw(st.sampled_from([2, 4, 6]))
+    kw.update(zip(names, (n, draw(st.integers(1, n)), draw(st.sampled_from([16, 32])), draw(st.sampled_from([16, 48])))))
+
+
+@st.composite
+def qwen3_next_configs(draw):
+    """Qwen3-Next: the delta-net and attention sizes, experts with dense layers among them
+    (mlp_only_layers, decoder_sparse_step) and top-k renormalized or not."""
+    kw = draw(delta_net())
+    experts(draw, kw)
+    kw.update(norm_topk_prob=draw(st.booleans()), decoder_sparse_step=draw(st.sampled_from([1, 2])),
+              mlp_only_layers=draw(st.lists(st.integers(0, kw["num_hidden_layers"] - 1), unique=True, max_size=1)),
+              attn_implementation="eager")
+    drawn = Drawn(kw, old_layout=draw(st.booleans()))
+    refuse(draw, drawn, {"hidden_act": "gelu"})
+    return drawn
+
+
+@DRAWS
+@given(qwen3_next_configs())
+def test_qwen3_next_configs(drawn):
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    check_drawn(lambda **kw: Qwen3NextForCausalLM(Qwen3NextConfig(**kw)), drawn)
+
+
+@st.composite
+def qwen3_5_configs(draw):
+    """Qwen 3.5, dense and MoE (transformers 5 model types): the delta-net and attention sizes,
+    the experts."""
+    kw = draw(delta_net())
+    moe = draw(st.booleans())
+    if moe:
+        del kw["intermediate_size"]
+        experts(draw, kw)
+    drawn = Drawn(dict(kw, moe=moe))
+    refuse(draw, drawn, {"hidden_act": "gelu"})
+    return drawn
+
+
+def qwen3_5_hf(moe, **kw):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
+    return Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**kw)) if moe else Qwen3_5ForCausalLM(Qwen3_5TextConfig(**kw))
+
+
+@DRAWS
+@given(qwen3_5_configs())
+def test_qwen3_5_configs(drawn):
+    check_drawn(qwen3_5_hf, drawn)
+
+
+@st.composite
+def latent_moe(draw, layers=(2, 3, 4)):
+    """What Kimi Linear and Bailing hybrid share: MLA's latent sizes (an odd latent width, the q
+    LoRA path or not, v wider than q/k), the sigmoid-routed MoE with a score-correction bias
+    (experts, groups kept, top-k, shared experts, renormalization, scaling), the dense layers
+    first or an explicit MLP type list."""
+    kw = draw(common(layers=layers, head_dim=None))
+    del kw["head_dim"]
+    kw.update(num_key_value_heads=kw["num_attention_heads"], pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    n, experts = kw["num_hidden_layers"], draw(st.sampled_from([4, 8]))
+    groups = draw(st.sampled_from([1, 2]))
+    kept = draw(st.integers(1, groups))
+    kw.update(moe_intermediate_size=draw(st.sampled_from([16, 32])), kv_lora_rank=draw(st.sampled_from([16, 23])),
+              q_lora_rank=draw(st.sampled_from([None, 20])), qk_rope_head_dim=8,
+              qk_nope_head_dim=draw(st.sampled_from([8, 16])), v_head_dim=draw(st.sampled_from([12, 32])),
+              num_local_experts=experts, n_group=groups, topk_group=kept,
+              num_experts_per_tok=draw(st.integers(1, min(4, experts // groups * kept))),
+              n_shared_experts=draw(st.sampled_from([1, 2])), norm_topk_prob=draw(st.booleans()),
+              routed_scaling_factor=draw(st.sampled_from([1.0, 2.5])), attention_bias=draw(st.booleans()))
+    if draw(st.booleans()):
+        kw["mlp_layer_types"] = draw(st.lists(st.sampled_from(["dense", "sparse"]), min_size=n, max_size=n))
+    else:
+        kw["first_k_dense_replace"] = draw(st.integers(0, n - 1))
+    return kw
+
+
+def routed(model_class, config_class):
+    """A maker of ``model_class(config_class(**kw))`` with its score-correction biases set."""
+    def make(**kw):
+        from ssm_family_checks import nudge_score_biases
+
+        hf = model_class(config_class(**kw))
+        nudge_score_biases(hf)
+        return hf
+    return make
+
+
+@st.composite
+def kimi_linear_configs(draw):
+    """Kimi Linear: the latent attention and MoE, the KDA heads, head dim and conv kernel, which
+    layers are KDA."""
+    kw = draw(latent_moe())
+    kw.update(linear_head_dim=draw(st.sampled_from([8, 16])), linear_num_heads=draw(st.sampled_from([2, 4])),
+              linear_conv_kernel_dim=draw(st.sampled_from([2, 4])),
+              layer_types=layer_types(draw, kw["num_hidden_layers"], ("linear_attention", "full_attention")))
+    drawn = Drawn(kw)
+    refuse(draw, drawn, {"hidden_act": "gelu"})
+    return drawn
+
+
+@DRAWS
+@given(kimi_linear_configs())
+def test_kimi_linear_configs(drawn):
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    check_drawn(routed(KimiLinearForCausalLM, KimiLinearConfig), drawn)
+
+
+@st.composite
+def bailing_hybrid_configs(draw):
+    """Bailing hybrid (Ling 3): the latent attention and MoE, the KDA head dim and conv kernel,
+    the layer group size or explicit layer types, the forget gate's bound, RoPE theta, the
+    routed and shared experts' SwiGLU clip per layer (0: none)."""
+    kw = draw(latent_moe())
+    for name in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list"):
+        if draw(st.booleans()):
+            n = kw["num_hidden_layers"]
+            kw[name] = draw(st.lists(st.sampled_from([0, 0.1, 0.5]), min_size=n, max_size=n))
+    kw.update(head_dim=draw(st.sampled_from([8, 16])), short_conv_kernel_size=draw(st.sampled_from([2, 4])),
+              layer_group_size=draw(st.sampled_from([2, 3])), kda_safe_gate=draw(st.booleans()),
+              kda_lower_bound=draw(st.sampled_from([-1.0, -5.0])), rope_theta=draw(st.sampled_from([1e4, 6e6])))
+    if draw(st.booleans()):
+        kw["layer_types"] = layer_types(draw, kw["num_hidden_layers"], ("linear_attention", "full_attention"))
+    drawn = Drawn(kw)
+    refuse(draw, drawn, {"hidden_act": "gelu"})
+    return drawn
+
+
+@DRAWS
+@given(bailing_hybrid_configs())
+def test_bailing_hybrid_configs(drawn):
+    from transformers import BailingHybridConfig, BailingHybridForCausalLM
+
+    check_drawn(routed(BailingHybridForCausalLM, BailingHybridConfig), drawn)

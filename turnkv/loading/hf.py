@@ -21,6 +21,8 @@ from .errors import ModelLoadError
 INDEX_FILE = "model.safetensors.index.json"
 
 
+NEVER_TIED = ("kimi_linear", "bailing_hybrid")
+
 def read_config(folder: Path) -> dict:
     path = folder / "config.json"
     if not path.is_file():
@@ -142,7 +144,9 @@ def load_hf(
             raise ModelLoadError(f"{shard}: corrupt safetensors file ({e})") from None
     bar.close()
 
-    tied = config.get("tie_word_embeddings", False)
+    # transformers never ties these families' lm_head (their _tied_weights_keys are empty): a
+    # stored head is the one it runs, whatever tie_word_embeddings says
+    tied = config.get("tie_word_embeddings", False) and config.get("model_type") not in NEVER_TIED
     if tied and "lm_head.weight" in tensors and "model.embed_tokens.weight" in tensors:
         del tensors["lm_head.weight"]
     return config["model_type"], config, tensors

@@ -3,7 +3,8 @@ Delta Attention (the per-channel gated delta rule after a short causal conv over
 layers, Multi-head Latent Attention with RoPE and a per-head sigmoid output gate on every
 ``layer_group_size``-th layer, and DeepSeek-V3's MoE (sigmoid router, score-correction bias for the
 choice only, group-limited top-k, renormalised and scaled, shared experts) after the first
-``first_k_dense_replace`` dense layers.
+``first_k_dense_replace`` dense layers, their SwiGLUs optionally clipped per layer
+(``expert_swiglu_limit_list`` / ``share_expert_swiglu_limit_list``).
 
 What differs from Kimi Linear (models/kimi_linear.py, whose KDA kernels, MLP and MoE this file
 uses): the forget gate is one full-width projection ``f_proj`` and, with ``kda_safe_gate`` (the
@@ -72,6 +73,9 @@ class ModelArgs(LatentMoEArgs):
     short_conv_kernel_size: int = 4
     kda_safe_gate: bool = True
     kda_lower_bound: float = -5.0
+    # per layer, 0 = none: the routed experts' and the shared experts' SwiGLU clip
+    expert_swiglu_limit_list: list | None = None
+    share_expert_swiglu_limit_list: list | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -268,6 +272,12 @@ class Block(HybridBlock):
         super().__init__(a, t, p, a.layer_types[i], dtype, mixers, "Bailing hybrid layer type")
         q = f"{p}.mlp"
         self.mlp = MoE(a, t, q, dtype) if a.mlp_layer_types[i] == "sparse" else GatedMLP.named(t, q, dtype)
+        if isinstance(self.mlp, MoE):   # a dense layer's MLP is never clipped (transformers)
+            routed, shared = (limits[i] if limits else 0 for limits in (a.expert_swiglu_limit_list,
+                                                                         a.share_expert_swiglu_limit_list))
+            for m in self.mlp.experts:
+                m.limit = float(routed) if routed else None
+            self.mlp.shared.limit = float(shared) if shared else None
 
 
 class BailingHybridModel(Model):

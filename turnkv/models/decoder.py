@@ -122,7 +122,10 @@ def gelu_tanh_(x: torch.Tensor) -> torch.Tensor:
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` with gate and up as one fused weight ``wgu`` (the names
     models/fused.py and the weight formats read). ``act`` runs in place on the fresh gate half: no
-    extra [T, intermediate] allocations."""
+    extra [T, intermediate] allocations. ``limit`` (Ling's SwiGLU clip): the activated gate is
+    clamped to at most ``limit`` and the up half to [-limit, limit] before their product."""
+
+    limit: float | None = None
 
     def __init__(self, gate_up: list, down, dtype: torch.dtype, act=silu_, biases: tuple | None = None):
         super().__init__()
@@ -142,7 +145,10 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u = linear(x, self.wgu, self.bgu).chunk(2, dim=-1)
-        return linear(self.act(g).mul_(u), self.wdown, self.bdown)
+        g = self.act(g)
+        if self.limit is not None:
+            g, u = g.clamp_(max=self.limit), u.clamp(-self.limit, self.limit)
+        return linear(g.mul_(u), self.wdown, self.bdown)
 
 
 class HybridBlock(nn.Module):

@@ -53,7 +53,7 @@ class RoutedExperts(nn.ModuleList):
         return cls(GatedMLP([gate_up[e]], down[e], dtype, act) for e in range(len(gate_up)))
 
     def fuse(self) -> bool:
-        """Let few-row calls run as one native call, when every expert is a bias-free ``GatedMLP``
+        """Let few-row calls run as one native call, when every expert is a bias-free, unclipped ``GatedMLP``
         on GGUF blocks (int8 kernels) with one activation and the build has the call
         (``TURNKV_FUSED_MOE=0`` keeps the grouped path: A/B, tests)."""
         from .. import kernels
@@ -63,8 +63,8 @@ class RoutedExperts(nn.ModuleList):
         if (not fused_available() or not hasattr(kernels._ext, "moe_experts")
                 or os.environ.get("TURNKV_FUSED_MOE", "1").strip() == "0"):
             return False
-        if not all(isinstance(m, GatedMLP) and m.bgu is None and m.bdown is None and m.act is self[0].act
-                   for m in self) or self[0].act not in acts:
+        if not all(isinstance(m, GatedMLP) and m.bgu is None and m.bdown is None and m.limit is None
+                   and m.act is self[0].act for m in self) or self[0].act not in acts:
             return False
         gu, down = [_qlinear(m.wgu) for m in self], [_qlinear(m.wdown) for m in self]
         if None in gu or None in down:

@@ -53,6 +53,8 @@ class LatentMoEArgs(DecoderArgs):
     """The config fields Kimi Linear and Bailing hybrid (models/bailing_hybrid.py) share: MLA's
     latent sizes, the DeepSeek-style MoE's settings and the per-layer type lists."""
 
+    computes = {"hidden_act": ("silu",)}
+
     moe_intermediate_size: int = 1024
     kv_lora_rank: int = 512
     q_lora_rank: int | None = None
@@ -81,18 +83,19 @@ class LatentMoEArgs(DecoderArgs):
     def resolve_moe(self, family: str, experts: int, groups: int, topk_group: int) -> None:
         """The names MoE reads (``experts``, ``top_k``, ``shared``, ``groups``, ``topk_group``,
         ``renormalize``) from whichever spelling the config used, else the family's defaults; the
-        dense-then-sparse MLP pattern unless the config lists one; only SiLU experts."""
+        dense-then-sparse MLP pattern unless the config lists one."""
         self.experts = first_set(self.num_local_experts, self.num_experts, default=experts)
         self.top_k = first_set(self.num_experts_per_tok, self.num_experts_per_token, default=8)
         self.shared = first_set(self.n_shared_experts, self.num_shared_experts, default=1)
         self.groups = first_set(self.n_group, self.num_expert_group, default=groups)
         self.topk_group = first_set(self.topk_group, default=topk_group)
         self.renormalize = first_set(self.norm_topk_prob, self.moe_renormalize, default=True)
+        # transformers ties neither family's lm_head (their _tied_weights_keys are empty): a stored
+        # head is used whatever tie_word_embeddings says; the embedding serves only a file without one
+        self.tie_word_embeddings = False
         if not self.mlp_layer_types:
             n = self.num_hidden_layers
             self.mlp_layer_types = ["dense" if i < self.first_k_dense_replace else "sparse" for i in range(n)]
-        if self.hidden_act != "silu":
-            raise ValueError(f"unsupported {family} activation {self.hidden_act!r}")
 
 
 @dataclass(kw_only=True)

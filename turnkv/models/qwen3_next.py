@@ -25,6 +25,7 @@ DELTA_CHUNK = 64  # the chunk transformers' torch path uses; any size gives the 
 
 @dataclass(kw_only=True)
 class ModelArgs(DecoderArgs):
+    computes = {"hidden_act": ("silu",)}      # the MLPs' and the delta-net conv's activation
     num_key_value_heads: int = 2
     head_dim: int = 256
     rms_norm_eps: float = 1e-6
