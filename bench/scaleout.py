@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -49,11 +50,13 @@ MODEL = "smollm2-135m"
 class Router:
     """sglang-router's launcher, as docs/scale-out.md runs it."""
 
-    def __init__(self, workers: list[str], policy: str):
+    def __init__(self, workers: list[str], policy: str, extra: list[str]):
         self.port = free_port()
         self.log = tempfile.NamedTemporaryFile("w+", prefix="turnkv-router-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *workers,
-               "--policy", policy, "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warn"]
+               "--policy", policy, "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warn",
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),   # not the fixed default
+               *extra]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}/v1"
 
@@ -134,7 +137,7 @@ def run_layout(replicas: int, threads: int, policy: str, args, redis_url: str | 
     try:
         with ThreadPoolExecutor(replicas) as pool:
             list(pool.map(lambda s: s.wait(), servers))
-        router = Router([s.url.removesuffix("/v1") for s in servers], policy)
+        router = Router([s.url.removesuffix("/v1") for s in servers], policy, shlex.split(args.router_args))
         router.wait()
         load = os.getloadavg()[0]
         results, wall = drive(router.url, args.users, args.turns, args.max_tokens)
@@ -189,10 +192,12 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--redis", action="store_true", help="the replicas share one Redis tier")
+    ap.add_argument("--router-args", default="", help="more sglang-router flags, e.g. \"--balance-abs-threshold 1\"")
     args = ap.parse_args()
     layouts, policies = parse_layouts(args.layouts), args.policies.split(",")
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; {args.users} users x {args.turns} turns, "
-          f"{args.max_tokens} tokens a reply; {MODEL}; sglang-router" + (", shared Redis" if args.redis else ""))
+          f"{args.max_tokens} tokens a reply; {MODEL}; sglang-router {args.router_args}".rstrip()
+          + (", shared Redis" if args.redis else ""))
     print(f"{'layout / policy':26} {'load':>5} {'wall s':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p95':>9} "
           f"{'memory':>9} {'cached':>7} {'redis':>5}  reqs/replica")
     runs: dict[str, list[dict]] = {}

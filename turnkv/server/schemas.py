@@ -228,6 +228,7 @@ class ChatCompletionRequest(_Sampling):
     # turnkv has no reasoning parser: a model's reasoning stays in content, either value is served alike
     separate_reasoning: StrictBool = True
     stream_reasoning: StrictBool = True
+    include_reasoning: StrictBool = True     # vLLM's; vllm-router adds it to every chat request
 
     @field_validator("chat_template_kwargs")
     @classmethod
