@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from test_engine_batching import run_all
+from turnkv.cache import specs as cache_specs
 from turnkv.engine.engine import Engine
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.sequence import GenerationRequest
@@ -23,16 +24,39 @@ from turnkv.loading.model import load_model
 from turnkv.prompt_cache.store import PromptCache
 
 FIXTURES = Path(__file__).parent / "gguf_fixtures"
-# chunk-invariant under the gguf kernels: full attention (Llama) and sliding windows of 16 (Exaone 4)
-FAMILIES = {"full": FIXTURES / "llama" / "llama-q8_0.gguf", "sliding": FIXTURES / "exaone4" / "exaone4-q8_0.gguf"}
 VOCAB = 320
 GREEDY = dict(temperature=0.0)
 SAMPLED = dict(temperature=1.0, top_p=0.9, seed=11, presence_penalty=0.3, repetition_penalty=1.1, logprobs=2)
 
 
+def chunked_attention(net):
+    """The Llama fixture with its layers attending in chunks of 16 (Llama 4's local layers: the
+    chunked cache and the kernels' chunk mask); no chunked family has a GGUF fixture."""
+    specs = [cache_specs.chunked(s.heads, s.head_dim, 16) for s in net.cache_specs()]
+    net.cache_specs = lambda: specs
+
+
+def delta_net_only(net):
+    """The Qwen 3.5 fixture's three gated delta-net layers without its attention layer: a model
+    whose whole state is recurrent (conv windows and delta-rule states, no K/V)."""
+    net.layers = torch.nn.ModuleList(layer for layer in net.layers if layer.kind != "full_attention")
+
+
+# chunk-invariant under the gguf kernels, one row per kind of state: full attention (Llama),
+# sliding windows of 16 (Exaone 4), chunks of 16, a hybrid (Qwen 3.5: gated delta-net + gated
+# attention) and recurrent state alone
+FAMILIES = {"full": ("llama", None), "sliding": ("exaone4", None), "chunked": ("llama", chunked_attention),
+            "hybrid": ("qwen3_5", None), "recurrent": ("qwen3_5", delta_net_only)}
+
+
 @pytest.fixture(scope="module")
 def loaded():
-    return {k: load_model(str(p), torch.float32, "gguf", False) for k, p in FAMILIES.items()}
+    out = {}
+    for kind, (name, adapt) in FAMILIES.items():
+        out[kind] = load_model(str(FIXTURES / name / f"{name}-q8_0.gguf"), torch.float32, "gguf", False)
+        if adapt is not None:
+            adapt(out[kind].net)
+    return out
 
 
 def make_engine(model, speculative="off", drafter=None, budget=1 << 30, tokenizer=None, **kw) -> Engine:
@@ -178,25 +202,74 @@ def test_ngram_drafter_takes_the_longest_latest_match():
     assert NgramDrafter().draft([5, 6, 5, 6], 4) == [5, 6]   # up to the end of the history
 
 
-@pytest.mark.parametrize("family", ["hybrid", "recurrent", "native"])
+@pytest.mark.parametrize("family", ["lfm2", "mamba2", "native"])
 def test_speculation_is_off_where_it_cannot_be_exact(tiny_pair, family):
-    """A hybrid (LFM2: conv + attention) and a recurrent family (Mamba 2) hold state that cannot
-    be cut back; the tiny Llama under native float32 GEMMs is not chunk-invariant (the probe sees
-    it): each decodes plainly, says why in its stats, and gives the plain tokens."""
+    """Families that load only with native float32 weights (LFM2's conv hybrid and Mamba 2 as
+    built from transformers here, the tiny Llama under native GEMMs) are not chunk-invariant:
+    PyTorch's GEMMs block a k-row chunk differently from one row, and the probe sees it. Each
+    decodes plainly, says why in its stats, and gives the plain tokens."""
     import test_family_lfm2
     import test_family_mamba2
     from tiny import engine as tiny_engine
     from tiny import tiny_llama
 
-    model = {"hybrid": lambda: tiny_pair(test_family_lfm2.tiny)[0], "recurrent": lambda: tiny_pair(test_family_mamba2.tiny)[0],
-             "native": lambda: tiny_llama()[0]}[family]()
-    why = "not_chunk_invariant" if family == "native" else "recurrent_state"
+    model = {"lfm2": lambda: tiny_pair(test_family_lfm2.tiny)[0],
+             "mamba2": lambda: tiny_pair(test_family_mamba2.tiny)[0], "native": lambda: tiny_llama()[0]}[family]()
+    why = "not_chunk_invariant"
     r = req([t % 256 for t in tokens(8, 20)], 12, **SAMPLED)
     want = tiny_engine(model, budget=0).generate(r)
     eng = tiny_engine(model, speculative=NGRAM)
     got = eng.generate(r)
     assert got.token_ids == want.token_ids and got.stats.speculative == f"off ({why})"
     assert eng.spec.off == {why: 1} and eng.spec.drafted == 0
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_always_wrong_drafts_change_nothing(loaded, family):
+    """Every draft wrong from its first token: each verify step keeps one token and cuts all the
+    rest back (recurrent layers: the state after the step's first token, picked from the trail);
+    alone and beside a sequence without drafts, greedy and seeded, with reuse on."""
+    reqs = [req(tokens(10, 21), 16, **GREEDY), req(tokens(11, 12), 14, **SAMPLED)]
+    want = plain_runs(loaded[family], reqs)
+    runs = [r.prompt_ids + w.token_ids for r, w in zip(reqs, want)]
+
+    class Wrong:
+        def draft(self, history, k):
+            run = next(r for r in runs if r[:len(history)] == history)
+            return [(t + 1) % VOCAB for t in run[len(history):len(history) + k]]
+
+    eng = make_engine(loaded[family], "ngram", Wrong, max_seqs=2)
+    reqs[1].params.speculative = "off"
+    sinks, _ = run_all(eng, reqs)
+    assert [s.result.token_ids for s in sinks] == [w.token_ids for w in want]
+    stats = sinks[0].result.stats
+    assert stats.speculative == NGRAM and stats.drafted > 0 and stats.accepted == 0
+    again = eng.generate(req(reqs[0].prompt_ids, 16, **GREEDY))       # restored from the first run
+    assert again.token_ids == want[0].token_ids and again.usage.cached_tokens > 0
+
+
+def test_a_recurrent_state_is_picked_back_at_any_verified_token():
+    from turnkv.cache.recurrent import StateCache
+
+    c = StateCache({"h": (2,), "conv": (1, 2)})
+    c.set("h", torch.ones(2))
+    c.advance(1)
+    c.keep_trail()
+    for j in range(3):                              # a 3-token chunk, run a token at a time
+        c.set("h", torch.full((2,), 10.0 + j))
+        c.set("conv", torch.full((1, 2), 20.0 + j))
+        c.advance(1)
+    assert [c.can_truncate_to(n) for n in range(6)] == [False, False, True, True, True, False]
+    c.truncate(3)                                   # two of the three tokens kept
+    assert c.offset == 3 and c.state["h"].tolist() == [11.0, 11.0] and c.state["conv"].tolist() == [[21.0, 21.0]]
+    assert c.trail is None and not c.can_truncate_to(2)
+    c.keep_trail()
+    c.set("h", torch.zeros(2))                      # one write for two tokens: no state per token
+    c.set("conv", torch.zeros(1, 2))
+    c.advance(2)
+    assert not c.can_truncate_to(4) and c.can_truncate_to(5)
+    c.truncate(5)                                   # the current length: only ends the trail
+    assert c.trail is None and c.offset == 5
 
 
 def test_server_request_field_stats_and_metrics(loaded):

@@ -20,6 +20,7 @@ import torch
 from .base import LayerCache
 from .blocks import BlockPool
 from .kv import KVCache
+from .recurrent import StateCache
 from .snapshot import ModelSnapshot, restore_snapshot, take_snapshot
 from .specs import CHUNKED, SLIDING, CacheSpec, make_caches, make_pools
 
@@ -59,12 +60,14 @@ class SeqState:
 
     def truncate(self, length: int) -> None:
         """Cut the live state back to its first ``length`` tokens (a rejected draft's tail:
-        docs/speculative.md); raises SnapshotMismatch, touching nothing, when a layer cannot."""
+        docs/speculative.md), and end the recurrent layers' trails, cut or not; raises
+        SnapshotMismatch, touching nothing, when a layer cannot."""
         bad = next((c for c in self.caches if not c.can_truncate_to(length)), None)
         if bad is not None:
             bad.truncate(length)       # raises, naming the kind
         for c in self.caches:
-            c.truncate(length)
+            if c.offset != length or isinstance(c, StateCache):
+                c.truncate(length)
         del self.tokens[length:]
 
     @torch.inference_mode()

@@ -33,7 +33,7 @@ from ..prompt_cache.store import Namespace, PromptCache
 from .requests import ContextLengthError, Requests
 from .scheduler import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_QUEUE, DEFAULT_MAX_SEQS, QueueFull, Scheduler, Work
 from .speculative import (DEFAULT_DRAFT_MAX, DRAFTERS, OFF, SpecCounters, Speculation, blocked_reason, check_mode,
-                          verify_draft)
+                          keep_trails, verify_draft)
 from .sequence import (DECODE, FINISHED, PREFILL, Failure, GenerationRequest, Result, Sequence, Stats,
                        TokenEvent, Usage)
 
@@ -292,6 +292,9 @@ class Engine:
         """One model forward over the step's tokens: the next-token logits of each LAST row."""
         with torch.inference_mode():
             images = self._step_images(work) if self.encoder_cache is not None else None
+            for w in work:
+                if w.draft:     # its recurrent layers keep every token's state: verification picks one back
+                    keep_trails(w.seq.state.caches)
             batch = Batch.build([(w.tokens, w.seq.state.caches, w.logits) for w in work], self.device, images)
             return self.model.forward(batch)
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache.specs import RECURRENT, CacheSpec, make_caches
+from ..cache.recurrent import StateCache
+from ..cache.specs import CacheSpec, make_caches
 from ..images import is_key
 from ..models.batch import ALL, LAST, Batch
 
@@ -21,7 +22,7 @@ MAX_DRAFT = 64
 NGRAM_MAX, NGRAM_MIN = 4, 2      # suffix lengths prompt lookup tries, longest first
 MAX_PAUSE = 16                   # steps without drafts after repeated rejections, at most
 
-RECURRENT_STATE = "recurrent_state"          # a layer whose state cannot be cut back
+RECURRENT_STATE = "recurrent_state"          # a recurrent state not kept per verified token
 NOT_CHUNK_INVARIANT = "not_chunk_invariant"  # the probe saw a token's logits change with the chunk
 
 
@@ -146,43 +147,62 @@ def verify_draft(seq, tokens: list[int], rows: torch.Tensor) -> tuple[bool, int]
         matched += 1
         if finished:
             break
-    if base + taken < seq.state.length:
-        seq.state.truncate(base + taken)
+    seq.state.truncate(base + taken)      # also ends the recurrent layers' trails
     seq.spec.record(len(draft), matched)
     return finished, matched
 
 
 def blocked_reason(model, specs: list[CacheSpec], dtype, device, modes, slack: int) -> str:
-    """Why drafts cannot be verified exactly on ``model`` ("" when they can): a layer whose state
-    cannot be cut back, or a forward that is not chunk-invariant (the probe, up to 17 rows: both
-    of the kernels' tile widths)."""
-    if any(s.kind == RECURRENT for s in specs):
-        return RECURRENT_STATE
-    return "" if chunk_invariant(model, specs, dtype, device, modes, slack, 16) else NOT_CHUNK_INVARIANT
+    """Why drafts cannot be verified exactly on ``model`` ("" when they can): a forward that is
+    not chunk-invariant, or a recurrent state that cannot be picked back at every verified token
+    (the probe, up to 17 rows: both of the kernels' tile widths)."""
+    return chunk_probe(model, specs, dtype, device, modes, slack, 16)
+
+
+def keep_trails(caches) -> list:
+    """``caches``, their recurrent layers keeping every token's state (a verified draft's step)."""
+    for c in caches:
+        if isinstance(c, StateCache):
+            c.keep_trail()
+    return caches
 
 
 @torch.inference_mode()
-def chunk_invariant(model, specs: list[CacheSpec], dtype, device, modes, slack: int, k: int) -> bool:
+def chunk_probe(model, specs: list[CacheSpec], dtype, device, modes, slack: int, k: int) -> str:
     """Whether ``k + 1`` tokens fed one at a time give the same logits, bit for bit, as the same
-    tokens fed as one chunk alone, as two chunks, and as a chunk beside another sequence's
-    prefill chunk, after a short prefill; on scratch caches with the engine's KV modes."""
+    tokens fed as a verified draft is (recurrent layers keeping their trail): as one chunk alone,
+    as two chunks, and beside another sequence's prefill chunk, after a short prefill; and
+    whether the state cut back inside the chunk then gives the single steps' logits too. On
+    scratch caches with the engine's KV modes. "" when all hold, else the reason."""
     rng = random.Random(1234)
     vocab = int(model.vocab_size)
     prefix = torch.tensor([rng.randrange(vocab) for _ in range(13)])
     tail = torch.tensor([rng.randrange(vocab) for _ in range(k + 1)])
 
+    def run(tokens, caches, logits=ALL):
+        return model.forward(Batch.build([(tokens, caches, logits)], device))
+
     def fresh():
         caches = make_caches(specs, dtype, device, list(modes), slack)
-        model.forward(Batch.build([(prefix, caches, LAST)], device))
+        run(prefix, caches, LAST)
         return caches
 
     caches = fresh()
-    want = torch.cat([model.forward(Batch.build([(tail[i:i + 1], caches, LAST)], device)) for i in range(len(tail))])
-    whole = model.forward(Batch.build([(tail, fresh(), ALL)], device))
-    caches = fresh()
+    want = torch.cat([run(tail[i:i + 1], caches, LAST) for i in range(len(tail))])
     cut = max(1, len(tail) // 2)
-    split = torch.cat([model.forward(Batch.build([(tail[:cut], caches, ALL)], device)),
-                       model.forward(Batch.build([(tail[cut:], caches, ALL)], device))]) if cut < len(tail) else whole
+    caches = keep_trails(fresh())
+    whole = run(tail, caches)
+    if not all(c.can_truncate_to(len(prefix) + cut) for c in caches):
+        return RECURRENT_STATE
+    for c in caches:
+        c.truncate(len(prefix) + cut)
+    after_cut = torch.cat([whole[:cut]] + [run(tail[i:i + 1], caches, LAST) for i in range(cut, len(tail))])
+    caches = keep_trails(fresh())
+    first = run(tail[:cut], caches)
+    for c in caches:
+        c.truncate(len(prefix) + cut)      # what the engine does after a step: ends the trails
+    split = torch.cat([first, run(tail[cut:], keep_trails(caches))]) if cut < len(tail) else whole
     other = make_caches(specs, dtype, device, list(modes), slack)
-    beside = model.forward(Batch.build([(prefix[:5], other, LAST), (tail, fresh(), ALL)], device))[1:]
-    return all(torch.equal(want, got) for got in (whole, split, beside))
+    beside = model.forward(Batch.build([(prefix[:5], other, LAST), (tail, keep_trails(fresh()), ALL)], device))[1:]
+    same = all(torch.equal(want, got) for got in (whole, after_cut, split, beside))
+    return "" if same else NOT_CHUNK_INVARIANT

@@ -185,7 +185,7 @@ class DeltaAttention(nn.Module):
             cache.set("recurrent", state)
             cache.advance(T)
             return o.transpose(0, 1).to(x.dtype)                                  # [T, H, D]
-        o = spans_apply(batch, one)
+        o = spans_apply(batch, one, i)
         # gated RMSNorm in float32: norm(o) * w * sigmoid(gate)
         o = rms_norm(o.float(), self.w_norm.float(), self.eps) * torch.sigmoid(gate.float().view(N, H, D))
         return linear(o.to(x.dtype).reshape(N, self.dim), self.w_out)

@@ -93,12 +93,27 @@ class Batch:
         return [s.logit_count() for s in self.spans]
 
 
-def spans_apply(batch: Batch, fn: Callable[[Span], torch.Tensor]) -> torch.Tensor:
+def spans_apply(batch: Batch, fn: Callable[[Span], torch.Tensor], state_layer: int | None = None) -> torch.Tensor:
     """``fn(span)`` -> that span's rows ``[length, ...]``, for every span, stacked back in row
-    order (no copy for a batch of one)."""
-    if len(batch.spans) == 1:
-        return fn(batch.spans[0])
-    return torch.cat([fn(s) for s in batch.spans])
+    order (no copy for a batch of one).
+
+    ``state_layer``: ``fn`` updates layer ``state_layer``'s recurrent state. A span whose cache
+    there keeps a trail (a verified draft: docs/speculative.md) is then run a token at a time, so
+    that every token's state is kept and each is computed as plain decoding computes it."""
+    spans = batch.spans
+    if state_layer is not None and any(_keeps_trail(s, state_layer) for s in spans):
+        spans = [one for s in spans for one in (_tokens_of(s) if _keeps_trail(s, state_layer) else (s,))]
+    if len(spans) == 1:
+        return fn(spans[0])
+    return torch.cat([fn(s) for s in spans])
+
+
+def _keeps_trail(span: Span, layer: int) -> bool:
+    return span.length > 1 and getattr(span.caches[layer], "trail", None) is not None
+
+
+def _tokens_of(span: Span) -> list[Span]:
+    return [Span(span.caches, span.start + j, 1, span.position + j, span.logits) for j in range(span.length)]
 
 
 def select_rows(x: torch.Tensor, batch: Batch) -> torch.Tensor | None:

@@ -234,7 +234,7 @@ class DeltaAttention(nn.Module):
             cache.set("recurrent", state)
             cache.advance(T)
             return o.transpose(0, 1).contiguous()                                 # [T, H, D]
-        o = spans_apply(batch, one)
+        o = spans_apply(batch, one, i)
         gate = linear(g_a, self.w_g_b).view(N, H, D)
         # gated RMSNorm in float32: norm(o) * w * sigmoid(gate)
         o = rms_norm(o, self.w_norm.float(), self.eps) * torch.sigmoid(gate.float())

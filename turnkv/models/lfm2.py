@@ -70,7 +70,7 @@ class ShortConv(nn.Module):
             cache.set("conv", conv_state)
             cache.advance(s.length)
             return y
-        return linear(c * spans_apply(batch, one), self.w_out, self.b_out)
+        return linear(c * spans_apply(batch, one, i), self.w_out, self.b_out)
 
 
 class Attention(nn.Module):

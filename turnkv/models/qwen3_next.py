@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
+from ..kernels import GGUFWeight
 from .batch import Batch, Span, select_rows, spans_apply
 from .base import Model, attention_spans, embedding, linear, rms_norm
 from .decoder import DecoderArgs, GatedMLP, HybridBlock, apply_partial_rope, norm_plus_one, out_weights, rope_for
@@ -99,8 +100,6 @@ class GatedDeltaNet(nn.Module):
         N = x.shape[0]
         r = self.nv // self.nk
         qkv_all, z, b, a = linear(x, self.w_in).split([self.conv_dim, self.value_dim, self.nv, self.nv], dim=-1)
-        beta_all = torch.sigmoid(b.float()).t()                              # [nv, N]
-        g_all = (self.neg_A * F.softplus(a.float() + self.dt_bias)).t()     # log decay, [nv, N]
 
         def one(s: Span):   # conv window and delta rule: this sequence's rows over its own state
             cache, T = s.caches[i], s.length
@@ -111,7 +110,11 @@ class GatedDeltaNet(nn.Module):
             q = self.repeat_heads(l2norm(q.view(T, self.nk, self.dk)), r).transpose(0, 1) * self.dk ** -0.5
             k = self.repeat_heads(l2norm(k.view(T, self.nk, self.dk)), r).transpose(0, 1)
             v = v.view(T, self.nv, self.dv).transpose(0, 1)
-            g, beta = g_all[:, s.rows], beta_all[:, s.rows]
+            # per span: an elementwise op's last bits depend on where an element falls in its
+            # tensor (vector body or scalar tail), so one row of nv gates must see the shape a
+            # decode step gives it, whatever else runs in the step (docs/speculative.md)
+            beta = torch.sigmoid(b[s.rows].float()).t()                          # [nv, T]
+            g = (self.neg_A * F.softplus(a[s.rows].float() + self.dt_bias)).t()  # log decay, [nv, T]
             state = cache.state["recurrent"]
             if T == 1:
                 o, state = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
@@ -123,9 +126,20 @@ class GatedDeltaNet(nn.Module):
             # [T, nv, dv], contiguous as a multi-span concatenation is (the norm reduces in layout order)
             return o.transpose(0, 1).contiguous()
         # per-head RMSNorm first, then the SiLU(z) gate
-        o = rms_norm(spans_apply(batch, one).to(x.dtype), self.w_norm, self.eps)
+        o = rms_norm(spans_apply(batch, one, i).to(x.dtype), self.w_norm, self.eps)
         o = (o * F.silu(z.view(N, self.nv, self.dv).float())).to(x.dtype)
         return linear(o.reshape(N, self.value_dim), self.w_out)
+
+
+def query_gate_rows(w, heads: int, d: int) -> tuple:
+    """q_proj's query rows and gate rows (transformers packs [query | gate] per head). A GGUF
+    weight's rows move with their blocks unchanged, so the fused projection stays one GGUF
+    matmul: the same on every row count, as speculative decoding needs (docs/speculative.md)."""
+    order = torch.arange(heads * 2 * d).view(heads, 2, d)
+    query, gate = order[:, 0].reshape(-1), order[:, 1].reshape(-1)
+    if isinstance(w, GGUFWeight):
+        return w.take_rows(query), w.take_rows(gate)
+    return w[query], w[gate]
 
 
 class Attention(nn.Module):
@@ -134,11 +148,9 @@ class Attention(nn.Module):
         self.hq, self.hk, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         self.scale = self.d ** -0.5
         self.eps = a.rms_norm_eps
-        H = a.hidden_size
         # q_proj packs [query | gate] per head; regroup as q | k | v | gate for one fused matmul
-        q, gate = take(t, f"{p}.q_proj.weight").view(self.hq, 2, self.d, H).unbind(1)
-        self.wqkvg = param(torch.cat([q.reshape(-1, H), take(t, f"{p}.k_proj.weight"),
-                                      take(t, f"{p}.v_proj.weight"), gate.reshape(-1, H)]), dtype)
+        q, gate = query_gate_rows(stored(t, f"{p}.q_proj.weight"), self.hq, self.d)
+        self.wqkvg = fused_weight([q, stored(t, f"{p}.k_proj.weight"), stored(t, f"{p}.v_proj.weight"), gate], dtype)
         self.bqkvg = None
         if a.attention_bias:
             qb, gb = take(t, f"{p}.q_proj.bias").view(self.hq, 2, self.d).unbind(1)

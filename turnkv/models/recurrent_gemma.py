@@ -84,7 +84,7 @@ class RGLRU(nn.Module):
             out, h = linear_recurrence(log_a[s.rows], normed[s.rows], torch.zeros_like(h) if s.position == 0 else h)
             s.caches[i].set("rg_lru", h)
             return out
-        return spans_apply(batch, one)
+        return spans_apply(batch, one, i)
 
 
 class RecurrentBlock(nn.Module):
@@ -109,7 +109,7 @@ class RecurrentBlock(nn.Module):
             xb, conv_state = causal_conv1d(xb_all[s.rows], s.caches[i].state["conv"], self.w_conv, self.b_conv)
             s.caches[i].set("conv", conv_state)
             return xb
-        h_all = self.rg_lru.forward(spans_apply(batch, conv), batch, i)
+        h_all = self.rg_lru.forward(spans_apply(batch, conv, i), batch, i)
         for s in batch.spans:
             s.caches[i].advance(s.length)
         return linear(h_all.to(x.dtype) * gelu_tanh(y), self.w_out, self.b_out)

@@ -60,7 +60,7 @@ def shifted(x: torch.Tensor, batch: Batch, i: int, name: str) -> torch.Tensor:
         prev = torch.cat([cache.state[name].to(x.dtype)[None], rows[:-1]])
         cache.set(name, rows[-1])
         return prev
-    return spans_apply(batch, one)
+    return spans_apply(batch, one, i)
 
 
 def wkv7(r, w, k, v, a, b, state):
@@ -126,7 +126,7 @@ class TimeMix(nn.Module):
             y, state = wkv7(*(t[s.rows] for t in heads), -kk[s.rows], b[s.rows], cache.state["wkv"])
             cache.set("wkv", state)
             return y
-        y = spans_apply(batch, one).to(x.dtype).reshape(N, H * D)
+        y = spans_apply(batch, one, i).to(x.dtype).reshape(N, H * D)
         y = F.group_norm(y, H, self.ln_w, self.ln_b, self.ln_eps).view(N, H, D)
         direct = (heads[0] * heads[2] * self.r_k).sum(-1, keepdim=True) * heads[3]
         return linear((y + direct).reshape(N, H * D) * g, self.wo), v_first

@@ -199,7 +199,7 @@ class Mamba2Mixer(nn.Module):
             # contiguous as a multi-span batch's concatenation is: the norm below reduces in
             # layout order, so a sequence alone must present the same layout to round the same
             return (y + self.D[:, None] * xs.float()).contiguous()
-        y = spans_apply(batch, one)
+        y = spans_apply(batch, one, i)
         y = gated_group_rms_norm(y.reshape(x.shape[0], I).to(x.dtype), gate, self.w_norm, I // d.n_groups, d.eps)
         return linear(y, self.w_out, self.b_out)
 
