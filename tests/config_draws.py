@@ -99,12 +99,18 @@ def rope(draw, kinds=("default", "linear", "llama3", "yarn")):
     return p
 
 
+# fields transformers 5 saves under another name than transformers 4 did, per model type
+OLD_NAMES = {"qwen3_moe": {"num_local_experts": "num_experts"}}
+
+
 def to_old_layout(folder: Path) -> None:
     """Rewrite a saved config.json as transformers 4 wrote it: ``rope_theta`` and
-    ``partial_rotary_factor`` at the top and the scaling (with the old ``type`` key) in
-    ``rope_scaling``."""
+    ``partial_rotary_factor`` at the top, the scaling (with the old ``type`` key) in
+    ``rope_scaling``, the fields of ``OLD_NAMES`` under their old names."""
     path = folder / "config.json"
     cfg = json.loads(path.read_text())
+    for new, old in OLD_NAMES.get(cfg["model_type"], {}).items():
+        cfg[old] = cfg.pop(new)
     params = dict(cfg.pop("rope_parameters"))
     if "full_attention" in params:      # per layer type (Gemma 3): the local theta had its own key
         cfg["rope_local_base_freq"] = params.pop("sliding_attention")["rope_theta"]

@@ -9,28 +9,23 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from config_draws import DRAWS, VOCAB, Drawn, check_drawn, heads, rope
+from config_draws import DRAWS, Drawn, check_drawn, common, layer_types, refuse, rope
 from ssm_family_checks import perturb_vectors
 
-# a field turnkv's Llama does not implement, set to a value that changes the computation
-LLAMA_REFUSED = {"hidden_act": "gelu", "rope_type": "dynamic"}
+
+def dynamic_rope(kw):
+    kw["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10_000.0, "factor": 2.0}
+    return "rope_type"
 
 
 @st.composite
 def llama_configs(draw):
-    kw = dict(vocab_size=VOCAB, num_hidden_layers=draw(st.sampled_from([2, 3])),
-              intermediate_size=draw(st.sampled_from([32, 48, 96])), max_position_embeddings=256,
-              attention_bias=draw(st.booleans()), mlp_bias=draw(st.booleans()),
-              tie_word_embeddings=draw(st.booleans()), rms_norm_eps=draw(st.sampled_from([1e-5, 1e-6])),
-              initializer_range=0.1, **draw(heads()))
-    kw["rope_parameters"] = draw(rope())
+    kw = draw(common(intermediate=(32, 48, 96)))
+    kw.update(attention_bias=draw(st.booleans()), mlp_bias=draw(st.booleans()),
+              rms_norm_eps=draw(st.sampled_from([1e-5, 1e-6])), rope_parameters=draw(rope()))
     drawn = Drawn(kw, old_layout=draw(st.booleans()))
-    refuse = draw(st.sampled_from([None] * 4 + sorted(LLAMA_REFUSED)))
-    if refuse == "rope_type":
-        kw["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10_000.0, "factor": 2.0}
-    elif refuse is not None:
-        kw[refuse] = LLAMA_REFUSED[refuse]
-    drawn.refused = refuse
+    # a field turnkv's Llama does not implement, set to a value that changes the computation
+    refuse(draw, drawn, {"hidden_act": "gelu", "rope_type": dynamic_rope}, odds=3)
     return drawn
 
 
@@ -48,20 +43,17 @@ def glm4_moe_configs(draw):
     groups = draw(st.sampled_from([g for g in (1, 2, 4) if experts % g == 0 and experts // g >= 2]))
     kept = draw(st.integers(1, groups))         # topk_group: the routing picks within these groups
     top_k = draw(st.integers(1, min(4, experts // groups * kept)))
-    kw = dict(vocab_size=VOCAB, num_hidden_layers=draw(st.sampled_from([2, 3])), intermediate_size=48,
-              moe_intermediate_size=draw(st.sampled_from([16, 32])), n_routed_experts=experts, n_group=groups,
+    kw = draw(common(intermediate=(48,)))
+    kw.update(moe_intermediate_size=draw(st.sampled_from([16, 32])), n_routed_experts=experts, n_group=groups,
               topk_group=kept, num_experts_per_tok=top_k,
               n_shared_experts=draw(st.sampled_from([1, 2])), first_k_dense_replace=draw(st.sampled_from([0, 1])),
               norm_topk_prob=draw(st.booleans()), routed_scaling_factor=draw(st.sampled_from([1.0, 2.5])),
-              use_qk_norm=draw(st.booleans()), attention_bias=draw(st.booleans()),
-              tie_word_embeddings=draw(st.booleans()), max_position_embeddings=256, initializer_range=0.1,
-              **draw(heads()))
+              use_qk_norm=draw(st.booleans()), attention_bias=draw(st.booleans()))
     params = draw(rope())
     params["partial_rotary_factor"] = draw(st.sampled_from([0.5, 1.0]))
     kw["rope_parameters"] = params
     drawn = Drawn(kw)
-    if draw(st.integers(0, 5)) == 0:
-        kw["hidden_act"], drawn.refused = "gelu", "hidden_act"
+    refuse(draw, drawn, {"hidden_act": "gelu"})
     return drawn
 
 
@@ -88,18 +80,13 @@ def test_glm4_moe_configs(drawn):
 def ministral_configs(draw):
     """Ministral: a window on the layers ``layer_types`` picks (every layer by default), short
     enough for the prompt to cross it."""
-    layers = draw(st.sampled_from([2, 3]))
-    window = draw(st.sampled_from([4, 8, 16]))    # transformers' Ministral always builds a window mask
-    kw = dict(vocab_size=VOCAB, num_hidden_layers=layers, intermediate_size=draw(st.sampled_from([32, 64])),
-              sliding_window=window, tie_word_embeddings=draw(st.booleans()), max_position_embeddings=256,
-              initializer_range=0.1, **draw(heads()))
+    # transformers' Ministral always builds a window mask
+    kw = draw(common(intermediate=(32, 64), sliding_window=draw(st.sampled_from([4, 8, 16]))))
     if draw(st.booleans()):
-        kw["layer_types"] = draw(st.lists(st.sampled_from(["sliding_attention", "full_attention"]),
-                                          min_size=layers, max_size=layers))
+        kw["layer_types"] = layer_types(draw, kw["num_hidden_layers"])
     kw["rope_parameters"] = draw(rope())
     drawn = Drawn(kw, old_layout=draw(st.booleans()))
-    if draw(st.integers(0, 5)) == 0:
-        kw["hidden_act"], drawn.refused = "gelu", "hidden_act"
+    refuse(draw, drawn, {"hidden_act": "gelu"})
     return drawn
 
 
@@ -115,19 +102,13 @@ def test_ministral_configs(drawn):
 def exaone4_configs(draw):
     """EXAONE 4: the window and its pattern or explicit layer types (transformers 5's config class
     builds no layer types for a "LLG" string pattern or without a window)."""
-    layers = draw(st.sampled_from([2, 3]))
-    window = draw(st.sampled_from([4, 8]))
-    kw = dict(vocab_size=VOCAB, num_hidden_layers=layers, intermediate_size=draw(st.sampled_from([32, 64])),
-              sliding_window=window, sliding_window_pattern=draw(st.sampled_from([2, 3])),
-              tie_word_embeddings=draw(st.booleans()), max_position_embeddings=256, initializer_range=0.1,
-              **draw(heads()))
+    kw = draw(common(intermediate=(32, 64), sliding_window=draw(st.sampled_from([4, 8])),
+                     sliding_window_pattern=draw(st.sampled_from([2, 3]))))
     if draw(st.booleans()):
-        kw["layer_types"] = draw(st.lists(st.sampled_from(["sliding_attention", "full_attention"]),
-                                          min_size=layers, max_size=layers))
+        kw["layer_types"] = layer_types(draw, kw["num_hidden_layers"])
     kw["rope_parameters"] = draw(rope())
     drawn = Drawn(kw, old_layout=draw(st.booleans()))
-    if draw(st.integers(0, 5)) == 0:
-        kw["hidden_act"], drawn.refused = "gelu", "hidden_act"
+    refuse(draw, drawn, {"hidden_act": "gelu"})
     return drawn
 
 
@@ -142,16 +123,12 @@ def test_exaone4_configs(drawn):
 @st.composite
 def gpt_oss_configs(draw):
     """gpt-oss: experts and top-k, the window and layer types, the SwiGLU clamp, sinks (perturbed)."""
-    layers = draw(st.sampled_from([2, 3]))
     experts = draw(st.sampled_from([2, 4, 8]))
-    kw = dict(vocab_size=VOCAB, num_hidden_layers=layers, intermediate_size=draw(st.sampled_from([32, 64])),
-              num_local_experts=experts, num_experts_per_tok=draw(st.integers(1, min(4, experts))),
-              sliding_window=draw(st.sampled_from([4, 8, 16])), swiglu_limit=draw(st.sampled_from([7.0, 0.5])),
-              tie_word_embeddings=draw(st.booleans()), max_position_embeddings=256, initializer_range=0.1,
-              **draw(heads()))
+    kw = draw(common(intermediate=(32, 64)))
+    kw.update(num_local_experts=experts, num_experts_per_tok=draw(st.integers(1, min(4, experts))),
+              sliding_window=draw(st.sampled_from([4, 8, 16])), swiglu_limit=draw(st.sampled_from([7.0, 0.5])))
     if draw(st.booleans()):
-        kw["layer_types"] = draw(st.lists(st.sampled_from(["sliding_attention", "full_attention"]),
-                                          min_size=layers, max_size=layers))
+        kw["layer_types"] = layer_types(draw, kw["num_hidden_layers"])
     kw["rope_parameters"] = draw(rope(("default", "yarn")))
     return Drawn(kw)
 
@@ -170,23 +147,23 @@ def test_gpt_oss_configs(drawn):
     check_drawn(gpt_oss_hf, drawn)
 
 
+def sliding_window_on(kw):
+    kw.update(use_sliding_window=True, sliding_window=8)
+
+
 @st.composite
 def qwen_configs(draw):
     """Qwen 2 (q/k/v biases) and Qwen 3 (q/k norms) on the Llama family; a window they switch on
     (use_sliding_window) is refused."""
     kind = draw(st.sampled_from(["qwen2", "qwen3"]))
-    kw = dict(vocab_size=VOCAB, num_hidden_layers=draw(st.sampled_from([2, 3])),
-              intermediate_size=draw(st.sampled_from([32, 64])), tie_word_embeddings=draw(st.booleans()),
-              max_position_embeddings=256, initializer_range=0.1, **draw(heads()))
+    kw = draw(common(intermediate=(32, 64)))
     if kind == "qwen2":
         kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]    # Qwen 2 has no head_dim apart
     else:
         kw["attention_bias"] = draw(st.booleans())
     kw["rope_parameters"] = draw(rope())
     drawn = Drawn(dict(kw, kind=kind), old_layout=draw(st.booleans()))
-    if draw(st.integers(0, 5)) == 0:
-        drawn.kwargs.update(use_sliding_window=True, sliding_window=8)
-        drawn.refused = "use_sliding_window"
+    refuse(draw, drawn, {"use_sliding_window": sliding_window_on})
     return drawn
 
 
@@ -201,3 +178,40 @@ def qwen_hf(kind, **kw):
 @given(qwen_configs())
 def test_qwen_configs(drawn):
     check_drawn(qwen_hf, drawn)
+
+
+@st.composite
+def qwen3_moe_configs(draw):
+    """Qwen 3 MoE: experts and top-k, renormalized or not, dense layers among them
+    (decoder_sparse_step, mlp_only_layers), Qwen 3's attention options; the transformers 4
+    layout names the expert count num_experts."""
+    kw = draw(common(intermediate=(32, 48)))
+    experts = draw(st.sampled_from([2, 4, 8]))
+    kw.update(num_experts=experts, num_experts_per_tok=draw(st.integers(1, min(4, experts))),
+              moe_intermediate_size=draw(st.sampled_from([16, 32])), norm_topk_prob=draw(st.booleans()),
+              decoder_sparse_step=draw(st.sampled_from([1, 2])), attention_bias=draw(st.booleans()),
+              mlp_only_layers=draw(st.lists(st.integers(0, kw["num_hidden_layers"] - 1), unique=True, max_size=1)),
+              rope_parameters=draw(rope()))
+    drawn = Drawn(kw, old_layout=draw(st.booleans()))
+    refuse(draw, drawn, {"hidden_act": "gelu", "use_sliding_window": sliding_window_on})
+    return drawn
+
+
+def qwen3_moe_hf(**kw):
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(**kw))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():   # transformers zero-inits the routers
+        for layer in hf.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                gate.weight.normal_(0.0, 0.3, generator=g)
+    return hf
+
+
+@DRAWS
+@given(qwen3_moe_configs())
+def test_qwen3_moe_configs(drawn):
+    check_drawn(qwen3_moe_hf, drawn)

@@ -279,3 +279,45 @@ def test_bailing_hybrid_configs(drawn):
     from transformers import BailingHybridConfig, BailingHybridForCausalLM
 
     check_drawn(routed(BailingHybridForCausalLM, BailingHybridConfig), drawn)
+
+
+@st.composite
+def rwkv7_configs(draw):
+    """RWKV-7 (rwkv7-hf's classes, fla-hub's layout): head dim, the four low-rank widths, the
+    channel-mix width (explicit or by ratio), norm eps and bias. Not drawn: a value or attention
+    width apart from hidden (the reference builds none) and tied embeddings (rwkv7-hf never ties a
+    stored head, fla's class does, turnkv follows the flag; released files do not tie)."""
+    hidden = draw(st.sampled_from([32, 64]))
+    kw = dict(vocab_size=128, hidden_size=hidden, num_hidden_layers=draw(st.sampled_from([1, 2, 3])),
+              head_dim=draw(st.sampled_from([8, 16])), decay_low_rank_dim=draw(st.sampled_from([8, 16])),
+              gate_low_rank_dim=draw(st.sampled_from([8, 32])), a_low_rank_dim=draw(st.sampled_from([8, 16])),
+              v_low_rank_dim=draw(st.sampled_from([4, 8])), norm_eps=draw(st.sampled_from([1e-5, 1e-6])),
+              norm_bias=draw(st.booleans()), initializer_range=0.1)
+    if draw(st.booleans()):
+        kw["intermediate_size"] = draw(st.sampled_from([64, 96]))
+    else:
+        kw["hidden_ratio"] = draw(st.sampled_from([2.0, 4.0]))
+    return Drawn(kw)
+
+
+def rwkv7_hf(**kw):
+    """rwkv7-hf's init leaves the token-shift mixes, ``r_k`` and the norms at 0 / 1: every tensor
+    that is not a matrix gets values."""
+    import torch
+    from rwkv7_hf import RWKV7Config, RWKV7ForCausalLM
+
+    hf = RWKV7ForCausalLM(RWKV7Config(**kw))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if ".x_" in name:
+                p.copy_(torch.rand(p.shape, generator=g))
+            elif p.ndim == 1 or name.endswith("r_k"):
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return hf
+
+
+@DRAWS
+@given(rwkv7_configs())
+def test_rwkv7_configs(drawn):
+    check_drawn(rwkv7_hf, drawn)
