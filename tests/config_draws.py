@@ -154,4 +154,35 @@ def check_drawn(make_hf, drawn: Drawn, seed: int = 0, n: int = 24, chunk: int = 
     return check_parity(model, hf, prompt(n, seed=seed + 1, vocab=VOCAB), chunk=chunk, decode=decode)
 
 
-__all__ = ["DRAWS", "Drawn", "VOCAB", "check_drawn", "common", "heads", "layer_types", "refuse", "rope"]
+def check_vision(hf, save_processor, features, refused: str | None = None, size=(40, 50), seed: int = 0):
+    """``hf`` (a vision-language model, perturbed) saved with the processor settings
+    ``save_processor(folder)`` writes, loaded by turnkv: one picture of ``size`` prepared by
+    turnkv, then its rows from turnkv's ``encode_image`` against ``features(hf, image)``
+    (transformers' image features on the same pixels): as many rows as the image's tokens, within
+    1e-4. With ``refused``, the load must raise UnsupportedConfig naming that field."""
+    import torch
+    from turnkv.loading import load_checkpoint
+    from turnkv.models import family_class
+    from vision_chat import picture
+
+    perturb_vectors(hf.eval())
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp)
+        save_processor(Path(tmp))
+        ckpt = load_checkpoint(tmp, dtype=torch.float32, progress=False)
+        if refused is not None:
+            with pytest.raises(UnsupportedConfig, match=refused):
+                family_class(ckpt.architecture).from_checkpoint(ckpt.config, ckpt.tensors, torch.float32)
+            return
+        model = family_class(ckpt.architecture).from_checkpoint(ckpt.config, ckpt.tensors, torch.float32).eval()
+        model.load_processor(tmp)
+    image = model.prepare_image(picture(seed, size))
+    ours = model.encode_image(image)
+    with torch.no_grad():
+        ref = features(hf, image)
+    assert ours.shape == ref.shape and ours.shape[0] == image.n_rows, (ours.shape, ref.shape, image.n_rows)
+    diff = (ours - ref).abs().max().item()
+    assert diff < 1e-4, f"image rows: max abs diff {diff:.3g} vs transformers"
+
+
+__all__ = ["DRAWS", "Drawn", "VOCAB", "check_drawn", "check_vision", "common", "heads", "layer_types", "refuse", "rope"]

@@ -23,8 +23,12 @@ from .tensors import param, take
 from .vision_settings import expect, read_settings, salt, transformers_processor
 
 
+ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu")
+
+
 @dataclass
 class VisionArgs(BaseArgs):
+    computes = {"hidden_act": ACTIVATIONS}
     hidden_size: int = 1152
     intermediate_size: int = 3072
     num_hidden_layers: int = 12
