@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..images import ImageInput, content_digest, image_id_of, merge_embeddings
-from .base import Model, embedding
-from .idefics3 import VisionArgs, VisionLayer, _act
+from .base import Model, embedding, refuse_unsupported
+from .idefics3 import ACTIVATIONS, VisionArgs, VisionLayer, _act
 from .lfm2 import Lfm2Model
 from .lfm2 import ModelArgs as TextArgs
 from .tensors import param, take
@@ -227,6 +227,7 @@ class Lfm2VlModel(Model):
         self.text = Lfm2Model(text_args, text_cfg, text_t, dtype)
         self.args = self.text.args
         vcfg = dict(config.get("vision_config") or {})
+        refuse_unsupported(config, {"projector_hidden_act": ACTIVATIONS})
         self.vision_args = VisionArgs.from_dict(vcfg)
         vp = _prefix(tensors, ("model.vision_tower.vision_model.", "model.vision_tower."),
                      "embeddings.patch_embedding.weight")

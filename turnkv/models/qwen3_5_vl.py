@@ -33,7 +33,7 @@ from torch import nn
 
 from ..cache import specs
 from ..images import ImageInput, content_digest, image_id_of, is_key, merge_embeddings, split_key
-from .base import linear, rms_norm
+from .base import UnsupportedConfig, linear, rms_norm
 from .batch import Batch, select_rows
 from .qwen3_5 import Qwen3_5Model
 from .qwen3_next import LINEAR
@@ -171,7 +171,11 @@ class Qwen3_5VlModel(Qwen3_5Model):
         self.merge = self.vision.merge
         self.image_token_id = int(config.get("image_token_id", 248056))
         self.image_marker = "<|image_pad|>"
-        self.mrope_layer = next(i for i, layer in enumerate(self.layers) if layer.kind == LINEAR)
+        linear_layers = [i for i, layer in enumerate(self.layers) if layer.kind == LINEAR]
+        if not linear_layers:
+            raise UnsupportedConfig("qwen3_5: config field layer_types without a linear_attention layer is not "
+                                    "supported with images (the M-RoPE position delta is kept in its state)")
+        self.mrope_layer = linear_layers[0]
         tcfg = config.get("text_config") or {}
         rope = dict(tcfg.get("rope_parameters") or tcfg.get("rope_scaling") or {})
         sec = list(rope.get("mrope_section") or [11, 11, 10])
