@@ -16,7 +16,8 @@ that, so this is the share of later turns that reused from the serving replica's
 re-prefilled their history (beyond what a shared system prompt saves). With --redis a moved
 conversation restores from Redis too: "redis" is the count of lookups the replicas' Redis tier
 answered (replica /v1/cache/stats), and "memory" then counts history reused from either.
-"reqs/replica" is how many requests each replica served (its prompt-cache lookups).
+"lookups/replica" is each replica's count of prompt-cache lookups (about one a request it served):
+where the router sent the load.
 
 The load before each run (1-minute load average) is printed beside it: other processes share the
 cores, and runs compare only within one invocation. With --rounds > 1 the layouts run in
