@@ -145,6 +145,8 @@ def run(args) -> int:
     print(f"turnkv: {loaded.name}, weights {loaded.weights}, KV {kv_mode}, {torch.get_num_threads()} threads; "
           f"{len(tokens)} tokens, {n_chunks} chunks of {args.ctx_size}, batch {args.batch_size}, "
           f"BOS {'added' if bos is not None else 'not added'}", file=sys.stderr)
+    if getattr(loaded.net, "gguf_types", None):     # per type: the kernel that runs it, or a float copy
+        print(f"turnkv: GGUF kernels: {loaded.net.gguf_types}", file=sys.stderr)
 
     def show(i: int, scores: Scores) -> None:
         sys.stdout.write(f"[{i + 1}]{scores.running[-1]:.4f},")
