@@ -103,14 +103,34 @@ def rope(draw, kinds=("default", "linear", "llama3", "yarn")):
 OLD_NAMES = {"qwen3_moe": {"num_local_experts": "num_experts"}}
 
 
+def kimi_released(cfg: dict) -> None:
+    """Kimi Linear's released config.json (its remote code's layout): the KDA settings and the
+    1-based layer lists in ``linear_attn_config``, no layer type lists."""
+    types = cfg.pop("layer_types")
+    cfg["linear_attn_config"] = {
+        "head_dim": cfg.pop("linear_head_dim"), "num_heads": cfg.pop("linear_num_heads"),
+        "short_conv_kernel_size": cfg.pop("linear_conv_kernel_dim"),
+        "full_attn_layers": [i + 1 for i, t in enumerate(types) if t == "full_attention"],
+        "kda_layers": [i + 1 for i, t in enumerate(types) if t == "linear_attention"]}
+
+
+# older layouts that are more than renames, per model type
+OLD_REWRITES = {"kimi_linear": kimi_released}
+
+
 def to_old_layout(folder: Path) -> None:
-    """Rewrite a saved config.json as transformers 4 wrote it: ``rope_theta`` and
-    ``partial_rotary_factor`` at the top, the scaling (with the old ``type`` key) in
-    ``rope_scaling``, the fields of ``OLD_NAMES`` under their old names."""
+    """Rewrite a saved config.json as transformers 4 (or the family's released remote code) wrote
+    it: ``rope_theta`` and ``partial_rotary_factor`` at the top, the scaling (with the old
+    ``type`` key) in ``rope_scaling``, the fields of ``OLD_NAMES`` under their old names, the
+    ``OLD_REWRITES`` of the model type."""
     path = folder / "config.json"
     cfg = json.loads(path.read_text())
     for new, old in OLD_NAMES.get(cfg["model_type"], {}).items():
         cfg[old] = cfg.pop(new)
+    OLD_REWRITES.get(cfg["model_type"], lambda cfg: None)(cfg)
+    if "rope_parameters" not in cfg:
+        path.write_text(json.dumps(cfg))
+        return
     params = dict(cfg.pop("rope_parameters"))
     if "full_attention" in params:      # per layer type (Gemma 3): the local theta had its own key
         cfg["rope_local_base_freq"] = params.pop("sliding_attention")["rope_theta"]

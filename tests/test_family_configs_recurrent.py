@@ -200,7 +200,7 @@ def latent_moe(draw, layers=(2, 3, 4)):
     """What Kimi Linear and Bailing hybrid share: MLA's latent sizes (an odd latent width, the q
     LoRA path or not, v wider than q/k), the sigmoid-routed MoE with a score-correction bias
     (experts, groups kept, top-k, shared experts, renormalization, scaling), the dense layers
-    first or an explicit MLP type list."""
+    first or an explicit MLP type list, the RMSNorm eps (not the latent norms')."""
     kw = draw(common(layers=layers, head_dim=None))
     del kw["head_dim"]
     kw.update(num_key_value_heads=kw["num_attention_heads"], pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -213,7 +213,8 @@ def latent_moe(draw, layers=(2, 3, 4)):
               num_local_experts=experts, n_group=groups, topk_group=kept,
               num_experts_per_tok=draw(st.integers(1, min(4, experts // groups * kept))),
               n_shared_experts=draw(st.sampled_from([1, 2])), norm_topk_prob=draw(st.booleans()),
-              routed_scaling_factor=draw(st.sampled_from([1.0, 2.5])), attention_bias=draw(st.booleans()))
+              routed_scaling_factor=draw(st.sampled_from([1.0, 2.5])), attention_bias=draw(st.booleans()),
+              rms_norm_eps=draw(st.sampled_from([1e-5, 1e-6])))
     if draw(st.booleans()):
         kw["mlp_layer_types"] = draw(st.lists(st.sampled_from(["dense", "sparse"]), min_size=n, max_size=n))
     else:
@@ -235,12 +236,12 @@ def routed(model_class, config_class):
 @st.composite
 def kimi_linear_configs(draw):
     """Kimi Linear: the latent attention and MoE, the KDA heads, head dim and conv kernel, which
-    layers are KDA."""
+    layers are KDA; the released layout (linear_attn_config) or transformers 5's."""
     kw = draw(latent_moe())
     kw.update(linear_head_dim=draw(st.sampled_from([8, 16])), linear_num_heads=draw(st.sampled_from([2, 4])),
               linear_conv_kernel_dim=draw(st.sampled_from([2, 4])),
               layer_types=layer_types(draw, kw["num_hidden_layers"], ("linear_attention", "full_attention")))
-    drawn = Drawn(kw)
+    drawn = Drawn(kw, old_layout=draw(st.booleans()))
     refuse(draw, drawn, {"hidden_act": "gelu"})
     return drawn
 

@@ -50,7 +50,7 @@ from ..cache.kv import KVView
 from .base import Model, apply_rope, attention, embedding, linear, rms_norm
 from .batch import Batch, Span, spans_apply
 from .decoder import GatedMLP, HybridBlock, rope_for
-from .kimi_linear import LatentMoEArgs, MoE, first_set, kda_chunked, kda_step, l2norm
+from .kimi_linear import LATENT_NORM_EPS, LatentMoEArgs, MoE, first_set, kda_chunked, kda_step, l2norm
 from .rope_config import rope_params
 from .ssm import causal_conv1d
 from .tensors import fused_weight, param, stored, take, weight
@@ -200,7 +200,7 @@ class LatentAttention(nn.Module):
         self.nope, self.dv = a.qk_nope_head_dim, a.v_head_dim
         self.dqk = self.nope + self.r
         self.scale = scale
-        self.eps = a.rms_norm_eps
+        self.eps = LATENT_NORM_EPS
         self.half = -(-(self.R + self.r) // 2)          # the latent, split in two as the store's K and V
         bias = a.attention_bias
         self.q_lora = a.q_lora_rank is not None

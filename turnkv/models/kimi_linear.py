@@ -43,6 +43,11 @@ LINEAR, FULL = "linear_attention", "full_attention"
 KDA_CHUNK = 64
 
 
+# transformers builds MLA's q_a / kv_a RMSNorms with their class default eps, not the config's
+# rms_norm_eps (1e-5 in Kimi Linear's released config)
+LATENT_NORM_EPS = 1e-6
+
+
 def first_set(*values, default=None):
     """The first of ``values`` that is not None, else ``default`` (a setting a config may spell two ways)."""
     return next((x for x in values if x is not None), default)
@@ -250,7 +255,7 @@ class LatentAttention(nn.Module):
         self.nope, self.dv = a.qk_nope_head_dim, a.v_head_dim
         self.dqk = self.nope + self.r
         self.scale = self.dqk ** -0.5
-        self.eps = a.rms_norm_eps
+        self.eps = LATENT_NORM_EPS
         self.half = -(-(self.R + self.r) // 2)          # the latent, split in two as the store's K and V
         bias = a.attention_bias
         self.q_lora = a.q_lora_rank is not None
