@@ -20,6 +20,8 @@ from tiny import prompt
 from turnkv.models.base import UnsupportedConfig
 
 VOCAB = 128
+# norm eps values: a large one too, so a norm given the wrong eps shows beyond the tolerance
+EPS = [1e-6, 1e-5, 1e-3]
 # derandomized: the same draws on every run (CI reproducible); no example database on disk
 DRAWS = settings(max_examples=25, derandomize=True, deadline=None, database=None, print_blob=True,
                  suppress_health_check=list(HealthCheck))
@@ -48,11 +50,12 @@ def heads(draw, hidden=(32, 64)):
 
 @st.composite
 def common(draw, layers=(2, 3), intermediate=(32, 48, 64), hidden=(32, 64), **fixed):
-    """The keyword arguments every decoder draws: vocab, depth, MLP width, tied embeddings and
-    ``heads``; ``fixed`` overrides any of them."""
+    """The keyword arguments every decoder draws: vocab, depth, MLP width, tied embeddings, the
+    RMSNorm eps and ``heads``; ``fixed`` overrides any of them."""
     kw = dict(vocab_size=VOCAB, num_hidden_layers=draw(st.sampled_from(layers)),
               intermediate_size=draw(st.sampled_from(intermediate)), tie_word_embeddings=draw(st.booleans()),
-              max_position_embeddings=256, initializer_range=0.1, **draw(heads(hidden)))
+              rms_norm_eps=draw(st.sampled_from(EPS)), max_position_embeddings=256, initializer_range=0.1,
+              **draw(heads(hidden)))
     kw.update(fixed)
     return kw
 
@@ -205,4 +208,4 @@ def check_vision(hf, save_processor, features, refused: str | None = None, size=
     assert diff < 1e-4, f"image rows: max abs diff {diff:.3g} vs transformers"
 
 
-__all__ = ["DRAWS", "Drawn", "VOCAB", "check_drawn", "check_vision", "common", "heads", "layer_types", "refuse", "rope"]
+__all__ = ["DRAWS", "EPS", "Drawn", "VOCAB", "check_drawn", "check_vision", "common", "heads", "layer_types", "refuse", "rope"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from config_draws import DRAWS, Drawn, check_drawn, common, layer_types, refuse, rope
+from config_draws import DRAWS, EPS, Drawn, check_drawn, common, layer_types, refuse, rope
 
 
 @st.composite
@@ -17,12 +17,12 @@ def lfm2_configs(draw):
     """LFM2: which layers attend (full_attn_idxs, or the layer types transformers 5 writes), the
     conv cache length and bias, the feed-forward width rule, norm eps, RoPE kinds."""
     kw = draw(common(layers=(2, 3, 4), head_dim=None))
-    del kw["head_dim"]      # LFM2 has none apart from hidden / heads
+    del kw["head_dim"], kw["rms_norm_eps"]     # LFM2 has no head_dim apart from hidden / heads
     n = kw["num_hidden_layers"]
     attn = draw(st.lists(st.integers(0, n - 1), unique=True, max_size=n))
     kw.update(full_attn_idxs=sorted(attn), conv_L_cache=draw(st.sampled_from([2, 3, 4])), conv_bias=draw(st.booleans()),
               block_multiple_of=draw(st.sampled_from([8, 16])), block_auto_adjust_ff_dim=draw(st.booleans()),
-              block_ffn_dim_multiplier=draw(st.sampled_from([1.0, 1.5])), norm_eps=draw(st.sampled_from([1e-5, 1e-6])),
+              block_ffn_dim_multiplier=draw(st.sampled_from([1.0, 1.5])), norm_eps=draw(st.sampled_from(EPS)),
               rope_parameters=draw(rope()))
     return Drawn(kw, old_layout=draw(st.booleans()))
 
@@ -51,10 +51,11 @@ def mamba2_dims(draw, prefix="", names=("num_heads", "head_dim", "state_size", "
 
 @st.composite
 def mamba2_configs(draw):
-    """Mamba 2: the SSD sizes, biases, the residual in float32, the time-step clamp."""
+    """Mamba 2: the SSD sizes, biases, the residual in float32, the time-step clamp, norm eps."""
     kw = dict(vocab_size=128, num_hidden_layers=draw(st.sampled_from([1, 2, 3])), initializer_range=0.1,
               use_bias=draw(st.booleans()), use_conv_bias=draw(st.booleans()),
               residual_in_fp32=draw(st.booleans()), tie_word_embeddings=draw(st.booleans()),
+              layer_norm_epsilon=draw(st.sampled_from(EPS)),
               time_step_limit=draw(st.sampled_from([(0.0, float("inf")), (0.01, 0.1)])), **draw(mamba2_dims()))
     drawn = Drawn(kw)
     refuse(draw, drawn, {"hidden_act": "gelu"})
@@ -213,8 +214,7 @@ def latent_moe(draw, layers=(2, 3, 4)):
               num_local_experts=experts, n_group=groups, topk_group=kept,
               num_experts_per_tok=draw(st.integers(1, min(4, experts // groups * kept))),
               n_shared_experts=draw(st.sampled_from([1, 2])), norm_topk_prob=draw(st.booleans()),
-              routed_scaling_factor=draw(st.sampled_from([1.0, 2.5])), attention_bias=draw(st.booleans()),
-              rms_norm_eps=draw(st.sampled_from([1e-5, 1e-6])))
+              routed_scaling_factor=draw(st.sampled_from([1.0, 2.5])), attention_bias=draw(st.booleans()))
     if draw(st.booleans()):
         kw["mlp_layer_types"] = draw(st.lists(st.sampled_from(["dense", "sparse"]), min_size=n, max_size=n))
     else:
@@ -292,7 +292,7 @@ def rwkv7_configs(draw):
     kw = dict(vocab_size=128, hidden_size=hidden, num_hidden_layers=draw(st.sampled_from([1, 2, 3])),
               head_dim=draw(st.sampled_from([8, 16])), decay_low_rank_dim=draw(st.sampled_from([8, 16])),
               gate_low_rank_dim=draw(st.sampled_from([8, 32])), a_low_rank_dim=draw(st.sampled_from([8, 16])),
-              v_low_rank_dim=draw(st.sampled_from([4, 8])), norm_eps=draw(st.sampled_from([1e-5, 1e-6])),
+              v_low_rank_dim=draw(st.sampled_from([4, 8])), norm_eps=draw(st.sampled_from(EPS)),
               norm_bias=draw(st.booleans()), initializer_range=0.1)
     if draw(st.booleans()):
         kw["intermediate_size"] = draw(st.sampled_from([64, 96]))

@@ -22,7 +22,7 @@ def gemma3_configs(draw):
     kw.update(query_pre_attn_scalar=draw(st.sampled_from([kw["head_dim"], 24, 256])),
               sliding_window=draw(st.sampled_from([4, 8])), layer_types=layer_types(draw, layers),
               final_logit_softcapping=draw(st.sampled_from([None, 3.0])),
-              attn_logit_softcapping=draw(st.sampled_from([None, 2.0])), rms_norm_eps=1e-6)
+              attn_logit_softcapping=draw(st.sampled_from([None, 2.0])))
     kw["rope_parameters"] = {FULL: draw(rope()),
                              SLIDING: {"rope_type": "default", "rope_theta": draw(st.sampled_from([1e4, 5e4]))}}
     drawn = Drawn(kw, old_layout=draw(st.booleans()))

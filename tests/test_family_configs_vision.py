@@ -10,7 +10,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from config_draws import DRAWS, check_vision
+from config_draws import DRAWS, EPS, check_vision
 
 TEXT = dict(vocab_size=256, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
             max_position_embeddings=256)
@@ -21,7 +21,7 @@ def tower(draw, image=True) -> dict:
     """A SigLIP-style tower: width, MLP width, depth, heads, layer-norm eps."""
     return dict(hidden_size=draw(st.sampled_from([16, 32])), intermediate_size=draw(st.sampled_from([24, 64])),
                 num_hidden_layers=draw(st.sampled_from([1, 2])), num_attention_heads=draw(st.sampled_from([2, 4])),
-                layer_norm_eps=draw(st.sampled_from([1e-6, 1e-5])))
+                layer_norm_eps=draw(st.sampled_from(EPS)))
 
 
 @st.composite
