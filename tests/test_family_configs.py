@@ -122,11 +122,13 @@ def test_exaone4_configs(drawn):
 
 @st.composite
 def gpt_oss_configs(draw):
-    """gpt-oss: experts and top-k, the window and layer types, the SwiGLU clamp, sinks (perturbed)."""
+    """gpt-oss: experts and top-k, the window and layer types, the SwiGLU clamp and alpha, attention
+    biases, sinks (perturbed)."""
     experts = draw(st.sampled_from([2, 4, 8]))
     kw = draw(common(intermediate=(32, 64)))
     kw.update(num_local_experts=experts, num_experts_per_tok=draw(st.integers(1, min(4, experts))),
-              sliding_window=draw(st.sampled_from([4, 8, 16])), swiglu_limit=draw(st.sampled_from([7.0, 0.5])))
+              sliding_window=draw(st.sampled_from([4, 8, 16])), swiglu_limit=draw(st.sampled_from([7.0, 0.5])),
+              swiglu_alpha=draw(st.sampled_from([1.702, 1.0])), attention_bias=draw(st.booleans()))
     if draw(st.booleans()):
         kw["layer_types"] = layer_types(draw, kw["num_hidden_layers"])
     kw["rope_parameters"] = draw(rope(("default", "yarn")))

@@ -73,7 +73,8 @@ def test_mamba2_configs(drawn):
 @st.composite
 def granitemoehybrid_configs(draw):
     """Granite 4 hybrid: mamba / attention layer types, the SSD sizes and biases, routed experts
-    (none: the shared MLP alone) and top-k, the four muP multipliers, RoPE or NoPE, biases."""
+    (none: the shared MLP alone) and top-k, the four muP multipliers, RoPE or NoPE, biases, the
+    time-step clamp."""
     dims = draw(mamba2_dims("mamba_", ("n_heads", "d_head", "d_state", "n_groups", "d_conv", "chunk_size", "expand")))
     kw = draw(common(layers=(2, 3), intermediate=(16, 32), hidden=(dims["hidden_size"],), head_dim=None))
     del kw["head_dim"]
@@ -85,7 +86,8 @@ def granitemoehybrid_configs(draw):
               embedding_multiplier=draw(st.sampled_from([1.0, 6.0])), residual_multiplier=draw(st.sampled_from([1.0, 0.5])),
               attention_multiplier=draw(st.sampled_from([0.125, 0.25])), logits_scaling=draw(st.sampled_from([1.0, 2.0])),
               position_embedding_type=draw(st.sampled_from(["rope", "nope"])), attention_bias=draw(st.booleans()),
-              mamba_proj_bias=draw(st.booleans()), mamba_conv_bias=draw(st.booleans()), rope_parameters=draw(rope()))
+              mamba_proj_bias=draw(st.booleans()), mamba_conv_bias=draw(st.booleans()), rope_parameters=draw(rope()),
+              time_step_limit=draw(st.sampled_from([(0.0, float("inf")), (0.01, 0.1)])))
     drawn = Drawn(kw, old_layout=draw(st.booleans()))
     refuse(draw, drawn, {"hidden_act": "gelu"})
     return drawn

@@ -63,8 +63,9 @@ def test_ministral3_configs(drawn):
 
 @st.composite
 def llama4_configs(draw):
-    """Llama 4: experts and top-k, which layers are MoE, the NoPE layers, the chunk, QK-norm,
-    attention temperature tuning (a small floor so it changes within the prompt), biases."""
+    """Llama 4: experts and top-k, which layers are MoE and which are NoPE (by interval or as
+    explicit lists), the chunk, QK-norm, attention temperature tuning (a small floor so it changes
+    within the prompt), biases."""
     kw = draw(common(intermediate=(16, 32), head_dim=None))
     kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
     experts = draw(st.sampled_from([2, 4]))
@@ -75,6 +76,11 @@ def llama4_configs(draw):
               use_qk_norm=draw(st.booleans()), attn_temperature_tuning=draw(st.booleans()),
               floor_scale=draw(st.sampled_from([4, 8])), attn_scale=draw(st.sampled_from([0.1, 0.5])),
               attention_bias=draw(st.booleans()), rope_parameters=draw(rope(("default", "llama3"))))
+    n = kw["num_hidden_layers"]
+    if draw(st.booleans()):
+        kw["moe_layers"] = draw(st.lists(st.integers(0, n - 1), unique=True, max_size=n))
+    if draw(st.booleans()):     # 1 = the layer rotates
+        kw["no_rope_layers"] = draw(st.lists(st.sampled_from([0, 1]), min_size=n, max_size=n))
     drawn = Drawn(kw, old_layout=draw(st.booleans()))
     refuse(draw, drawn, {"hidden_act": "gelu"})
     return drawn
