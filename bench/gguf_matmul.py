@@ -53,6 +53,12 @@ def random_weight(qtype: Q, n: int, k: int, seed: int = 0) -> GGUFWeight:
         b[..., 82:84] = half()
     elif qtype == Q.MXFP4:   # one E8M0 byte: scales 2^-10 .. 2^-4
         b[..., 0] = rng.integers(118, 125, size=(n, k // block))
+    elif qtype in (Q.TQ1_0, Q.TQ2_0):
+        b[..., size - 2:] = half()
+    elif qtype == Q.IQ1_M:   # d's 4 nibbles in the top of its 4 scale words
+        d = half().view(np.uint16)[..., 0]
+        for i, byte in enumerate((49, 51, 53, 55)):
+            b[..., byte] = (b[..., byte] & 0x0F) | (((d >> (4 * i)) & 0xF) << 4).astype(np.uint8)
     else:
         b[..., 0:2] = half()
         if qtype in (Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K):

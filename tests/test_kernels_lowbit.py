@@ -1,4 +1,5 @@
-"""The 2- and 3-bit GGUF types on the native kernels (csrc/lowbit.h, turnkv/kernels/lowbit.py):
+"""The 1- to 3-bit GGUF types (IQ1_S / IQ1_M included) and the ternary TQ1_0 / TQ2_0 on the native
+kernels (csrc/lowbit.h, turnkv/kernels/lowbit.py):
 the reference's integer decoding == gguf-py's dequantization, every native path == the PyTorch
 reference bit for bit, a row's result independent of the rows it runs with (chunk-invariant),
 the largest integer dots exact, the error within activation rounding, and the C++ grids ==
@@ -21,7 +22,7 @@ from turnkv.kernels import GGUFWeight, lowbit, reference, tiles
 TYPES = [q for q in lowbit.LOWBIT if q in tk.SUPPORTED]
 ISAS = tk.available_isas()
 N, K = 67, 512                          # a partial 8-row tile; 2 super-blocks a row
-D_AT = {Q.Q2_K: (80, 82), Q.Q3_K: (108,)}   # the float16 scales' offsets (the IQ types: 0)
+D_AT = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.TQ1_0: (52,), Q.TQ2_0: (64,)}   # float16 scales' offsets (IQ: 0)
 
 
 def random_weight(qtype: Q, n: int = N, k: int = K, seed: int = 0) -> GGUFWeight:
@@ -30,7 +31,11 @@ def random_weight(qtype: Q, n: int = N, k: int = K, seed: int = 0) -> GGUFWeight
     blocks = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
     for at in D_AT.get(qtype, (0,)):
         d = rng.uniform(1e-4, 2e-3, size=(n, k // block)).astype(np.float16)
-        blocks[..., at:at + 2] = d.view(np.uint8).reshape(n, k // block, 2)
+        if qtype == Q.IQ1_M:   # d's 4 nibbles in the top of the 4 scale words (bytes 49, 51, 53, 55)
+            for i, byte in enumerate((49, 51, 53, 55)):
+                blocks[..., byte] = (blocks[..., byte] & 0x0F) | (((d.view(np.uint16) >> (4 * i)) & 0xF) << 4).astype(np.uint8)
+        else:
+            blocks[..., at:at + 2] = d.view(np.uint8).reshape(n, k // block, 2)
     return GGUFWeight.from_raw(blocks.reshape(n, -1), qtype, (n, k))
 
 
@@ -95,7 +100,8 @@ def test_native_equals_reference_and_rows_run_alone(qtype):
 def _largest_block(qtype: Q) -> np.ndarray:
     """A block at the type's largest |value| x |scale| (Q2_K: q 3, scale 15, min 0; Q3_K: q - 4 =
     -4, scale -32; IQ: grid entry 0 of the largest value where there is one, all signs negative,
-    sub-block scales at their top), d = 1."""
+    sub-block scales at their top; TQ: every q at its largest, 2 (TQ2_0: 3); IQ1: grid entry top
+    with delta +1/8, scales 15), d = 1."""
     size = GGML_QUANT_SIZES[qtype][1]
     b = np.zeros(size, np.uint8)
     one = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
@@ -103,6 +109,17 @@ def _largest_block(qtype: Q) -> np.ndarray:
         b[0:16], b[16:80], b[80:82] = 0x0F, 0xFF, one
     elif qtype == Q.Q3_K:
         b[108:110] = one                                  # hmask 0: q - 4 = -4; scales 0 - 32
+    elif qtype in (Q.TQ1_0, Q.TQ2_0):
+        b[:-2], b[-2:] = 0xFF, one                        # TQ1_0: 0xFF x 3^n stays >= 171, trit 2
+    elif qtype in (Q.IQ1_S, Q.IQ1_M):
+        top = int(lowbit.grid(qtype).sum(-1).argmax())
+        hi = (top >> 8) & 7
+        if qtype == Q.IQ1_S:
+            b[0:2], b[2:34] = one, top & 0xFF
+            b[34:50] = np.tile(np.frombuffer((hi * 0x249 | 7 << 12).to_bytes(2, "little"), np.uint8), 8)
+        else:   # d = 1.0 (0x3C00) in the scale words' top nibbles, every 3-bit scale 7
+            b[0:32], b[32:48] = top & 0xFF, hi | hi << 4
+            b[48:56] = np.frombuffer(np.array([0x0FFF, 0x0FFF, 0xCFFF, 0x3FFF], "<u2").tobytes(), np.uint8)
     else:
         b[0:2] = one
         g = lowbit.grid(qtype)
@@ -157,12 +174,12 @@ def test_cpp_grids_equal_gguf():
     """csrc/lowbit_grids.h holds gguf-py's grids, packed as its grid_hex (expanded by lowbit.h)."""
     text = (Path(tk.__file__).parent / "csrc" / "lowbit_grids.h").read_text()
     names = {Q.IQ2_XXS: "kIQ2XXSPacked", Q.IQ2_XS: "kIQ2XSPacked", Q.IQ2_S: "kIQ2SPacked",
-             Q.IQ3_XXS: "kIQ3XXSPacked", Q.IQ3_S: "kIQ3SPacked"}
+             Q.IQ3_XXS: "kIQ3XXSPacked", Q.IQ3_S: "kIQ3SPacked", Q.IQ1_S: "kIQ1SPacked"}
     for qtype, name in names.items():
         body = re.search(name + r"\[\d+\] = \{[^\n]*\n(.*?)\};", text, re.S).group(1)
         packed = np.array([int(v, 16) for v in re.findall(r"0x[0-9a-f]+", body)], np.int64)
         cls = getattr(gguf.quants, qtype.name)
-        bits = 2 if qtype.name.startswith("IQ2") else 4
+        bits = 4 if qtype.name.startswith("IQ3") else 2
         per = 8 if bits == 2 else 4
         idx = (packed[:, None] >> (bits * np.arange(per))) & ((1 << bits) - 1)
         assert torch.equal(torch.from_numpy(np.array(cls.grid_map, np.int64)[idx]).to(torch.int32), lowbit.grid(qtype)), qtype

@@ -1,10 +1,13 @@
-"""The 2- and 3-bit GGUF types in the PyTorch reference: Q2_K, Q3_K, IQ2_XXS, IQ2_XS, IQ2_S,
-IQ3_XXS, IQ3_S (csrc/lowbit.h does the same for the native kernels).
+"""The 1- to 3-bit GGUF types in the PyTorch reference: Q2_K, Q3_K, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS,
+IQ2_S, IQ3_XXS, IQ3_S, and the ternary TQ1_0 / TQ2_0 (csrc/lowbit.h does the same for the native
+kernels).
 
 A 256-value super-block decodes to integer values with one integer scale per 16 values (Q2_K: and
 an integer min), and d, the block's float16 scale times a power of two (exact): ggml's IQ2 sub-block
 scale d * (0.5 + s) / 4 is d / 8 * (2 s + 1) and IQ3_XXS's d * (0.5 + s) / 2 is d / 4 * (2 s + 1),
-so ``d * w - dmin * mn`` is gguf's dequantization. The grids are gguf-py's.
+and IQ1's d (2 s + 1) (g +- 1/8) is d / 8 * (2 s + 1) (8 g +- 1), so ``d * w - dmin * mn`` is
+gguf's dequantization. The grids are gguf-py's. TQ1_0 / TQ2_0: q - 1
+(q a trit, or 2 bits), every scale 1.
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 import gguf.quants
 
-LOWBIT = (Q.Q2_K, Q.Q3_K, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S)
+LOWBIT = (Q.Q2_K, Q.Q3_K, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.TQ1_0, Q.TQ2_0, Q.IQ1_S, Q.IQ1_M)
 # the power of two each type's d is taken times
-D_SCALE = {Q.IQ2_XXS: 0.125, Q.IQ2_XS: 0.125, Q.IQ2_S: 0.125, Q.IQ3_XXS: 0.25}
+D_SCALE = {Q.IQ2_XXS: 0.125, Q.IQ2_XS: 0.125, Q.IQ2_S: 0.125, Q.IQ3_XXS: 0.25, Q.IQ1_S: 0.125, Q.IQ1_M: 0.125}
 
 
 @functools.lru_cache(maxsize=None)
@@ -88,9 +91,55 @@ def _k_unpack(b: torch.Tensor, qtype: Q) -> dict:
     return {"w": (q - 4) * _per16(sc), "mn": None, "d": _f16(b[..., 108:110]), "dmin": None}
 
 
+def _tq_values(b: torch.Tensor, qtype: Q) -> torch.Tensor:
+    """TQ1_0 / TQ2_0: each value's q (0..2 / 0..3), [N, nsb, 256], in ggml's order."""
+    n, nsb = b.shape[:2]
+    if qtype == Q.TQ2_0:
+        shifts = torch.arange(0, 8, 2, dtype=torch.int64).reshape(1, 1, 1, 4, 1)
+        return ((b[..., 0:64].to(torch.int64).reshape(n, nsb, 2, 1, 32) >> shifts) & 3).reshape(n, nsb, 256)
+    pow3 = torch.tensor([1, 3, 9, 27, 81], dtype=torch.int64)
+
+    def trits(q: torch.Tensor, k: int) -> torch.Tensor:   # [.., m] bytes -> [.., k, m]: trit j of each
+        return ((q.to(torch.int64).unsqueeze(-2) * pow3[:k, None]) % 256 * 3) >> 8
+
+    parts = [trits(b[..., 0:32], 5), trits(b[..., 32:48], 5), trits(b[..., 48:52], 4)]
+    return torch.cat([p.reshape(n, nsb, -1) for p in parts], -1)
+
+
+def _iq1_values(b: torch.Tensor, qtype: Q) -> tuple[torch.Tensor, torch.Tensor]:
+    """IQ1_S / IQ1_M: (8 g +- 1 [N, nsb, 256], integer scales 2 s + 1 [N, nsb, 16])."""
+    n, nsb = b.shape[:2]
+    g = grid(qtype)
+    if qtype == Q.IQ1_S:
+        qh = b[..., 34:50].to(torch.int64).reshape(n, nsb, 8, 2)
+        qh = qh[..., 0] | (qh[..., 1] << 8)                                              # [N, nsb, 8]
+        idx = b[..., 2:34].to(torch.int64).reshape(n, nsb, 8, 4) | (((qh.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9])) & 7) << 8)
+        neg = ((qh >> 15) & 1).reshape(n, nsb, 8, 1, 1).expand(n, nsb, 8, 4, 1)
+        sc = (2 * ((qh >> 12) & 7) + 1).repeat_interleave(2, -1)
+    else:
+        h = _nibbles(b[..., 32:48]).reshape(n, nsb, 8, 4)                                 # group 4 ib + l
+        idx = b[..., 0:32].to(torch.int64).reshape(n, nsb, 8, 4) | ((h & 7) << 8)
+        neg = (h >> 3).unsqueeze(-1)
+        sw = b[..., 48:56].to(torch.int64).reshape(n, nsb, 4, 2)
+        sw = sw[..., 0] | (sw[..., 1] << 8)                                              # [N, nsb, 4]
+        sc = (2 * ((sw.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9])) & 7) + 1).reshape(n, nsb, 16)
+    vals = 8 * g[idx] + 1 - 2 * neg                                                        # [N, nsb, 8, 4, 8]
+    return vals.reshape(n, nsb, 256), sc
+
+
+def iq1m_d(b: torch.Tensor) -> torch.Tensor:
+    """IQ1_M's float16 d [N, nsb] from the top 4 bits of its 4 scale words (bytes 48..55)."""
+    sw = b[..., 48:56].to(torch.int32).reshape(*b.shape[:2], 4, 2)
+    sw = sw[..., 0] | (sw[..., 1] << 8)
+    bits = (sw[..., 0] >> 12) | ((sw[..., 1] >> 8) & 0xF0) | ((sw[..., 2] >> 4) & 0xF00) | (sw[..., 3] & 0xF000)
+    return bits.to(torch.int16).view(torch.float16).float()
+
+
 def _iq_values(b: torch.Tensor, qtype: Q) -> tuple[torch.Tensor, torch.Tensor]:
     """IQ grid types: (signed values [N, nsb, 256], integer scales [N, nsb, 16])."""
     n, nsb = b.shape[:2]
+    if qtype in (Q.IQ1_S, Q.IQ1_M):
+        return _iq1_values(b, qtype)
     g = grid(qtype)
     if qtype in (Q.IQ2_XXS, Q.IQ3_XXS):
         if qtype == Q.IQ2_XXS:
@@ -127,9 +176,12 @@ def unpack(b: torch.Tensor, qtype: Q) -> dict:
     [N, nsb, 256] (Q2_K's min per value) or None, "d": f32 [N, nsb], "dmin": f32 [N, nsb] or None}."""
     if qtype in (Q.Q2_K, Q.Q3_K):
         u = _k_unpack(b, qtype)
+    elif qtype in (Q.TQ1_0, Q.TQ2_0):
+        u = {"w": _tq_values(b, qtype) - 1, "mn": None, "d": _f16(b[..., -2:]), "dmin": None}
     else:
         vals, sc = _iq_values(b, qtype)
-        u = {"w": vals.to(torch.int64) * _per16(sc), "mn": None, "d": _f16(b[..., 0:2]) * D_SCALE.get(qtype, 1.0), "dmin": None}
+        d = iq1m_d(b) if qtype == Q.IQ1_M else _f16(b[..., 0:2])
+        u = {"w": vals.to(torch.int64) * _per16(sc), "mn": None, "d": d * D_SCALE.get(qtype, 1.0), "dmin": None}
     u["w"] = u["w"].to(torch.int32)
     if u["mn"] is not None:
         u["mn"] = u["mn"].to(torch.int32)

@@ -17,10 +17,11 @@ The math, which the native kernels reproduce bit for bit (docs/kernels.md):
   - Q6_K:               ``t = (d * dx) * float(sum_{two 16-value halves i} sc_i (dot_i - 32 bsum_i))``
   - IQ4_XS:             ``t = (d * dx) * float(sc * dot)``, sc = the sub-block's 6-bit scale - 32,
                         dot over the table values
-  - Q3_K and the IQ2 / IQ3 grid types: as Q6_K, ``t = (d * dx) * float(sum_i sc_i dot_i)`` over the
-                        chunk's two 16-value halves (Q3_K: dot over q - 4; IQ: over the signed grid
-                        values, d times a power of two); Q2_K: that ``- (dmin * dx) * float(sum_i
-                        m_i bsum_i)`` (lowbit.py)
+  - Q3_K, TQ1_0 / TQ2_0 and the IQ1 / IQ2 / IQ3 grid types: as Q6_K, ``t = (d * dx) * float(sum_i
+                        sc_i dot_i)`` over the chunk's two 16-value halves (Q3_K: dot over q - 4;
+                        TQ: over q - 1, sc_i = 1; IQ1: over 8 g +- 1; IQ2 / IQ3: over the signed
+                        grid values; IQ: d times a power of two); Q2_K: that ``- (dmin * dx) *
+                        float(sum_i m_i bsum_i)`` (lowbit.py)
 
 * The output is ``((t_0 + t_1) + t_2) + ...``: blocks added in order, one float32 accumulator per
   output element. Nothing depends on M, on the other rows, or on the thread count.
@@ -38,7 +39,8 @@ import gguf.quants
 from .lowbit import LOWBIT, unpack as unpack_lowbit
 
 SUPPORTED = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.F16, Q.BF16,
-             Q.Q3_K, Q.Q2_K, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.MXFP4)
+             Q.Q3_K, Q.Q2_K, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.MXFP4, Q.TQ1_0, Q.TQ2_0,
+             Q.IQ1_S, Q.IQ1_M)
 FLOAT_W = (Q.F16, Q.BF16)   # float weights kept as stored, float32 activations
 # 256-value super-blocks with per-32 or per-16 integer scales (IQ4_XS and the low-bit types are
 # computed like them)

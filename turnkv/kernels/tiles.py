@@ -40,6 +40,10 @@ _FIELDS = {
     _Q.IQ2_S: (2,) + (4,) * 8 + (4,) * 8 + (4,) * 2 + (4,) * 2,   # d, qs, signs, qh, scales
     _Q.IQ3_XXS: (2,) + (4,) * 16 + (4,) * 8,                  # d, qs, scales and signs
     _Q.IQ3_S: (2,) + (4,) * 16 + (4,) * 2 + (4,) * 8 + (4,),  # d, qs, qh, signs, scales
+    _Q.TQ1_0: (4,) * 12 + (4,) + (2,),                        # qs (5 trits a byte), qh (4 a byte), d
+    _Q.TQ2_0: (4,) * 16 + (2,),                               # qs (2 bits a value), d
+    _Q.IQ1_S: (2,) + (4,) * 8 + (4,) * 4,                     # d, qs, qh
+    _Q.IQ1_M: (4,) * 8 + (4,) * 4 + (4,) * 2,                 # qs, qh, scales (and d's bits)
     _Q.F16: (2,),                                             # one value a "block"
     _Q.BF16: (2,),
 }

@@ -10,7 +10,7 @@ namespace tkv {
 // ggml type ids
 enum QType : int { F16 = 1, BF16 = 30, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12,
                    Q5_K = 13, Q6_K = 14, IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22,
-                   IQ4_XS = 23, MXFP4 = 39 };
+                   IQ4_XS = 23, IQ1_S = 19, IQ1_M = 29, TQ1_0 = 34, TQ2_0 = 35, MXFP4 = 39 };
 
 // IQ4_NL / IQ4_XS: a 4-bit index into this non-linear table of int8 values (ggml's kvalues_iq4nl)
 alignas(16) static const int8_t kIQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -42,10 +42,11 @@ extern int g_fused_rows;    // the paired limit in force (set_fused_rows, 8..FUS
 inline int fused_rows_for(int isa) { return isa >= 2 && g_pair ? g_fused_rows : 8; }
 
 inline bool is_kquant(int qt) { return qt == Q4_K || qt == Q5_K || qt == Q6_K; }
-// the 2- and 3-bit types (lowbit.h): 256-value super-blocks decoded to int8 values and one
-// integer scale (and, Q2_K, min) per 16 values
+// the 2- and 3-bit types and the ternary ones (lowbit.h): 256-value super-blocks decoded to int8
+// values and one integer scale (and, Q2_K, min) per 16 values
 inline constexpr bool is_lowbit(int qt) {
-    return qt == Q2_K || qt == Q3_K || qt == IQ2_XXS || qt == IQ2_XS || qt == IQ2_S || qt == IQ3_XXS || qt == IQ3_S;
+    return qt == Q2_K || qt == Q3_K || qt == IQ2_XXS || qt == IQ2_XS || qt == IQ2_S || qt == IQ3_XXS || qt == IQ3_S ||
+           qt == TQ1_0 || qt == TQ2_0 || qt == IQ1_S || qt == IQ1_M;
 }
 // 256-value super-blocks with 32- or 16-value sub-block scales: the k-quants, IQ4_XS, the low-bit types
 inline bool is_super(int qt) { return is_kquant(qt) || qt == IQ4_XS || is_lowbit(qt); }
@@ -61,6 +62,7 @@ inline constexpr int block_bytes(int qt) {
         case IQ4_NL: return 18; case IQ4_XS: return 136; case MXFP4: return 17;
         case Q2_K: return 84; case Q3_K: return 110; case IQ2_XXS: return 66; case IQ2_XS: return 74;
         case IQ2_S: return 82; case IQ3_XXS: return 98; case IQ3_S: return 110;
+        case TQ1_0: return 54; case TQ2_0: return 66; case IQ1_S: return 50; case IQ1_M: return 56;
     }
     return 0;
 }
@@ -96,6 +98,10 @@ inline int block_fields(int qt, int* w) {
         case IQ2_S: add(2, 1); add(4, 8); add(4, 8); add(4, 2); add(4, 2); break;  // d, qs, signs, qh, scales
         case IQ3_XXS: add(2, 1); add(4, 16); add(4, 8); break;         // d, qs, scales and signs
         case IQ3_S: add(2, 1); add(4, 16); add(4, 2); add(4, 8); add(4, 1); break;  // d, qs, qh, signs, scales
+        case TQ1_0: add(4, 12); add(4, 1); add(2, 1); break;           // qs (5 trits a byte), qh (4), d
+        case TQ2_0: add(4, 16); add(2, 1); break;                      // qs (2 bits a value), d
+        case IQ1_S: add(2, 1); add(4, 8); add(4, 4); break;            // d, qs, qh
+        case IQ1_M: add(4, 8); add(4, 4); add(4, 2); break;            // qs, qh, scales (and d's bits)
     }
     return n;
 }
