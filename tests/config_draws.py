@@ -117,8 +117,16 @@ def kimi_released(cfg: dict) -> None:
         "kda_layers": [i + 1 for i, t in enumerate(types) if t == "linear_attention"]}
 
 
+def qwen_window_layers(cfg: dict) -> None:
+    """Qwen 2 / 3 before transformers wrote layer types: the window layers follow from
+    max_window_layers (kept only when they are the ones it gives)."""
+    n, first = cfg["num_hidden_layers"], cfg["max_window_layers"]
+    if cfg.get("layer_types") == ["sliding_attention" if i >= first else "full_attention" for i in range(n)]:
+        del cfg["layer_types"]
+
+
 # older layouts that are more than renames, per model type
-OLD_REWRITES = {"kimi_linear": kimi_released}
+OLD_REWRITES = {"kimi_linear": kimi_released, "qwen2": qwen_window_layers, "qwen3": qwen_window_layers}
 
 
 def to_old_layout(folder: Path) -> None:

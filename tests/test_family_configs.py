@@ -149,14 +149,17 @@ def test_gpt_oss_configs(drawn):
     check_drawn(gpt_oss_hf, drawn)
 
 
-def sliding_window_on(kw):
-    kw.update(use_sliding_window=True, sliding_window=8)
+def qwen_window(draw, kw: dict) -> None:
+    """Qwen's window: off (a window size the switch leaves unused, as the released configs have)
+    or on (use_sliding_window), short enough for the prompt to cross it."""
+    on = draw(st.booleans())
+    kw.update(use_sliding_window=on, sliding_window=draw(st.sampled_from([4, 8])) if on else 4096)
 
 
 @st.composite
 def qwen_configs(draw):
-    """Qwen 2 (q/k/v biases) and Qwen 3 (q/k norms) on the Llama family; a window they switch on
-    (use_sliding_window) is refused."""
+    """Qwen 2 (q/k/v biases) and Qwen 3 (q/k norms) on the Llama family, with the window on the
+    layers from max_window_layers on, or on the layers explicit layer types name."""
     kind = draw(st.sampled_from(["qwen2", "qwen3"]))
     kw = draw(common(intermediate=(32, 64)))
     if kind == "qwen2":
@@ -164,9 +167,11 @@ def qwen_configs(draw):
     else:
         kw["attention_bias"] = draw(st.booleans())
     kw["rope_parameters"] = draw(rope())
-    drawn = Drawn(dict(kw, kind=kind), old_layout=draw(st.booleans()))
-    refuse(draw, drawn, {"use_sliding_window": sliding_window_on})
-    return drawn
+    qwen_window(draw, kw)
+    kw["max_window_layers"] = draw(st.integers(0, kw["num_hidden_layers"]))
+    if kw["use_sliding_window"] and draw(st.booleans()):   # (sliding types without it fail in transformers)
+        kw["layer_types"] = layer_types(draw, kw["num_hidden_layers"])
+    return Drawn(dict(kw, kind=kind), old_layout=draw(st.booleans()))
 
 
 def qwen_hf(kind, **kw):
@@ -185,8 +190,8 @@ def test_qwen_configs(drawn):
 @st.composite
 def qwen3_moe_configs(draw):
     """Qwen 3 MoE: experts and top-k, renormalized or not, dense layers among them
-    (decoder_sparse_step, mlp_only_layers), Qwen 3's attention options; the transformers 4
-    layout names the expert count num_experts."""
+    (decoder_sparse_step, mlp_only_layers), Qwen 3's attention options, the window (on every
+    layer); the transformers 4 layout names the expert count num_experts."""
     kw = draw(common(intermediate=(32, 48)))
     experts = draw(st.sampled_from([2, 4, 8]))
     kw.update(num_experts=experts, num_experts_per_tok=draw(st.integers(1, min(4, experts))),
@@ -194,8 +199,9 @@ def qwen3_moe_configs(draw):
               decoder_sparse_step=draw(st.sampled_from([1, 2])), attention_bias=draw(st.booleans()),
               mlp_only_layers=draw(st.lists(st.integers(0, kw["num_hidden_layers"] - 1), unique=True, max_size=1)),
               rope_parameters=draw(rope()))
+    qwen_window(draw, kw)
     drawn = Drawn(kw, old_layout=draw(st.booleans()))
-    refuse(draw, drawn, {"hidden_act": "gelu", "use_sliding_window": sliding_window_on})
+    refuse(draw, drawn, {"hidden_act": "gelu"})
     return drawn
 
 

@@ -117,7 +117,12 @@ def test_qwen3_attention_bias_and_llama3_rope(tmp_path, bias):
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
-def test_sliding_window_is_refused(model_type):
-    config = (qwen3_config if model_type == "qwen3" else qwen2_config)(use_sliding_window=True, sliding_window=16)
-    with pytest.raises(ValueError, match="use_sliding_window"):
-        ModelArgs.from_dict(config.to_dict())
+def test_sliding_window_on_the_layers_from_max_window_layers(tmp_path, model_type):
+    """use_sliding_window: the layers from max_window_layers on attend within the window (as
+    transformers 5 resolves it; the released configs leave it off), over a prompt 5x the window."""
+    make = tiny if model_type == "qwen3" else tiny_qwen2
+    model, hf = make(tmp_path, seed=2, use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    assert [s.kind for s in model.cache_specs()] == ["full", "sliding", "sliding"]
+    check_parity(model, hf, prompt(80, seed=4), chunk=13, decode=6)
+    off = ModelArgs.from_dict(qwen3_config(sliding_window=16, max_window_layers=1).to_dict())
+    assert off.layer_types is None and off.sliding_window is None     # the window needs the switch

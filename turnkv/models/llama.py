@@ -1,6 +1,8 @@
 """Llama (SmolLM2 and friends), Qwen 2 and Qwen 3: full attention on every layer, fused QKV and
 gate/up projections. Qwen 2 adds biases to q/k/v (not o); Qwen 3 RMS-norms every q and k head
-before RoPE. Their sliding-window option (``use_sliding_window``) is refused at load."""
+before RoPE. Their sliding-window option (``use_sliding_window``, off in the released configs)
+windows the layers transformers 5 does: those ``layer_types`` names, by default every layer from
+``max_window_layers`` on (Qwen 3 MoE: every layer)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .base import UnsupportedConfig, apply_rope, attention_spans, embedding, linear, rms_norm
+from .base import apply_rope, attention_spans, embedding, linear, rms_norm
 from .batch import Batch
-from .decoder import DecoderArgs, DecoderModel, GatedMLP, out_weights, qk_norm_rows, qkv_weights
+from .decoder import FULL, SLIDING, DecoderArgs, DecoderModel, GatedMLP, out_weights, qk_norm_rows, qkv_weights
 from .fused import FusedSlot, fuse_llama_block, stack_for
 from .tensors import param, take
 
@@ -26,14 +28,19 @@ class ModelArgs(DecoderArgs):
     attention_bias: bool = False
     mlp_bias: bool = False
     use_sliding_window: bool = False
+    sliding_window: int | None = None
+    max_window_layers: int = 28
+    layer_types: list | None = None
     hidden_act: str = "silu"
 
     def __post_init__(self):
         super().__post_init__()
         t = self.model_type
-        if t in QWEN and self.use_sliding_window:
-            raise UnsupportedConfig(f"{t}: config field use_sliding_window=True is not supported "
-                                    "(every layer attends to the full context)")
+        if t in QWEN and self.use_sliding_window and self.sliding_window:
+            n, first = self.num_hidden_layers, 0 if t == "qwen3_moe" else self.max_window_layers
+            self.layer_types = self.layer_types or [SLIDING if i >= first else FULL for i in range(n)]
+        else:       # transformers drops the window (and so any sliding layer type) without the switch
+            self.sliding_window, self.layer_types = None, None
         # Qwen 2's q/k/v carry biases its config does not name; its o_proj has none
         self.qkv_bias = self.attention_bias or t == "qwen2"
         self.o_bias = self.attention_bias
