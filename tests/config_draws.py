@@ -95,8 +95,13 @@ def rope(draw, kinds=("default", "linear", "llama3", "yarn")):
     elif kind == "yarn":
         p.update(factor=factor, original_max_position_embeddings=16,
                  beta_fast=draw(st.sampled_from([32.0, 16.0])), beta_slow=1.0)
-        if draw(st.booleans()):
+        extra = draw(st.sampled_from(["none", "attention_factor", "mscale", "truncate"]))
+        if extra == "attention_factor":
             p["attention_factor"] = draw(st.sampled_from([0.8, 1.2]))
+        elif extra == "mscale":      # DeepSeek-style: the attention factor from two mscales
+            p.update(mscale=draw(st.sampled_from([0.707, 1.0])), mscale_all_dim=draw(st.sampled_from([0.0, 1.0])))
+        elif extra == "truncate":    # gpt-oss: the ramp's bounds not rounded
+            p["truncate"] = False
     elif kind == "longrope":
         p.update(short_factor=[1.0] * 4, long_factor=[2.0] * 4, original_max_position_embeddings=16)
     return p
