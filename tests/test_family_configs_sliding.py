@@ -157,6 +157,7 @@ def gemma4_configs(draw):
     full = ({"rope_type": "proportional", "partial_rotary_factor": draw(st.sampled_from([0.25, 0.5])),
              "rope_theta": 1e6} if full == "proportional" else draw(rope((full,))))
     kw["rope_parameters"] = {FULL: full, SLIDING: {"rope_type": "default", "rope_theta": 1e4}}
+    kw["use_bidirectional_attention"] = draw(st.sampled_from([None, "vision"]))     # images only: text stays causal
     drawn = Drawn(kw)
     refuse(draw, drawn, {"hidden_activation": "gelu", "use_bidirectional_attention": "all"})
     return drawn

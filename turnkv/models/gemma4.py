@@ -38,7 +38,8 @@ DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
 
 @dataclass
 class ModelArgs(BaseArgs):
-    computes = {"hidden_activation": ("gelu_pytorch_tanh", "gelu_tanh"), "use_bidirectional_attention": (None,)}
+    # "vision" makes only image tokens attend both ways: the text decoder stays causal ("all" does not)
+    computes = {"hidden_activation": ("gelu_pytorch_tanh", "gelu_tanh"), "use_bidirectional_attention": ("vision",)}
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
