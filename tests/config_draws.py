@@ -130,8 +130,25 @@ def qwen_window_layers(cfg: dict) -> None:
         del cfg["layer_types"]
 
 
+def lfm2_attention_indices(cfg: dict) -> None:
+    """LFM2 as released: which layers attend only as ``full_attn_idxs``, no layer types."""
+    del cfg["layer_types"]
+
+
+def gemma3_pattern(cfg: dict) -> None:
+    """Gemma 3 before transformers wrote layer types: every ``sliding_window_pattern``-th layer
+    global (rewritten only when the layer types follow such a pattern)."""
+    types, n = cfg["layer_types"], cfg["num_hidden_layers"]
+    for p in range(1, n + 2):
+        if types == ["full_attention" if (i + 1) % p == 0 else "sliding_attention" for i in range(n)]:
+            del cfg["layer_types"]
+            cfg["sliding_window_pattern"] = p
+            return
+
+
 # older layouts that are more than renames, per model type
-OLD_REWRITES = {"kimi_linear": kimi_released, "qwen2": qwen_window_layers, "qwen3": qwen_window_layers}
+OLD_REWRITES = {"gemma3_text": gemma3_pattern, "kimi_linear": kimi_released, "qwen2": qwen_window_layers, "qwen3": qwen_window_layers,
+                "lfm2": lfm2_attention_indices}
 
 
 def to_old_layout(folder: Path) -> None:

@@ -15,12 +15,16 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 @st.composite
 def gemma3_configs(draw):
-    """Gemma 3: query_pre_attn_scalar, the window and the layer types, soft-caps, a RoPE per layer
-    type (scaled on the global layers only, as the released 4B-27B are)."""
+    """Gemma 3: query_pre_attn_scalar, the window and the layer types (any, or every n-th layer
+    global: the transformers 4 layout then has only sliding_window_pattern), soft-caps, a RoPE per
+    layer type (scaled on the global layers only, as the released 4B-27B are)."""
     kw = draw(common())
     layers = kw["num_hidden_layers"]
+    pattern = draw(st.sampled_from([None, 2, 3]))     # None: any layer types
+    types = (layer_types(draw, layers) if pattern is None else
+             [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(layers)])
     kw.update(query_pre_attn_scalar=draw(st.sampled_from([kw["head_dim"], 24, 256])),
-              sliding_window=draw(st.sampled_from([4, 8])), layer_types=layer_types(draw, layers),
+              sliding_window=draw(st.sampled_from([4, 8])), layer_types=types,
               final_logit_softcapping=draw(st.sampled_from([None, 3.0])),
               attn_logit_softcapping=draw(st.sampled_from([None, 2.0])))
     kw["rope_parameters"] = {FULL: draw(rope()),
