@@ -66,7 +66,10 @@ ROWS = [
     Row("granitemoehybrid", "granitemoehybrid", (70, 3, 7, 10), long=None, rule=RECURRENT),
     Row("kimi_linear", "kimi_linear", (100, 5, 7, 12), greedy=(30, 7), rule=RECURRENT, kv_atol=KV_MODE_ATOL,
         weights="calm", gguf="kimi_linear"),
-    Row("lfm2", "lfm2", (80, 3, 7, 10), long=None, rule=RECURRENT),
+    # bfloat16 moves the tiny LFM2's logits by 4.5% (bfloat16 compute) and 3.2% (bf16 weights) of
+    # their scale, measured; afmoe's limits
+    Row("lfm2", "lfm2", (80, 3, 7, 10), long=None, rule=RECURRENT, weights="tiny",
+        tolerance={"native": 0.05, "bf16": 0.05}, gguf="lfm2"),
     # 100 tokens: six attention chunks, and the live chunked buffers drop whole blocks; 40 + 32
     # greedy tokens cross four chunk boundaries while decoding (its restore rule:
     # tests/test_family_llama4.py)

@@ -413,3 +413,17 @@ def make_rwkv7():
     model = build(vocab_size=VOCAB)
     model.config.eos_token_id = 2
     return model, ("conversion.rwkv.Rwkv7Model:gpt2",)
+
+
+def make_lfm2():
+    """LFM2: short-conv layers and attention layers, the conv hybrid of speculative decoding's
+    table under --weights gguf (tests/test_speculative.py). No conv bias, as released: the
+    converter squeezes every ``conv.conv`` tensor, the bias too."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Lfm2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=192, block_multiple_of=16,
+                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, full_attn_idxs=[1, 3],
+                     conv_L_cache=3, conv_bias=False, initializer_range=0.2, max_position_embeddings=4096,
+                     pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    return perturb(Lfm2ForCausalLM(cfg)), ()

@@ -10,16 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
 from .batch import Batch, Span, select_rows, spans_apply
-from .base import BaseArgs, Model, apply_rope, attention_spans, linear, rms_norm
-from .decoder import GatedMLP, qkv_weights, rope_for
+from .base import BaseArgs, Model, apply_rope, attention_spans, embedding, linear, rms_norm
+from .decoder import GatedMLP, embedding_and_head, qkv_weights, rope_for
 from .rope_config import rope_params
 from .ssm import causal_conv1d
-from .tensors import param, take
+from .tensors import param, stored, take, weight
 
 CONV, ATTENTION = "conv", "full_attention"
 
@@ -52,9 +51,9 @@ class ModelArgs(BaseArgs):
 class ShortConv(nn.Module):
     def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
         super().__init__()
-        self.w_in = param(take(t, f"{p}.in_proj.weight"), dtype)
+        self.w_in = weight(stored(t, f"{p}.in_proj.weight"), dtype)
         self.w_conv = param(take(t, f"{p}.conv.weight").squeeze(1), dtype)
-        self.w_out = param(take(t, f"{p}.out_proj.weight"), dtype)
+        self.w_out = weight(stored(t, f"{p}.out_proj.weight"), dtype)
         bias = a.conv_bias
         self.b_in = param(take(t, f"{p}.in_proj.bias"), dtype) if bias else None
         self.b_conv = param(take(t, f"{p}.conv.bias"), dtype) if bias else None
@@ -80,7 +79,7 @@ class Attention(nn.Module):
         self.scale = self.d ** -0.5
         self.eps = a.norm_eps
         self.wqkv, _ = qkv_weights(t, p, dtype)
-        self.wo = param(take(t, f"{p}.out_proj.weight"), dtype)
+        self.wo = weight(stored(t, f"{p}.out_proj.weight"), dtype)
         self.q_norm = param(take(t, f"{p}.q_layernorm.weight"), dtype)
         self.k_norm = param(take(t, f"{p}.k_layernorm.weight"), dtype)
 
@@ -114,15 +113,16 @@ class Block(nn.Module):
 class Lfm2Model(Model):
     family = "lfm2"
     Args = ModelArgs
+    packable_weights = ("w_in", "w_out", "wqkv", "wo", "wgu", "wdown")
+    head_weights = ("lm_head",)
+    embedding_weights = ("embed",)
 
     def __init__(self, args: ModelArgs, config: dict, tensors: dict, dtype: torch.dtype):
         super().__init__()
         self.args, self.dtype = args, dtype
-        self.embed = param(take(tensors, "model.embed_tokens.weight"), dtype)
+        self.embed, self.lm_head = embedding_and_head(tensors, dtype, args.tie_word_embeddings)
         self.layers = nn.ModuleList(Block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
         self.norm = param(take(tensors, "model.embedding_norm.weight"), dtype)
-        head = tensors.get("lm_head.weight")
-        self.lm_head = self.embed if head is None or args.tie_word_embeddings else param(head, dtype)
         self.rope = rope_for(rope_params(config), args.head_dim, dtype)
 
     def cache_specs(self):
@@ -131,7 +131,7 @@ class Lfm2Model(Model):
                 else specs.full(a.num_key_value_heads, a.head_dim) for lt in a.layer_types]
 
     def forward(self, batch):
-        return self.forward_embeds(F.embedding(batch.tokens, self.embed), batch)
+        return self.forward_embeds(embedding(batch.tokens, self.embed, self.dtype), batch)
 
     def forward_embeds(self, x, batch):
         """The decoder over input embeddings ``x`` [N, hidden] (LFM2-VL puts image rows in them)."""
