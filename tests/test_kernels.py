@@ -257,7 +257,8 @@ ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 9, 10, 12, 15, 16, 17, 23, 24, 31)
 
 @pytest.mark.parametrize("qtype", ALL, ids=lambda q: q.name)
 def test_decode_fast_path_equals_general(qtype):
-    """M = 1..8 (decode and decode batches: the fused path of the 32-value block types, weights
+    """M = 1..8 (decode and decode batches: the fused path of the 32-value block types and of
+    Q4_K / Q6_K / IQ4_XS at unpaired rows, weights
     decoded straight into registers, rows dotted in groups of up to 4; where rows go in pairs, up
     to 31 rows in passes of 8 over each tile) == the same rows inside an M = 40 call (unpack + dot
     path), on every path; N = 67 (a partial tile) and N = 1000 (split across threads)."""
@@ -447,6 +448,24 @@ def test_deferred_weights_tile_on_use_or_into_the_fused_buffer(qtype):
     assert torch.equal(lazy[1].matmul(x), eager[1].matmul(x)) and lazy[1]._pending is None
     tk.settle_deferred()
     assert lazy[0]._pending is None and torch.equal(lazy[0].raw, eager[0].raw)
+
+
+@native.needs(tk.native_available(), "the native kernels")
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.IQ4_XS, Q.MXFP4, Q.IQ2_XXS, Q.BF16],
+                         ids=lambda q: q.name)
+def test_native_tile_gather_equals_numpy(qtype, monkeypatch):
+    """The load's repack runs on the extension's gather; numpy's take (the build-less path) moves
+    the same bytes, both ways, padded last tile included."""
+    from turnkv.kernels import tiles
+
+    assert tiles.native_gather is not None
+    block, size = GGML_QUANT_SIZES[qtype]
+    rows = torch.randint(0, 256, (67, 512 // block * size), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    fast = tiles.tile_rows(rows, qtype)
+    back = tiles.untile_rows(fast, qtype, 67)
+    monkeypatch.setattr(tiles, "native_gather", None)
+    assert torch.equal(fast, tiles.tile_rows(rows, qtype)) and torch.equal(back, rows)
+    assert torch.equal(tiles.untile_rows(fast, qtype, 67), rows)
 
 
 def test_bfloat16_and_leading_dims():

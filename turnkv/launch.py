@@ -32,10 +32,11 @@ comes from the heap, not from mmap.)
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import sys
 from dataclasses import dataclass
+
+from .libc import libc as _libc
 
 MiB = 1 << 20
 
@@ -79,16 +80,6 @@ def recommended_env(threads: int | None = None, malloc: MallocSettings = RECOMME
     return {**malloc.env(), **thread_env(threads), **hugepage_env()}
 
 
-def _libc():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc if hasattr(libc, "mallopt") else None
-    except OSError:
-        return None
-
-
 def apply_malloc(settings: MallocSettings = RECOMMENDED_MALLOC) -> bool:
     """Apply ``settings`` to this process with mallopt(3). False where that is not glibc malloc
     or a value was rejected."""
@@ -101,15 +92,6 @@ def apply_malloc(settings: MallocSettings = RECOMMENDED_MALLOC) -> bool:
                          (_M_TOP_PAD, settings.top_pad)):
         ok &= bool(libc.mallopt(ctypes.c_int(param), ctypes.c_int(min(value, 2**31 - 1))))
     return ok
-
-
-def trim_heap() -> bool:
-    """Give the heap's free pages back to the OS (malloc_trim(3)); False where that is not glibc.
-    Called once a model is loaded: the load's temporaries (a GGUF's rows before their tiles, float
-    copies, file reads) are freed, but the no-trim settings above would keep their pages resident
-    for the life of the process."""
-    libc = _libc()
-    return libc is not None and hasattr(libc, "malloc_trim") and bool(libc.malloc_trim(ctypes.c_size_t(0)))
 
 
 @dataclass(frozen=True)

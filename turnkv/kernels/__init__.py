@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from . import reference
+from . import reference, tiles
 from .tiles import TILE_ROWS, _row_gather, tile_rows, untile_rows
 
 _Q = GGMLQuantizationType
@@ -73,6 +73,8 @@ def _load() -> None:
 
 
 _load()
+if _ext is not None and hasattr(_ext, "tile_gather"):
+    tiles.native_gather = _ext.tile_gather
 
 
 def _warn_fallback() -> None:

@@ -79,14 +79,29 @@ def _tile_index(qtype, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
     return forward, np.argsort(forward)
 
 
-def _gather_units(src: torch.Tensor, index: np.ndarray, rows: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``src`` [tiles * 8, row_bytes] uint8, each tile's units gathered by ``index`` into ``out``
-    (a contiguous [rows, row_bytes] uint8; a new one when None)."""
+# the native extension's gather (kernels/__init__.py sets it when the build has one), else numpy's
+native_gather = None
+
+
+@functools.lru_cache(maxsize=None)
+def _index_tensor(qtype, row_bytes: int, inverse: bool) -> torch.Tensor:
+    return torch.from_numpy(_tile_index(qtype, row_bytes)[int(inverse)].astype(np.int64))
+
+
+def _gather_units(src: torch.Tensor, qtype, inverse: bool, rows: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``src`` [tiles * 8, row_bytes] uint8, each tile's units gathered by ``_tile_index``'s
+    forward (or ``inverse``) index into ``out`` (a contiguous [rows, row_bytes] uint8; a new one
+    when None)."""
     rb = src.shape[1]
     if out is None:
         out = torch.empty((rows, rb), dtype=torch.uint8)
-    view = np.int16 if TILE_ROWS * rb == 2 * index.size else np.uint8
-    np.take(src.contiguous().numpy().view(view).reshape(rows // TILE_ROWS, -1), index, axis=1,
+    src = src.contiguous()
+    if native_gather is not None:
+        native_gather(src, _index_tensor(qtype, rb, inverse), out, _unit(qtype))
+        return out
+    index = _tile_index(qtype, rb)[int(inverse)]
+    view = np.int16 if _unit(qtype) == 2 else np.uint8
+    np.take(src.numpy().view(view).reshape(rows // TILE_ROWS, -1), index, axis=1,
             out=out.numpy().view(view).reshape(rows // TILE_ROWS, -1), mode="clip")
     return out
 
@@ -95,25 +110,25 @@ def tile_rows(rows: torch.Tensor, qtype, out: torch.Tensor | None = None) -> tor
     """GGUF rows [N, row_bytes] -> their tiles [ceil(N / 8) * 8, row_bytes], written into ``out``
     when given (a contiguous buffer of that shape: a slice of a fused weight's tiles), so rows
     still in a file's mapping are read once and written once."""
+    qtype = GGMLQuantizationType(qtype)
     n, rb = rows.shape
     npad = -(-n // TILE_ROWS) * TILE_ROWS
-    index = _tile_index(GGMLQuantizationType(qtype), rb)[0]
     if out is None:
         out = torch.empty((npad, rb), dtype=torch.uint8)
     whole = n - n % TILE_ROWS
     if whole:
-        _gather_units(rows[:whole], index, whole, out[:whole])
+        _gather_units(rows[:whole], qtype, False, whole, out[:whole])
     if npad != whole:      # the last tile, padded with zero rows
         last = rows.new_zeros(TILE_ROWS, rb)
         last[:n - whole] = rows[whole:]
-        _gather_units(last, index, TILE_ROWS, out[whole:])
+        _gather_units(last, qtype, False, TILE_ROWS, out[whole:])
     return out
 
 
 def untile_rows(tiles: torch.Tensor, qtype, n: int) -> torch.Tensor:
     """The inverse of ``tile_rows``: GGUF's rows [n, row_bytes]."""
     npad, rb = tiles.shape
-    rows = _gather_units(tiles, _tile_index(GGMLQuantizationType(qtype), rb)[1], npad)
+    rows = _gather_units(tiles, GGMLQuantizationType(qtype), True, npad)
     return rows if n == npad else rows[:n].contiguous()
 
 

@@ -30,7 +30,7 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, weights: str | No
     projector joined to a text GGUF (``load_checkpoint``: None finds a sibling, False none)."""
     from ..kernels import settle_deferred
     from ..kernels.attention import numerics_tag
-    from ..launch import trim_heap
+    from ..libc import trim_heap
     from ..models import family_class
     from ..models.weights import GGUF_FORMAT, check_format, default_format
     from ..models.weights import load_model as build

@@ -327,6 +327,7 @@ static torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor w, int64_t qt, i
 
 #include "fused_layer.inc"
 #include "moe_experts.inc"
+#include "tile_gather.inc"
 
 }  // namespace tkv
 
@@ -339,6 +340,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_fused_rows", &tkv::set_fused_rows, "the fused decode path's row limit (8..31; tests, A/B); returns the previous", py::arg("n"));
     m.def("pair", [] { return (int64_t)tkv::g_pair; }, "1 when the fused path pairs rows in 512-bit vectors");
     m.def("best_isa", &tkv::best_isa, "best ISA path: 0 scalar, 1 avx2, 2 avx512, 3 avx512vnni");
+    m.def("tile_gather", &tkv::tile_gather, "out[t, j] = src[t, index[j]] per tile of 1- or 2-byte units (the load's repack)",
+          py::arg("src"), py::arg("index"), py::arg("out"), py::arg("unit_bytes"), py::call_guard<py::gil_scoped_release>());
     tkv::register_fused(m);
     tkv::register_moe(m);
     m.def("write_attend", &tkv_attn::write_attend,
