@@ -147,8 +147,29 @@ def run_target(name: str, start, sessions, think: float, concurrent: int, steps:
             t0 = time.perf_counter()
             out[label] = run_sessions(server.url, groups, think)
             print(f"{name}: {label} done in {time.perf_counter() - t0:.1f} s", flush=True)
+            cache = cache_figures(server.url)
+            if cache:
+                out[label + " cache"] = cache
+                print(f"{name}: {label} cache: {json.dumps(cache)}", flush=True)
         finally:
             server.close()
+    return out
+
+
+def cache_figures(url: str) -> dict | None:
+    """turnkv's session figures after a run: resumes by source, evictions, the disk tier's hits."""
+    try:
+        r = httpx.get(url.removesuffix("/v1") + "/v1/cache/stats", timeout=30)
+        stats = r.json() if r.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        return None
+    if "resumes" not in stats:
+        return None
+    out = {k: stats.get(k) for k in ("resumes", "evictions", "head_evictions", "bytes", "budget_bytes")}
+    tiers = stats.get("tiers") or {}
+    if "disk" in tiers:
+        out["disk"] = {k: tiers["disk"].get(k) for k in ("hits", "tokens_reused", "writes", "entries", "bytes")}
+        out["write_behind"] = tiers.get("write_behind")
     return out
 
 
@@ -178,7 +199,7 @@ def report(results: dict, json_path: str | None) -> None:
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=1))
     names = list(results)
-    labels = list(dict.fromkeys(label for r in results.values() for label in r))
+    labels = list(dict.fromkeys(label for r in results.values() for label in r if not label.endswith(" cache")))
     for label in labels:
         print(f"\n== {label} ==")
         print(f"{'server':14} {'steps':>5} {'TTFT med':>9} {'p95':>7} {'srv 1st':>7} {'step 1':>7} {'step med':>8} "
