@@ -200,7 +200,7 @@ def main() -> int:
           f"{args.max_tokens} tokens a reply; {MODEL}; sglang-router {args.router_args}".rstrip()
           + (", shared Redis" if args.redis else ""))
     print(f"{'layout / policy':26} {'load':>5} {'wall s':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p95':>9} "
-          f"{'memory':>9} {'cached':>7} {'redis':>5}  reqs/replica")
+          f"{'memory':>9} {'cached':>7} {'redis':>5}  lookups/replica")
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="turnkv-scaleout-") as tmp:
         redis = start_redis(Path(tmp)) if args.redis else None
