@@ -89,15 +89,15 @@ def _gguf_tokenizer(src: _Source, header, fp: str, config: dict) -> Tokenizer | 
 
     if "tokenizer.ggml.model" not in header.metadata:
         return None  # weights-only GGUF
-    if header.metadata["tokenizer.ggml.model"] == "rwkv":
-        # llama.cpp's RWKV tokenizer: a greedy longest-match trie over the vocabulary's byte strings,
-        # with no merges; transformers cannot convert it and turnkv has no tokenizer of that kind
-        raise ModelLoadError(f"{src.path}: RWKV's world tokenizer (tokenizer.ggml.model 'rwkv', a greedy "
-                             "longest-match trie) is not supported; the file's weights load, its vocabulary does not")
     template = src.chat_template
     if template is None and "tokenizer.chat_template" not in header.metadata:
         fallback = _FALLBACK_TEMPLATES.get(header.architecture)
         template = shipped_template(fallback) if fallback else None
+    if header.metadata["tokenizer.ggml.model"] == "rwkv":
+        from .rwkv_tokenizer import load_rwkv_world_tokenizer
+
+        return load_rwkv_world_tokenizer(src.path, header.metadata, chat_template=template,
+                                         extra_eos_ids=_eos_ids(config))
     return load_gguf_tokenizer(src.path, fp, chat_template=template, extra_eos_ids=_eos_ids(config),
                                metadata=header.metadata)
 

@@ -6,8 +6,8 @@ The converter stacks the six time-mix interpolations ``x_r, x_w, x_k, x_v, x_a, 
 it), writes the LoRA down / up / bias of the decay, in-context rate, value-residual and gate
 projections as ``time_mix_{w,a,v,g}{1,2,0}`` and layer 0's ``pre_norm`` as ``token_embd_norm``;
 layer 0's ``time_mix_v*`` are dummies (copies of ``a``) that the model never reads. The world
-tokenizer (``tokenizer.ggml.model`` "rwkv", a trie over RWKV's vocabulary) is refused by the
-tokenizer loader with a clear error; a file with a GPT-2 style vocabulary loads as any other.
+tokenizer (``tokenizer.ggml.model`` "rwkv", a trie over RWKV's vocabulary) is loaded by
+loading/rwkv_tokenizer.py; a file with a GPT-2 style vocabulary loads as any other.
 """
 
 from __future__ import annotations
