@@ -103,3 +103,25 @@ def test_structured_output_is_refused_as_a_request_error(tok):
 
     with pytest.raises(GrammarError, match="RWKV's world tokenizer"):
         ll_tokenizer(tok)
+
+
+def test_chat_turns_reuse_the_earlier_turns_through_the_world_tokenizer():
+    # a recurrent state restores only at a message boundary the tokenizer found: turns 2 and 3 reuse
+    # what the earlier turns computed and generate what a cold engine generates
+    from turnkv.engine.engine import Engine
+    from turnkv.prompt_cache.store import PromptCache
+    from turnkv.engine.sampling import SamplingParams
+
+    on = Engine.load(str(FIXTURE), progress=False, prompt_cache=PromptCache(1 << 28))
+    off = Engine(on.model, on.tokenizer, fingerprint=on.fingerprint, prompt_cache=PromptCache(0),
+                 max_context=on.max_context)
+    history = [{"role": "system", "content": "Réponds en une phrase 🙂"}]
+    for turn, text in enumerate(["Bonjour 😀", "中文？", "1 + 1 =\tdeux"]):
+        history.append({"role": "user", "content": text})
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        a, b = on.generate(on.chat_request(history, params)), off.generate(off.chat_request(history, params))
+        assert a.token_ids == b.token_ids and b.usage.cached_tokens == 0
+        if turn:   # all the previous turn computed: its prompt and its reply but the last sampled token
+            assert a.usage.cached_tokens == last.usage.prompt_tokens + last.usage.completion_tokens - 1, a.usage
+        history.append({"role": "assistant", "content": a.text})
+        last = a
