@@ -453,3 +453,26 @@ def test_bundled_gemma_is_not_reassembled():
     first = locate_bundled("gemma3-270m")
     mtime = first.stat().st_mtime_ns
     assert locate_bundled("gemma3-270m") == first and first.stat().st_mtime_ns == mtime
+
+
+def test_a_gguf_that_cannot_fit_fails_before_the_load_naming_both_sizes():
+    """The fit check reads the header only: what the load would keep (GGUF blocks, or float
+    copies of every tensor) against the memory available; the engine refuses before loading."""
+    from turnkv.engine.engine import Engine
+    from turnkv.loading import ModelLoadError, gguf_path
+    from turnkv.loading.fit import check_fits, resident_bytes
+    from turnkv.loading.gguf import read_header
+
+    path = gguf_path("smollm2-135m")
+    header = read_header(path)
+    blocks = resident_bytes(header, True, torch.float32)
+    floats = resident_bytes(header, False, torch.float32)
+    n_float = sum(torch.Size(t.shape).numel() for t in header.tensors.values())
+    assert floats == 4 * n_float and blocks < floats / 3   # the bundled Q4/Q8 file: blocks, not float32
+    check_fits(path, True, torch.float32, available=blocks)        # exactly enough: fine
+    with pytest.raises(ModelLoadError, match=r"need 0\.[0-9] GiB .*kept in its GGUF blocks.*available"):
+        check_fits(path, True, torch.float32, available=blocks - 1)
+    with pytest.raises(ModelLoadError, match="as float32 tensors.*--weights gguf"):
+        check_fits(path, False, torch.float32, available=blocks)
+    # the real machine's MemAvailable holds the bundled model: the engine loads it
+    assert Engine.load("smollm2-135m", progress=False, max_context=256).model is not None

@@ -23,6 +23,7 @@ __all__ = [
     "SUPPORTED_GGUF_ARCHITECTURES",
     "Tokenizer",
     "bos_to_add",
+    "gguf_path",
     "gguf_runs_quantized",
     "gguf_type_summary",
     "load_checkpoint",
@@ -143,6 +144,14 @@ def source_kind(model: str | os.PathLike, mmproj=None) -> tuple[str, str | None]
 
         return "gguf", layout_of(path, text_type).model_type
     return "gguf", text_type
+
+
+def gguf_path(model: str | os.PathLike) -> Path:
+    """The .gguf file of a bundled name or a path (ModelLoadError for anything else)."""
+    src = _resolve(model)
+    if src.kind != "gguf":
+        raise ModelLoadError(f"{model}: not a GGUF file")
+    return src.path
 
 
 def gguf_runs_quantized(model: str | os.PathLike) -> bool:

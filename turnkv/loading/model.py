@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import gguf_runs_quantized, gguf_type_summary, load_checkpoint, source_kind
+from . import gguf_path, gguf_runs_quantized, gguf_type_summary, load_checkpoint, source_kind
+from .fit import check_fits
 
 
 @dataclass
@@ -41,7 +42,10 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, weights: str | No
         if kind == "gguf" and gguf_runs_quantized(model):     # a float-stored GGUF runs native
             weights = default_format(kind, family_class(arch))
     check_format(weights)    # before the load; the build checks the family can hold it
-    ckpt = load_checkpoint(model, dtype=dtype if weights == "native" else torch.float32, progress=progress,
+    load_dtype = dtype if weights == "native" else torch.float32
+    if source_kind(model, mmproj)[0] == "gguf":   # a model that cannot fit fails before the load
+        check_fits(gguf_path(model), keep_quantized=weights == GGUF_FORMAT, dtype=load_dtype)
+    ckpt = load_checkpoint(model, dtype=load_dtype, progress=progress,
                            keep_quantized=weights == GGUF_FORMAT, mmproj=mmproj)
     net = build(family_class(ckpt.architecture), ckpt.config, ckpt.tensors, dtype, weights,
                 progress=progress, quantized=ckpt.quantized)
