@@ -244,6 +244,7 @@ def engine_from(args, progress: bool = True):
                          speculative=args.speculative, draft_max=args.draft_max,
                          **{k: getattr(args, k) for k in ("max_seqs", "max_batch_tokens", "max_queue",
                                                           "max_image_pixels", "image_cache_mb") if hasattr(args, k)})
+    engine.weight_pages = weights_to_huge_pages(engine)
     if tiered:   # the lower tiers are named by the loaded model's fingerprint (prompt_cache/tiered.py)
         from .prompt_cache.tiered import build_tiers
         cache.attach(build_tiers(engine.fingerprint, args.cache_dir, args.disk_cache_mb, args.redis_url,
@@ -261,6 +262,18 @@ def engine_from(args, progress: bool = True):
     return engine
 
 
+def weights_to_huge_pages(engine, environ=None) -> str:
+    """GGUF weights move to transparent huge pages on a background thread once loaded
+    (kernels/weight_memory.py), unless TURNKV_HUGEPAGES=0 or the kernel's THP is off; the
+    banner's words for it, "" when nothing moves."""
+    environ = os.environ if environ is None else environ
+    if engine.weights != "gguf" or _hugepages_refused(environ) or thp_mode() not in ("always", "madvise"):
+        return ""
+    from .kernels.weight_memory import collapse_in_background
+    collapse_in_background()
+    return "moving to 2 MiB pages in the background (MADV_COLLAPSE, Linux 6.1+)"
+
+
 def print_banner(engine, budget_mb: float, enabled: bool) -> None:
     import torch
 
@@ -272,6 +285,8 @@ def print_banner(engine, budget_mb: float, enabled: bool) -> None:
     if engine.weights == "gguf":    # per type: the kernel that runs it, or that it is a float copy
         from .kernels import kernel_info
         print(f"turnkv: GGUF kernels: {getattr(engine.model, 'gguf_types', None) or kernel_info()}", file=sys.stderr)
+        if getattr(engine, "weight_pages", ""):
+            print(f"turnkv: GGUF weights {engine.weight_pages}", file=sys.stderr)
     for note in getattr(engine.model, "weight_notes", []):
         print(f"turnkv: weights: {note}", file=sys.stderr)
     if getattr(engine.tokenizer, "template_note", ""):

@@ -288,7 +288,7 @@ class GGUFWeight:
         if all(p.tiled for p in parts) and all(p.shape[0] % TILE_ROWS == 0 for p in parts[:-1]):
             # whole tiles: the parts' tiles one after the other are the tiles of their rows (a
             # deferred part's rows are tiled straight into their place)
-            out = torch.empty((-(-n // TILE_ROWS) * TILE_ROWS, parts[0].row_bytes), dtype=torch.uint8)
+            out = tiles.weight_buffer(-(-n // TILE_ROWS) * TILE_ROWS, parts[0].row_bytes)
             at = 0
             for p in parts:
                 end = at + -(-p.shape[0] // TILE_ROWS) * TILE_ROWS
@@ -381,10 +381,10 @@ class GGUFStack:
             raise ValueError("GGUFStack.cat_rows: parts of different types or shapes")
         if all(p.tiled and p.shape[1] % TILE_ROWS == 0 for p in parts):
             # whole tiles per expert: each expert's tiles of gate then up are the tiles of its rows
-            e = first.shape[0]
-            tiles = torch.cat([p.raw.view(e, p.shape[1], -1) for p in parts], 1)
-            return GGUFStack(tiles.view(-1, tiles.shape[2]), first.qtype, (e, tiles.shape[1], first.shape[2]), True,
-                             sum(p.sources for p in parts))
+            e, n, rb = first.shape[0], sum(p.shape[1] for p in parts), first.raw.shape[1]
+            joined = tiles.weight_buffer(e * n, rb)
+            torch.cat([p.raw.view(e, p.shape[1], rb) for p in parts], 1, out=joined.view(e, n, rb))
+            return GGUFStack(joined, first.qtype, (e, n, first.shape[2]), True, sum(p.sources for p in parts))
         rows = torch.cat([p.rows() for p in parts], 1)
         shape = (first.shape[0], rows.shape[1], first.shape[2])
         return GGUFStack.from_raw(rows, first.qtype, shape, sum(p.sources for p in parts))

@@ -18,7 +18,10 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from .weight_memory import buffer as mapped_buffer
+
 TILE_ROWS = 8
+SMALL = 2 << 20       # tiles smaller than a huge page stay in malloc's memory
 _Q = GGMLQuantizationType
 # a block's fields in GGUF order, as byte widths (csrc/common.h, block_fields)
 _FIELDS = {
@@ -83,6 +86,14 @@ def _tile_index(qtype, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
 native_gather = None
 
 
+def weight_buffer(rows: int, cols: int) -> torch.Tensor:
+    """A weight's [rows, cols] uint8 tiles: a mapping of its own (weight_memory.py) from a huge
+    page's size on, else malloc's memory."""
+    if rows * cols < SMALL:
+        return torch.empty((rows, cols), dtype=torch.uint8)
+    return mapped_buffer(rows, cols)
+
+
 @functools.lru_cache(maxsize=None)
 def _index_tensor(qtype, row_bytes: int, inverse: bool) -> torch.Tensor:
     return torch.from_numpy(_tile_index(qtype, row_bytes)[int(inverse)].astype(np.int64))
@@ -109,12 +120,12 @@ def _gather_units(src: torch.Tensor, qtype, inverse: bool, rows: int, out: torch
 def tile_rows(rows: torch.Tensor, qtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """GGUF rows [N, row_bytes] -> their tiles [ceil(N / 8) * 8, row_bytes], written into ``out``
     when given (a contiguous buffer of that shape: a slice of a fused weight's tiles), so rows
-    still in a file's mapping are read once and written once."""
+    still in a file's mapping are read once and written once; else into a ``weight_buffer``."""
     qtype = GGMLQuantizationType(qtype)
     n, rb = rows.shape
     npad = -(-n // TILE_ROWS) * TILE_ROWS
     if out is None:
-        out = torch.empty((npad, rb), dtype=torch.uint8)
+        out = weight_buffer(npad, rb)
     whole = n - n % TILE_ROWS
     if whole:
         _gather_units(rows[:whole], qtype, False, whole, out[:whole])
