@@ -108,29 +108,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class TurnkvServer:
-    """`turnkv serve` in a subprocess for one run (the real server path, as a user runs it)."""
+class ServerProcess:
+    """A server in a subprocess for one run: ``proc``, ``log`` and ``url`` set by the subclass;
+    ``wait`` until its /health answers, ``close`` it."""
 
-    def __init__(self, model: str, extra: list[str]):
-        self.port = free_port()
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="turnkv-bench-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "turnkv.cli", "serve", "-m", model, "--port", str(self.port), *extra]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        self.url = f"http://127.0.0.1:{self.port}/v1"
+    name = "server"
+    proc: subprocess.Popen
+    url: str
 
     def wait(self, timeout: float = 600) -> None:
         import httpx
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"turnkv serve exited: {Path(self.log.name).read_text()[-2000:]}")
+                raise RuntimeError(f"{self.name} exited: {Path(self.log.name).read_text()[-2000:]}")
             try:
                 if httpx.get(self.url.removesuffix("/v1") + "/health", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        raise TimeoutError("turnkv serve did not start")
+        raise TimeoutError(f"{self.name} did not start")
 
     def close(self) -> None:
         self.proc.terminate()
@@ -138,6 +136,19 @@ class TurnkvServer:
             self.proc.wait(20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+class TurnkvServer(ServerProcess):
+    """`turnkv serve` in a subprocess for one run (the real server path, as a user runs it)."""
+
+    name = "turnkv serve"
+
+    def __init__(self, model: str, extra: list[str]):
+        self.port = free_port()
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="turnkv-bench-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "turnkv.cli", "serve", "-m", model, "--port", str(self.port), *extra]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}/v1"
 
 
 def main() -> int:

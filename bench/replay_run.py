@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.multiuser import free_port
+from bench.multiuser import ServerProcess, free_port
 
 
 def load_trace(path: Path) -> OrderedDict[str, list[dict]]:
@@ -28,8 +28,10 @@ def load_trace(path: Path) -> OrderedDict[str, list[dict]]:
     return sessions
 
 
-class LlamaServer:
+class LlamaServer(ServerProcess):
     """llama.cpp's or ik_llama.cpp's llama-server on one GGUF, in a subprocess for one run."""
+
+    name = "llama-server"
 
     def __init__(self, binary: str, gguf: str, flags: list[str]):
         self.port = free_port()
@@ -38,26 +40,6 @@ class LlamaServer:
         # run in the temp folder: the servers may drop a llama.log where they start
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir())
         self.url = f"http://127.0.0.1:{self.port}/v1"
-
-    def wait(self, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited: {Path(self.log.name).read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url.removesuffix("/v1") + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError("llama-server did not start")
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 def _cached(chunk: dict) -> int | None:
