@@ -98,7 +98,7 @@ ROWS = [
     Row("recurrent_gemma", "recurrent_gemma", (80, 3, 7, 10), greedy=(30, 7), varied=False, long=None,
         rule=RECURRENT),
     # the reference (rwkv7-hf) runs token by token over 128-row padded projections: no 300-token prompt
-    Row("rwkv7", "rwkv7", (80, 3, 7, 10), long=None, rule=RECURRENT, gguf="rwkv7"),
+    Row("rwkv7", "rwkv7", (80, 3, 7, 10), long=None, rule=RECURRENT, weights="tiny", gguf="rwkv7"),
 ]
 BY_NAME = {row.name: row for row in ROWS}
 # the registry entry each row's model_type resolves to

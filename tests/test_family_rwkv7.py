@@ -12,14 +12,15 @@ from turnkv.cache.specs import RECURRENT
 HIDDEN, LAYERS, HEAD_DIM = 64, 3, 16
 
 
-def build(vocab_size: int = 256):
-    """A tiny RWKV7ForCausalLM. Its init leaves the token-shift mixes, ``r_k`` and the norms at 0 / 1,
-    which would hide a wrong shift or bonus term: every tensor that is not a matrix gets values."""
+def build(vocab_size: int = 256, **sizes):
+    """A tiny RWKV7ForCausalLM (``sizes``: config fields to change). Its init leaves the token-shift
+    mixes, ``r_k`` and the norms at 0 / 1, which would hide a wrong shift or bonus term: every tensor
+    that is not a matrix gets values."""
     from rwkv7_hf import RWKV7Config, RWKV7ForCausalLM
 
-    config = RWKV7Config(vocab_size=vocab_size, hidden_size=HIDDEN, num_hidden_layers=LAYERS, head_dim=HEAD_DIM,
-                         decay_low_rank_dim=16, gate_low_rank_dim=32, a_low_rank_dim=16, v_low_rank_dim=8,
-                         intermediate_size=160, initializer_range=0.1)
+    fields = dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, head_dim=HEAD_DIM, decay_low_rank_dim=16,
+                  gate_low_rank_dim=32, a_low_rank_dim=16, v_low_rank_dim=8, intermediate_size=160)
+    config = RWKV7Config(vocab_size=vocab_size, initializer_range=0.1, **{**fields, **sizes})
     hf = RWKV7ForCausalLM(config).eval()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():

@@ -2,7 +2,8 @@
 for the tiny rwkv7-hf folder beside it) is held to the folder by tests/test_gguf_families.py; here,
 what is this layout's own: the world tokenizer a released RWKV-7 GGUF carries (tokenizer.ggml.model
 "rwkv"), on tests/gguf_fixtures/rwkv7_world (a tiny random model converted with RWKV's real world
-vocabulary), against BlinkDL's ``rwkv`` package (the reference tokenizer) and llama.cpp."""
+vocabulary), against BlinkDL's ``rwkv`` package (the reference tokenizer) and llama.cpp, and
+structured output over that vocabulary (llguidance built from its tokens' bytes)."""
 
 import os
 import subprocess
@@ -97,12 +98,53 @@ def test_generate_from_the_command_line():
     assert proc.stdout.strip()
 
 
-def test_structured_output_is_refused_as_a_request_error(tok):
-    pytest.importorskip("llguidance")
-    from turnkv.engine.grammar import GrammarError, ll_tokenizer
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                          "city": {"enum": ["Paris", "東京", "Zürich"]}},
+          "required": ["ok", "n", "city"], "additionalProperties": False}
 
-    with pytest.raises(GrammarError, match="RWKV's world tokenizer"):
-        ll_tokenizer(tok)
+
+def test_the_grammar_mask_over_the_world_vocabulary(tok):
+    # llguidance has no tokenizer.json here: it gets the tokens' bytes and the trie's tokenize
+    pytest.importorskip("llguidance")
+    import torch
+
+    from turnkv.engine.grammar import Grammar
+
+    m = Grammar.json_schema(tok, SCHEMA).matcher()
+
+    def allowed() -> set[int]:
+        return set(torch.nonzero(torch.isfinite(m.mask(torch.zeros(tok.vocab_size)))).flatten().tolist())
+    first = allowed()     # the object's forced start, as the trie spells it
+    assert first and all(tok.decode([t]).startswith("{") for t in first) and not first & tok.eos_token_ids
+    for t in tok.encode('{"ok": true, "n": 7, "city": "東京"}'):
+        assert t in allowed(), tok.decode([t])
+        m.advance(t)
+    assert allowed() == tok.eos_token_ids       # complete: only the end of turn ("<s>" or "\n\n")
+
+
+def test_json_schema_reply_through_the_server_follows_the_schema():
+    """A random model's reply constrained by response_format json_schema, over HTTP: it parses and
+    validates against the schema, and it ends because the document is complete."""
+    pytest.importorskip("llguidance")
+    import httpx
+    import json
+
+    import jsonschema
+
+    from live_server import serving
+    from turnkv.engine.engine import Engine
+    from turnkv.prompt_cache.store import PromptCache
+    from turnkv.server.app import create_app
+
+    eng = Engine.load(str(FIXTURE), progress=False, prompt_cache=PromptCache(1 << 26))
+    body = {"messages": [{"role": "user", "content": "Réponds en JSON 🙂"}], "max_tokens": 60, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}}
+    with serving(create_app(eng)) as url:
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
 
 
 def test_chat_turns_reuse_the_earlier_turns_through_the_world_tokenizer():

@@ -44,9 +44,10 @@ def delta_net_only(net):
 
 # chunk-invariant under the gguf kernels, one row per kind of state: full attention (Llama),
 # sliding windows of 16 (Exaone 4), chunks of 16, hybrids (Qwen 3.5: gated delta-net + gated
-# attention; LFM2: short conv + attention) and recurrent state alone
+# attention; LFM2: short conv + attention) and recurrent state alone (Qwen 3.5's delta-nets; RWKV-7)
 FAMILIES = {"full": ("llama", None), "sliding": ("exaone4", None), "chunked": ("llama", chunked_attention),
-            "hybrid": ("qwen3_5", None), "conv_hybrid": ("lfm2", None), "recurrent": ("qwen3_5", delta_net_only)}
+            "hybrid": ("qwen3_5", None), "conv_hybrid": ("lfm2", None), "recurrent": ("qwen3_5", delta_net_only),
+            "rwkv7": ("rwkv7", None)}
 
 
 @pytest.fixture(scope="module")

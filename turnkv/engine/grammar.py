@@ -45,10 +45,33 @@ def ll_tokenizer(tokenizer):
         cached = getattr(tokenizer, "_llguidance", None)
         if cached is None:
             llg = _llguidance()
-            cached = llg.LLTokenizer(tokenizer.backend.to_str(), n_vocab=tokenizer.vocab_size,
+            cached = llg.LLTokenizer(_source(llg, tokenizer), n_vocab=tokenizer.vocab_size,
                                      eos_token=sorted(tokenizer.eos_token_ids))
             tokenizer._llguidance = cached
     return cached
+
+
+def _source(llg, tokenizer):
+    """A tokenizer.json, or for a backend that has none (RWKV's world trie, loading/rwkv_tokenizer.py)
+    its tokens' bytes and its own tokenize, through llguidance's TokenizerWrapper."""
+    backend = tokenizer.backend
+    if not hasattr(backend, "grammar_tokens"):
+        return backend.to_str()
+    vocab = _BytesVocab(backend.grammar_tokens(), backend.tokenize_bytes,
+                        min(tokenizer.eos_token_ids), tokenizer.bos_token_id)
+    return llg.TokenizerWrapper(vocab)
+
+
+class _BytesVocab:
+    """What llguidance's TokenizerWrapper reads from a tokenizer: ``tokens`` (bytes), the EOS and
+    BOS ids, and a call that tokenizes bytes."""
+
+    def __init__(self, tokens: list[bytes], tokenize, eos: int, bos: int | None):
+        self.tokens, self.tokenize = tokens, tokenize
+        self.eos_token_id, self.bos_token_id = eos, bos
+
+    def __call__(self, data: bytes) -> list[int]:
+        return self.tokenize(data)
 
 
 class Grammar:

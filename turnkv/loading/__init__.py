@@ -177,19 +177,23 @@ def gguf_type_summary(model: str | os.PathLike, quantized: dict | None = None) -
     from . import gguf
 
     header = gguf.read_header(src.path)
+    infos = list(header.tensors.values())
     if quantized is None:   # what a load keeps: 2-D tensors and expert stacks of a type with a kernel
         kept = {}
         for name, t in header.tensors.items():
             if gguf.keeps_blocks(name, t):
                 kept[t.qtype] = kept.get(t.qtype, 0) + 1
     else:
+        # what the load read: a tensor the model never reads (RWKV-7's dummy layer-0 value LoRA) is no copy
+        arch = gguf.architecture_of(header)
+        infos = [header.tensors[g] for g in gguf.tensor_name_map(header, arch, arch.build_config(header))]
         kept, seen = {}, set()
         for w in quantized.values():
             stack = getattr(w, "base", None) or w       # an expert's weight counts as its stack
             if id(stack) not in seen:
                 seen.add(id(stack))
                 kept[w.qtype] = kept.get(w.qtype, 0) + getattr(stack, "sources", 1)
-    return describe_types([(t.qtype, t.shape) for t in header.tensors.values()], kept)
+    return describe_types([(t.qtype, t.shape) for t in infos], kept)
 
 
 # GGUF vocabularies whose text starts with BOS when the file does not say (llama.cpp's llama-vocab.cpp:

@@ -138,12 +138,15 @@ class RwkvWorldBackend:
     def get_added_tokens_decoder(self) -> dict:
         return {}
 
-    def to_str(self) -> str:
-        # what llguidance builds its token table from (engine/grammar.py): a request's 400
-        from ..engine.grammar import GrammarError
+    def grammar_tokens(self) -> list[bytes]:
+        """Each token's bytes as llguidance takes a vocabulary without a tokenizer.json
+        (engine/grammar.py): a control token behind a 0xff byte, which marks it special, so a
+        grammar never spells text with ``<s>``."""
+        return [b"\xff" + p if i in self.control else p for i, p in enumerate(self.pieces)]
 
-        raise GrammarError("structured output (response_format, forced tool calls) is not supported with "
-                           "RWKV's world tokenizer: it has no tokenizer.json for the grammar engine")
+    def tokenize_bytes(self, data: bytes) -> list[int]:
+        """The trie's ids for ``data``, no BOS: what llguidance calls to tokenize a forced string."""
+        return [t for t, _, _ in self.encode_bytes(data)]
 
 
 def _read_strings(path: Path, offset: int, count: int) -> list[str]:

@@ -68,8 +68,11 @@ class Model(nn.Module, ABC):
     # ``packable_weights``: projections, only ever used through ``linear`` (empty = the family
     # supports native weights only); ``head_weights``: the lm_head (``linear``, one row in prefill);
     # ``embedding_weights``: tables only used through ``embedding``. A tied lm_head is the same
-    # Parameter as the embedding under both names.
+    # Parameter as the embedding under both names. ``gguf_only_weights``: projections used through
+    # ``linear`` that keep their GGUF blocks when the file stores them quantized, but that the
+    # packing formats leave in float (RWKV-7's low-rank projections, which llama.cpp keeps float).
     packable_weights: ClassVar[tuple[str, ...]] = ()
+    gguf_only_weights: ClassVar[tuple[str, ...]] = ()
     head_weights: ClassVar[tuple[str, ...]] = ()
     embedding_weights: ClassVar[tuple[str, ...]] = ()
 

@@ -116,7 +116,7 @@ def _kept(q, kept: set[int]) -> bool:
 def _check_packed(model: nn.Module, cls) -> list[GGUFPacked]:
     """Every GGUFPacked of ``model`` (once each), after checking that each sits under a name the
     family declares; the lm_head's logits are float32 whatever the compute dtype."""
-    roles = set(cls.packable_weights) | set(cls.head_weights) | set(cls.embedding_weights)
+    roles = set(cls.packable_weights) | set(cls.gguf_only_weights) | set(cls.head_weights) | set(cls.embedding_weights)
     found: dict[int, GGUFPacked] = {}
     for mname, module in model.named_modules():
         for name, child in module._modules.items():     # a tied head: both names (named_children skips one)

@@ -11,7 +11,13 @@ each mix.
 Weights are read in the fla-hub layout (``RWKV7ForCausalLM``: ``model.layers.N.attn.{r,k,v,o}_proj``,
 ``{w,a,g,v}_lora.lora.{0,2}``, ``x_{r,w,k,v,a,g}``, ``k_k``, ``k_a``, ``r_k``, ``g_norm``; ``ffn.key``
 / ``ffn.value`` / ``ffn.x_k``), the layout rwkv7-hf and flash-linear-attention save and llama.cpp's
-converter reads."""
+converter reads.
+
+Under ``--weights gguf`` every matrix the file stores quantized (the time-mix r/k/v/o, the
+channel-mix key/value, the head and the embedding table; the low-rank projections where the file
+quantized them: llama-quantize leaves them in float, the converter's ``q8_0`` does not) runs on the
+GGUF's own blocks through ``linear`` / ``embedding``, row-wise kernels whose bits do not depend on
+the chunk or the batch."""
 
 from __future__ import annotations
 
@@ -23,12 +29,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
-from .base import BaseArgs, Model, linear
+from .base import BaseArgs, Model, embedding, linear
 from .batch import Batch, Span, select_rows, spans_apply
-from .tensors import param, take
+from .gguf_weights import GGUFPacked
+from .packed import PackedWeight
+from .tensors import param, stored, take, weight
 
 DECAY_SCALE = math.exp(-0.5)      # w = exp(-e^-0.5 * sigmoid(w0 + lora)), as the reference writes it
 MIXES = "rwkvag"                  # the six token-shift interpolations of the time-mix, in this order
+VECTOR_ROW = 64                   # floats: whole unrolled vector loops of PyTorch on AVX-512 (2 x 16) and AVX2
 
 
 @dataclass
@@ -50,6 +59,15 @@ class ModelArgs(BaseArgs):
 
 def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float) -> torch.Tensor:
     return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+
+
+def rowwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """``fn`` (an elementwise transcendental: tanh, sigmoid, exp) of ``x`` [N, W], each row in
+    PyTorch's vector loop. Its scalar tail (the last values of a tensor short of a whole unrolled
+    vector) rounds differently, so a row of a narrow low-rank width would get other bits as a decode
+    step's only row than inside a chunk: rows padded to a multiple of VECTOR_ROW."""
+    pad = -x.shape[-1] % VECTOR_ROW
+    return fn(x) if not pad else fn(F.pad(x, (0, pad)))[..., :x.shape[-1]]
 
 
 def shifted(x: torch.Tensor, batch: Batch, i: int, name: str) -> torch.Tensor:
@@ -81,8 +99,27 @@ def wkv7(r, w, k, v, a, b, state):
 
 def lora(t: dict, p: str, dtype, bias: bool):
     """``{p}.lora.0`` (down) and ``{p}.lora.2`` (up, with its bias when ``bias``)."""
-    down, up = param(take(t, f"{p}.lora.0.weight"), dtype), param(take(t, f"{p}.lora.2.weight"), dtype)
+    down, up = weight(stored(t, f"{p}.lora.0.weight"), dtype), weight(stored(t, f"{p}.lora.2.weight"), dtype)
     return down, up, (param(take(t, f"{p}.lora.2.bias"), dtype) if bias else None)
+
+
+class RowByRow(PackedWeight):
+    """A float matrix of a model whose other matrices run on GGUF blocks (llama.cpp keeps RWKV-7's
+    decay LoRA F32 in every file): each activation row multiplied alone, as a fresh one-row call.
+    A GEMM's blocking rounds a row differently with other rows beside it; the GGUF kernels do not,
+    so with this the model's rows are the same bits whatever the chunk or the batch (reuse, drafts).
+    Only these small low-rank matrices are stored so: a prefill chunk pays one call per row."""
+
+    def __init__(self, w: nn.Parameter):
+        super().__init__()
+        self.out_features, self.in_features = w.shape
+        self.w = w
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        # a fresh copy of each row: the BLAS path may depend on the input's alignment
+        out = [F.linear(r.clone(), self.w) for r in rows.split(1)]
+        return (torch.cat(out) if out else rows.new_empty(0, self.out_features)).view(*x.shape[:-1], self.out_features)
 
 
 class TimeMix(nn.Module):
@@ -90,7 +127,7 @@ class TimeMix(nn.Module):
         super().__init__()
         self.H, self.D, self.first = a.num_heads, a.head_dim, first
         self.mix = param(torch.stack([take(t, f"{p}.x_{n}").reshape(-1) for n in MIXES]), dtype)   # [6, C]
-        self.wr, self.wk, self.wv, self.wo = (param(take(t, f"{p}.{n}_proj.weight"), dtype) for n in "rkvo")
+        self.wr, self.wk, self.wv, self.wo = (weight(stored(t, f"{p}.{n}_proj.weight"), dtype) for n in "rkvo")
         self.w1, self.w2, _ = lora(t, f"{p}.w_lora", dtype, bias=False)
         self.w0 = param(take(t, f"{p}.w_lora.lora.2.bias"), torch.float32)    # the reference adds it in float32
         self.a1, self.a2, self.a0 = lora(t, f"{p}.a_lora", dtype, bias=True)
@@ -108,16 +145,16 @@ class TimeMix(nn.Module):
         delta = shifted(x, batch, i, "att_shift") - x
         xr, xw, xk, xv, xa, xg = (x + delta * m for m in self.mix)
         r, k, v = linear(xr, self.wr), linear(xk, self.wk), linear(xv, self.wv)
-        raw = linear(torch.tanh(linear(xw, self.w1)), self.w2)
-        w = torch.exp(-DECAY_SCALE * torch.sigmoid(raw.float() + self.w0))
-        iclr = torch.sigmoid(linear(linear(xa, self.a1), self.a2, self.a0))
-        g = linear(torch.sigmoid(linear(xg, self.g1)), self.g2)
+        raw = linear(rowwise(torch.tanh, linear(xw, self.w1)), self.w2)
+        w = rowwise(torch.exp, -DECAY_SCALE * rowwise(torch.sigmoid, raw.float() + self.w0))
+        iclr = rowwise(torch.sigmoid, linear(linear(xa, self.a1), self.a2, self.a0))
+        g = linear(rowwise(torch.sigmoid, linear(xg, self.g1)), self.g2)
         kk = F.normalize((k * self.k_k).view(N, H, D), dim=-1)
         k = k * (1 + (iclr - 1) * self.k_a)
         if self.first:
             v_first = v
         else:
-            v = v + (v_first - v) * torch.sigmoid(linear(linear(xv, self.v1), self.v2, self.v0))
+            v = v + (v_first - v) * rowwise(torch.sigmoid, linear(linear(xv, self.v1), self.v2, self.v0))
         heads = [t.view(N, H, D) for t in (r, w, k, v)]
         b = kk * iclr.view(N, H, D)
 
@@ -136,7 +173,7 @@ class ChannelMix(nn.Module):
     def __init__(self, t: dict, p: str, dtype):
         super().__init__()
         self.x_k = param(take(t, f"{p}.x_k").reshape(-1), dtype)
-        self.wk, self.wv = param(take(t, f"{p}.key.weight"), dtype), param(take(t, f"{p}.value.weight"), dtype)
+        self.wk, self.wv = weight(stored(t, f"{p}.key.weight"), dtype), weight(stored(t, f"{p}.value.weight"), dtype)
 
     def forward(self, x: torch.Tensor, batch: Batch, i: int) -> torch.Tensor:
         xk = x + (shifted(x, batch, i, "ffn_shift") - x) * self.x_k
@@ -167,16 +204,33 @@ class Block(nn.Module):
 
 class Rwkv7Model(Model):
     family = "rwkv7"
+    packable_weights = ("wr", "wk", "wv", "wo")        # the channel-mix key / value too (wk, wv)
+    # llama.cpp keeps the low-rank projections in float (llama-quantize skips time_mix_{w,a,g,v}{1,2}):
+    # the packing formats leave them float too; a GGUF that stores them quantized runs its blocks
+    gguf_only_weights = ("w1", "w2", "a1", "a2", "g1", "g2", "v1", "v2")
+    head_weights = ("lm_head",)
+    embedding_weights = ("embed",)
 
     def __init__(self, args: ModelArgs, tensors: dict, dtype: torch.dtype):
         super().__init__()
         self.args, self.dtype = args, dtype
-        self.embed = param(take(tensors, "model.embeddings.weight"), dtype)
+        self.embed = weight(stored(tensors, "model.embeddings.weight"), dtype)
         self.layers = nn.ModuleList(Block(args, tensors, i, dtype) for i in range(args.num_hidden_layers))
         self.norm = param(take(tensors, "model.norm.weight"), dtype)
         self.norm_b = param(take(tensors, "model.norm.bias"), dtype) if args.norm_bias else None
         tied = "lm_head.weight" not in tensors or args.tie_word_embeddings
-        self.lm_head = self.embed if tied else param(take(tensors, "lm_head.weight"), dtype)
+        self.lm_head = self.embed if tied else weight(stored(tensors, "lm_head.weight"), dtype)
+        if any(isinstance(m, GGUFPacked) for m in self.modules()):
+            self._float_rows_alone()
+
+    def _float_rows_alone(self) -> None:
+        """Under the gguf weights, every matmul weight the file stores in float runs ``RowByRow``."""
+        names = set(self.packable_weights) | set(self.gguf_only_weights) | set(self.head_weights)
+        for m in self.modules():
+            for n in names & set(m._parameters):
+                w = m._parameters.pop(n)
+                if w is not None:
+                    setattr(m, n, RowByRow(w))
 
     @classmethod
     def from_checkpoint(cls, config, tensors, dtype):
@@ -189,7 +243,7 @@ class Rwkv7Model(Model):
         return [specs.recurrent(state_dtype="float32", **fields) for _ in range(a.num_hidden_layers)]
 
     def forward(self, batch: Batch):
-        x, v_first = F.embedding(batch.tokens, self.embed), None
+        x, v_first = embedding(batch.tokens, self.embed, self.dtype), None
         for i, layer in enumerate(self.layers):
             x, v_first = layer.forward(x, batch, i, v_first)
         x = select_rows(x, batch)
