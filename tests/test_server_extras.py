@@ -132,9 +132,14 @@ def test_streamed_tool_call_equals_the_whole_one(servers):
         deltas += delta.tool_calls or []
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls" and content == ""
-    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == \
-           [(i, c.function.name, c.function.arguments) for i, c in enumerate(whole)]
-    assert all(d.id and d.id.startswith("call_") and d.type == "function" for d in deltas)
+    # a forced call opens (id, type, name) as soon as its name is generated; its arguments follow
+    heads = [d for d in deltas if d.function.name]
+    assert [d.index for d in heads] == list(range(len(whole))) and deltas[0] is heads[0]
+    assert all(d.id and d.id.startswith("call_") and d.type == "function" and d.function.arguments == ""
+               for d in heads)
+    args = ["".join(d.function.arguments or "" for d in deltas if d.index == i) for i in range(len(whole))]
+    assert [(h.function.name, a) for h, a in zip(heads, args)] == \
+           [(c.function.name, c.function.arguments) for c in whole]
 
 
 def test_tool_request_errors(servers):

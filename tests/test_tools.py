@@ -8,6 +8,7 @@ test_server_extras.py."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -96,6 +97,57 @@ def test_streaming_parser_gives_what_the_whole_text_parser_gives(fmt, text, step
     if fmt == T.HERMES and calls:       # content before the call streams before the call is complete
         first = T.StreamParser(fmt).push(text[: text.index("<tool_call>") + 4])
         assert first == text[: text.index("<tool_call>")]
+
+
+_FORCED = [
+    (T.HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
+    (T.HERMES, '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n<tool_call>\n'
+               '{"name": "get_weather", "arguments": {"city": "R\\"ome"}}\n</tool_call>'),
+    (T.LLAMA3_JSON, '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
+]
+
+
+@pytest.mark.parametrize("fmt,text", _FORCED)
+@pytest.mark.parametrize("step", [1, 3, 7])
+def test_a_forced_call_streams_its_name_as_soon_as_it_is_generated(fmt, text, step):
+    parser = T.StreamParser(fmt, forced=True)
+    name_ends = [m.end() for m in re.finditer(r'"name": "[a-z_]+"', text)]
+    heads, content = [], ""
+    for i in range(0, len(text), step):
+        content += parser.push(text[i:i + step])
+        for head in parser.opened():
+            # out at the first push that completes the name, before the call's arguments
+            assert i < name_ends[head["index"]] <= i + step
+            heads.append(head)
+    assert content == "" and [h["index"] for h in heads] == list(range(len(heads))) and heads
+    assert all(h["id"].startswith("call_") and h["type"] == "function" and h["function"]["arguments"] == ""
+               for h in heads)
+    rest, deltas = parser.finish()
+    assert rest == ""
+    # the deltas, put together by index as OpenAI clients do, are the calls the whole text holds
+    got: dict[int, dict] = {}
+    for d in heads + deltas:
+        call = got.setdefault(d["index"], {"id": d.get("id"), "name": "", "arguments": ""})
+        call["name"] += d.get("function", {}).get("name", "")
+        call["arguments"] += d["function"].get("arguments", "")
+    _, calls = T.parse(text, fmt)
+    assert [(c["name"], c["arguments"]) for c in got.values()] == \
+           [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    assert [c["id"] for c in got.values()] == [c["id"] for c in parser.calls]
+
+
+def test_a_forced_call_cut_short_streams_the_arguments_written():
+    parser = T.StreamParser(T.HERMES, forced=True)
+    parser.push('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par')
+    [head] = parser.opened()
+    assert head["function"] == {"name": "get_weather", "arguments": ""}
+    assert parser.finish() == ("", [{"index": 0, "function": {"arguments": '{"city": "Par'}}])
+
+
+def test_a_call_the_model_may_not_make_streams_only_once_complete():
+    parser = T.StreamParser(T.HERMES)      # tool_choice auto: the held text may still be content
+    parser.push('<tool_call>\n{"name": "get_weather", "arguments": {')
+    assert parser.opened() == []
 
 
 # ----------------------------------------------------------------------------- templates

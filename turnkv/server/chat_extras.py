@@ -31,6 +31,11 @@ def tool_format(engine, req: ChatCompletionRequest) -> str | None:
     return toolkit.template_format(engine.tokenizer.chat_template)
 
 
+def forces_call(req: ChatCompletionRequest) -> bool:
+    """Whether a grammar forces the reply to be tool calls (``required`` or a named function)."""
+    return bool(req.tools) and req.tool_choice not in (None, "auto", "none")
+
+
 def prepare(engine, req: ChatCompletionRequest) -> ChatExtras:
     """Validate the extras against the model; RequestError (400) naming the field at fault.
     Compiling a grammar takes milliseconds (the tokenizer's first one ~0.2 s): call it off the
@@ -90,14 +95,19 @@ def apply_tool_calls(body: dict, fmt: str | None) -> dict:
 
 
 class ToolStream:
-    """Per choice StreamParsers for a streamed reply."""
+    """Per choice StreamParsers for a streamed reply (``forced``: see StreamParser)."""
 
-    def __init__(self, fmt: str):
-        self.fmt = fmt
+    def __init__(self, fmt: str, forced: bool = False):
+        self.fmt, self.forced = fmt, forced
         self.parsers: dict[int, toolkit.StreamParser] = {}
 
     def content(self, index: int, text: str) -> str:
-        return self.parsers.setdefault(index, toolkit.StreamParser(self.fmt)).push(text)
+        return self.parsers.setdefault(index, toolkit.StreamParser(self.fmt, self.forced)).push(text)
+
+    def opened(self, index: int) -> list[dict]:
+        """Opening deltas of choice ``index``'s calls whose names have just been generated."""
+        parser = self.parsers.get(index)
+        return parser.opened() if parser is not None else []
 
     def end(self, index: int) -> tuple[str, list[dict]]:
         """(content left to send, tool_calls delta entries) when choice ``index`` finishes."""

@@ -68,6 +68,7 @@ class Reply:
     n: int = 1                       # choices
     names: lp_format.TokenText | None = None   # set when the request asked for logprobs
     tool_format: str | None = None   # chat: parse tool calls out of the reply (server/tools.py)
+    tool_forced: bool = False        # a grammar forces calls: each streams its name once generated
 
     def logprobs(self, entries: list, offset: int = 0) -> dict | None:
         """One choice's logprobs in this endpoint's shape (None when not asked for)."""
@@ -89,7 +90,7 @@ class _Chunks:
         self.pending: dict[int, list] = {}     # per choice: logprobs of tokens whose text is not out yet
         self.offsets: dict[int, int] = {}      # completions: each choice's text_offset so far
         self.ended: set[int] = set()
-        self.tool_stream = chat_extras.ToolStream(reply.tool_format) if self.chat and reply.tool_format else None
+        self.tool_stream = chat_extras.ToolStream(reply.tool_format, reply.tool_forced) if self.chat and reply.tool_format else None
 
     def opening(self) -> list[str]:
         if not self.chat:
@@ -131,8 +132,15 @@ class _Chunks:
     def token(self, item: TokenEvent) -> list[str]:
         if item.logprob is not None:
             self.pending.setdefault(item.index, []).append(item.logprob)
-        text = self.tool_stream.content(item.index, item.text) if self.tool_stream is not None else item.text
-        return [self.piece(item.index, text)] if text else []
+        if self.tool_stream is None:
+            return [self.piece(item.index, item.text)] if item.text else []
+        text = self.tool_stream.content(item.index, item.text)
+        out = [self.piece(item.index, text)] if text else []
+        heads = self.tool_stream.opened(item.index)
+        if heads:
+            out.append(sse(schemas.chat_chunk(*self.head, {"tool_calls": heads},
+                                              include_usage=self.reply.include_usage, index=item.index)))
+        return out
 
     def choice_end(self, item: ChoiceEnd) -> list[str]:
         if item.result.finish_reason == "timeout":

@@ -27,6 +27,10 @@ HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
+# a call's name, complete (its closing quote generated): Hermes, each <tool_call>; Llama 3, the first call
+_HERMES_NAME = re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_LLAMA_NAME = re.compile(r'\s*(?:<\|python_tag\|>)?\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_ARGS = re.compile(r'"(?:arguments|parameters)"\s*:\s*(.*)', re.DOTALL)
 
 
 CHATML_TOOLS = "chatml-tools"
@@ -233,18 +237,26 @@ def parse(text: str, fmt: str) -> tuple[str | None, list[dict]]:
 
 @dataclass
 class StreamParser:
-    """Splits streamed reply text into content deltas and, at the end, tool-call deltas.
+    """Splits streamed reply text into content deltas and tool-call deltas.
 
     Content streams as it comes, except text that may be the start of a call, which is held back
     (Hermes: from ``<tool_call>`` on, and any tail that could begin it; Llama 3: a reply that
     starts with ``{`` or ``<|python_tag|>``). At the end the held text is parsed: calls become
-    ``delta.tool_calls`` (one delta per call, complete), anything else is sent as content."""
+    ``delta.tool_calls`` (one delta per call, complete), anything else is sent as content.
+
+    ``forced`` (a grammar forces the reply to be calls, so the held text cannot turn out to be
+    content): each call's opening delta (``index``, ``id``, ``type``, ``function.name``, empty
+    ``arguments``) is ready from ``opened`` as soon as its name has been generated, as OpenAI and
+    llama.cpp stream a call; its arguments follow at the end (cut short with the reply at
+    ``max_tokens``)."""
 
     fmt: str
+    forced: bool = False
     held: str = ""
     in_call: bool = False
     started: bool = False
     calls: list[dict] = field(default_factory=list)
+    heads: list[dict] = field(default_factory=list)     # opening deltas sent (forced)
 
     def push(self, text: str) -> str:
         """Content to send now for newly generated ``text`` ('' when held)."""
@@ -275,13 +287,54 @@ class StreamParser:
         out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
         return out
 
+    def opened(self) -> list[dict]:
+        """Opening deltas of the calls whose names are complete since the last look (forced only)."""
+        if not (self.forced and self.in_call):
+            return []
+        if self.fmt == HERMES:
+            names = [m.group(1) for m in _HERMES_NAME.finditer(self.held)]
+        else:
+            m = _LLAMA_NAME.match(self.held) if not self.heads else None
+            names = [m.group(1)] if m else []
+        out = []
+        for name in names[len(self.heads):]:
+            try:
+                name = json.loads(f'"{name}"')
+            except ValueError:
+                return out
+            head = {"index": len(self.heads), **_call(name, "")}
+            self.heads.append(head)
+            out.append(head)
+        return out
+
     def finish(self) -> tuple[str, list[dict]]:
         """(content still to send, tool-call deltas) at the end of the reply."""
         held, self.held = self.held, ""
         if not self.in_call:
             return held, []
         content, calls = parse(held, self.fmt)
-        if not calls:
+        if not calls and not self.heads:
             return held, []
         self.calls = calls
-        return ("" if self.fmt == HERMES else content or ""), [{"index": i, **c} for i, c in enumerate(calls)]
+        deltas = [{"index": i, **c} for i, c in enumerate(calls)]
+        if self.heads:
+            return "", self._rest(held, deltas)
+        return ("" if self.fmt == HERMES else content or ""), deltas
+
+    def _rest(self, held: str, deltas: list[dict]) -> list[dict]:
+        """After opening deltas: those calls' arguments (whole, or as far as a reply cut short at
+        ``max_tokens`` got), then any later call complete."""
+        if not deltas:      # cut short: each opened call's arguments text as written so far
+            segments = held.split(_HERMES_OPEN)[1:] if self.fmt == HERMES else [held]
+            out = []
+            for head, seg in zip(self.heads, segments):
+                m = _ARGS.search(seg)
+                text = m.group(1).strip().removesuffix(_HERMES_CLOSE).rstrip() if m else ""
+                out.append({"index": head["index"], "function": {"arguments": text}})
+            return [d for d in out if d["function"]["arguments"]]
+        for head, d in zip(self.heads, deltas):
+            call = self.calls[head["index"]]
+            call["id"] = head["id"]
+            d.clear()
+            d.update(index=head["index"], function={"arguments": call["function"]["arguments"]})
+        return deltas
