@@ -4,6 +4,7 @@
     python bench/agent_replay.py record --small bench/agent_traces/small.jsonl --sessions 2 --steps 5
     python bench/agent_replay.py replay --think 2 \\
         --turnkv gemma3-270m --llama-server PATH/llama-server --ik-llama PATH/llama-server
+    python bench/agent_replay.py bound                       # the reuse no server can beat, per step
 
 ``record`` starts ``turnkv serve`` on the bundled Gemma 3 270M (32k context: an agent's prompt
 outgrows SmolLM2's 8k) with the shipped ChatML tool template (the GGUF has no template of its
@@ -23,6 +24,12 @@ cached tokens (turnkv: ``usage.prompt_tokens_details.cached_tokens``; llama.cpp 
 ``timings.cache_n``) and the request's wall time; per session the wall time (think time
 included). It prints medians over the steps after the first, the share of their prompt tokens
 reused (and the smallest step's share), and turnkv's ratios to each peer, the CPU model first.
+
+``bound`` renders each recorded request with turnkv's template and tokenizer (no model) and
+counts, per step after the first, the prompt tokens no server can have seen: those after the
+longest common prefix with the previous request's prompt followed by its reply (the conversation
+up to the previous assistant turn, as the template renders it). ``1 - new / prompt`` is the most
+of that prompt any server can restore.
 
 turnkv streams a tool call once it is complete (its text is held back until it parses), so on a
 step whose reply is a forced call its client TTFT is the whole reply; llama.cpp streams the
@@ -95,6 +102,25 @@ def cmd_replay(args) -> int:
     return 0
 
 
+def cmd_bound(args) -> int:
+    import statistics
+
+    from bench.replay_run import load_trace, new_tokens
+
+    rows = [new_tokens(r) for rows in load_trace(Path(args.trace)).values() for r in rows[1:]]
+    print(f"{'session':18} {'step':>4} {'prompt':>6} {'seen':>6} {'new':>5} {'tool result':>11} {'max reuse':>9}")
+    for r in rows:
+        print(f"{r['session']:18} {r['step']:>4} {r['prompt']:>6} {r['seen']:>6} {r['new']:>5} {r['result']:>11} "
+              f"{1 - r['new'] / r['prompt']:>9.3f}")
+    shares = [1 - r["new"] / r["prompt"] for r in rows]
+    print(f"steps {len(rows)}: new tokens median {statistics.median(r['new'] for r in rows):.0f} "
+          f"(min {min(r['new'] for r in rows)}, max {max(r['new'] for r in rows)}); the most any server can reuse: "
+          f"median {statistics.median(shares):.3f}, min {min(shares):.3f}, max {max(shares):.3f}, "
+          f"all steps {1 - sum(r['new'] for r in rows) / sum(r['prompt'] for r in rows):.3f}; "
+          f"steps >= 0.95: {sum(s >= 0.95 for s in shares)} of {len(shares)}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -122,8 +148,10 @@ def main() -> int:
     p.add_argument("--ctx", type=int, default=65536, help="peers' -c (split over --concurrent slots)")
     p.add_argument("--only", default=None, help="comma list of targets to run (turnkv,llama-server,ik_llama.cpp)")
     p.add_argument("--json", default=None, help="also write every step's figures here")
+    b = sub.add_parser("bound", help="per step, the prompt tokens no server can have seen before")
+    b.add_argument("--trace", default=str(TRACE))
     args = ap.parse_args()
-    return cmd_record(args) if args.cmd == "record" else cmd_replay(args)
+    return {"record": cmd_record, "replay": cmd_replay, "bound": cmd_bound}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,37 @@ def load_trace(path: Path) -> OrderedDict[str, list[dict]]:
     return sessions
 
 
+def new_tokens(row: dict, model: str = "gemma3-270m", template: str = "chatml-tools") -> dict:
+    """A recorded chat request rendered as turnkv renders it: its prompt tokens, how many of them
+    the previous request's prompt and reply (every message up to the last assistant turn) already
+    held, and the last tool result's own tokens."""
+    from turnkv.server import tools as toolkit
+    from turnkv.server.schemas import ChatCompletionRequest
+
+    tok = _tokenizer(model, template)
+    req = ChatCompletionRequest.model_validate(row["body"])
+    messages = [toolkit.history_message(m) for m in req.template_messages()]
+    tools = toolkit.validate_tools(req.tools) if req.tools else None
+    prompt = tok.render_chat(messages, True, boundary_messages=0, tools=tools).ids
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    seen = tok.render_chat(messages[:last + 1], False, boundary_messages=0, tools=tools).ids
+    same = next((i for i, (a, b) in enumerate(zip(prompt, seen)) if a != b), min(len(prompt), len(seen)))
+    result = messages[-1]["content"] if messages[-1]["role"] == "tool" else ""
+    return {"session": row["session"], "step": row["step"], "prompt": len(prompt), "seen": same,
+            "new": len(prompt) - same, "result": len(tok.encode(result, add_special_tokens=False)) if result else 0}
+
+
+_TOKENIZERS: dict = {}
+
+
+def _tokenizer(model: str, template: str):
+    if (model, template) not in _TOKENIZERS:
+        from turnkv.loading import load_tokenizer
+        from turnkv.loading.tokenizer import chat_template_source
+        _TOKENIZERS[model, template] = load_tokenizer(model).with_template(chat_template_source(template))
+    return _TOKENIZERS[model, template]
+
+
 class LlamaServer(ServerProcess):
     """llama.cpp's or ik_llama.cpp's llama-server on one GGUF, in a subprocess for one run."""
 
