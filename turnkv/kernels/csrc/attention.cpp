@@ -224,39 +224,12 @@ static void unit(const Params& P, int h, int t) {
 // ------------------------------------------------------------------ SIMD paths
 // One body, compiled per ISA with a function target attribute (no -march): W lanes per vector.
 
-// Cephes-style expf (the polynomial most SIMD math libraries use), explicit FMAs; |x| clamped
-// to the float range. Elementwise: a lane's result never depends on the other lanes.
-#define TKV_EXP_CONSTS                                              \
-    const VF c_hi = SET1(88.3762626647949f), c_lo = SET1(-88.3762626647949f); \
-    const VF c_log2e = SET1(1.44269504088896341f), c_half = SET1(0.5f);       \
-    const VF c_c1 = SET1(0.693359375f), c_c2 = SET1(-2.12194440e-4f);        \
-    const VF p0 = SET1(1.9875691500E-4f), p1 = SET1(1.3981999507E-3f), p2 = SET1(8.3334519073E-3f), \
-             p3 = SET1(4.1665795894E-2f), p4 = SET1(1.6666665459E-1f), p5 = SET1(5.0000001201E-1f), \
-             one = SET1(1.0f);
-
 // ---- AVX2 (W = 8)
 namespace avx2 {
 #define TKV_TARGET __attribute__((target("avx2,fma,f16c")))
 typedef __m256 VF;
 constexpr int W = 8;
 #define SET1(x) _mm256_set1_ps(x)
-TKV_TARGET static inline VF vexp(VF x) {
-    TKV_EXP_CONSTS
-    x = _mm256_min_ps(x, c_hi);
-    x = _mm256_max_ps(x, c_lo);
-    VF fx = _mm256_floor_ps(_mm256_fmadd_ps(x, c_log2e, c_half));
-    x = _mm256_fnmadd_ps(fx, c_c1, x);
-    x = _mm256_fnmadd_ps(fx, c_c2, x);
-    VF z = _mm256_mul_ps(x, x);
-    VF y = _mm256_fmadd_ps(p0, x, p1);
-    y = _mm256_fmadd_ps(y, x, p2);
-    y = _mm256_fmadd_ps(y, x, p3);
-    y = _mm256_fmadd_ps(y, x, p4);
-    y = _mm256_fmadd_ps(y, x, p5);
-    y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, one));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
 TKV_TARGET static inline float hsum(VF x) {  // fixed tree: (0+4, 1+5, ...), then pairs
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -307,7 +280,12 @@ TKV_TARGET static inline __m256i tail_mask(int n) {
 #define LOAD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p))), 16))
 #define LOAD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p))))
 #define BCAST(p) _mm256_broadcast_ss(p)
+#define VMIN(a, b) _mm256_min_ps(a, b)
+#define FNMA(a, b, c) _mm256_fnmadd_ps(a, b, c)
+#define FLOOR(x) _mm256_floor_ps(x)
+#define POW2I(fx) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23))
 TKV_TARGET static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+#include "attention_exp.inc"
 #include "attention_body.inc"
 #include "attention_undef.inc"
 }  // namespace avx2
@@ -318,23 +296,6 @@ namespace avx512 {
 typedef __m512 VF;
 constexpr int W = 16;
 #define SET1(x) _mm512_set1_ps(x)
-TKV_TARGET static inline VF vexp(VF x) {
-    TKV_EXP_CONSTS
-    x = _mm512_min_ps(x, c_hi);
-    x = _mm512_max_ps(x, c_lo);
-    VF fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, c_log2e, c_half), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(fx, c_c1, x);
-    x = _mm512_fnmadd_ps(fx, c_c2, x);
-    VF z = _mm512_mul_ps(x, x);
-    VF y = _mm512_fmadd_ps(p0, x, p1);
-    y = _mm512_fmadd_ps(y, x, p2);
-    y = _mm512_fmadd_ps(y, x, p3);
-    y = _mm512_fmadd_ps(y, x, p4);
-    y = _mm512_fmadd_ps(y, x, p5);
-    y = _mm512_fmadd_ps(y, z, _mm512_add_ps(x, one));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
 TKV_TARGET static inline float hsum(VF x) {  // fixed tree: halves, then avx2's
     __m256 lo = _mm512_castps512_ps256(x);
     __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
@@ -390,7 +351,12 @@ TKV_TARGET static inline VF hs_chunk(const VF* x) {
 #define LOAD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(p))), 16))
 #define LOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p))))
 #define BCAST(p) _mm512_set1_ps(*(p))
+#define VMIN(a, b) _mm512_min_ps(a, b)
+#define FNMA(a, b, c) _mm512_fnmadd_ps(a, b, c)
+#define FLOOR(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
+#define POW2I(fx) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23))
 TKV_TARGET static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+#include "attention_exp.inc"
 #include "attention_body.inc"
 #include "attention_undef.inc"
 }  // namespace avx512
