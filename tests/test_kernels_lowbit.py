@@ -8,7 +8,6 @@ gguf-py's. Random valid blocks: every byte pattern is one (the grids take every 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ import gguf.quants
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 import turnkv.kernels as tk
-from turnkv.kernels import GGUFWeight, lowbit, reference, tiles
+from turnkv.kernels import GGUFWeight, build, lowbit, reference, tiles
 
 TYPES = [q for q in lowbit.LOWBIT if q in tk.SUPPORTED]
 ISAS = tk.available_isas()
@@ -171,12 +170,12 @@ def test_error_bound_vs_float(qtype):
 
 
 def test_cpp_grids_equal_gguf():
-    """csrc/lowbit_grids.h holds gguf-py's grids, packed as its grid_hex (expanded by lowbit.h)."""
-    text = (Path(tk.__file__).parent / "csrc" / "lowbit_grids.h").read_text()
+    """The build's lowbit_grids.h holds gguf-py's grids, packed as its grid_hex (expanded by lowbit.h)."""
+    text = build.grids_header()
     names = {Q.IQ2_XXS: "kIQ2XXSPacked", Q.IQ2_XS: "kIQ2XSPacked", Q.IQ2_S: "kIQ2SPacked",
              Q.IQ3_XXS: "kIQ3XXSPacked", Q.IQ3_S: "kIQ3SPacked", Q.IQ1_S: "kIQ1SPacked"}
     for qtype, name in names.items():
-        body = re.search(name + r"\[\d+\] = \{[^\n]*\n(.*?)\};", text, re.S).group(1)
+        body = re.search(name + r"\[\d+\] = \{(.*?)\};", text, re.S).group(1)
         packed = np.array([int(v, 16) for v in re.findall(r"0x[0-9a-f]+", body)], np.int64)
         cls = getattr(gguf.quants, qtype.name)
         bits = 4 if qtype.name.startswith("IQ3") else 2

@@ -15,7 +15,7 @@
 // unsigned 8 g + 9 +- 1 (0 .. 18) with offset 9.
 #pragma once
 #include "common.h"
-#include "lowbit_grids.h"
+#include "lowbit_grids.h"   // written by build.py (grids_header) from gguf-py's grids
 
 namespace tkv {
 
