@@ -1,7 +1,7 @@
 """The codebase's shape, held as tests so that it stays carryable (docs/architecture.md): no
 source file over 500 lines, no function over 60 (C++ kernels' named hot loops up to 80), no
 import circle between turnkv's modules (imports inside functions included: a lazy import that
-closes a circle is still one)."""
+closes a circle is still one), no run of 10 code lines written twice."""
 
 from __future__ import annotations
 
@@ -156,6 +156,52 @@ static inline int f(int a,
 }  // namespace a
 """
     assert cpp_functions(src) == [("f", 5, 6)]
+
+
+MIN_REPEATED_RUN = 10
+_THIN = re.compile(r"[\[\](){};,:]*|(from\s+\S+\s+)?import\s.*|#.*|//.*")
+
+
+def code_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, text with its white space folded) of each line that carries code: blank lines,
+    comments, preprocessor and import lines and lone punctuation left out, as a reader skims them."""
+    folded = ((n, " ".join(line.split())) for n, line in enumerate(text.splitlines(), 1))
+    return [(n, line) for n, line in folded if not _THIN.fullmatch(line)]
+
+
+def repeated_runs(files: dict[str, str], run: int = MIN_REPEATED_RUN) -> list[str]:
+    """Places where ``run`` code lines in a row stand again, the same to the letter, elsewhere (in
+    another file, or in the same file without overlapping): one entry a repeated place."""
+    first, found = {}, []
+    for name, text in files.items():
+        lines = code_lines(text)
+        for i in range(len(lines) - run + 1):
+            key = tuple(line for _, line in lines[i:i + run])
+            start, end = lines[i][0], lines[i + run - 1][0]
+            seen = first.setdefault(key, (name, start, end))
+            if seen[0] != name or seen[2] < start:
+                found.append(f"{name}:{start}-{end} ~ {seen[0]}:{seen[1]}-{seen[2]}")
+    return found
+
+
+def test_no_run_of_10_code_lines_repeats():
+    """Logic written twice drifts apart: a run of 10 code lines stands once in turnkv/ (the same
+    shape with other names is left to review, where it is often a table or a field list)."""
+    sources = sorted(p for p in ROOT.rglob("*") if p.suffix in (".py", ".cpp", ".h", ".inc"))
+    found = repeated_runs({str(p.relative_to(ROOT.parent)): p.read_text() for p in sources})
+    assert not found, f"runs of {MIN_REPEATED_RUN}+ code lines written twice: {found}"
+
+
+def test_the_run_finder_finds_a_repeat():
+    """The check above can fail: the same 10 lines in two files, indentation and comment lines
+    aside, are found; 9 are not, nor is a run that only overlaps itself."""
+    body = [f"x{i} = f({i})" for i in range(10)]
+    a = "import os\n" + "\n".join(body) + "\n"
+    b = "def g():\n    # why\n" + "\n".join("    " + line for line in body) + "\n"
+    assert repeated_runs({"a.py": a, "b.py": b}) == ["b.py:3-12 ~ a.py:2-11"]
+    assert repeated_runs({"a.py": a, "b.py": b}, run=11) == []
+    assert repeated_runs({"a.py": "\n".join(body[:9]), "b.py": "\n".join(body[:9])}) == []
+    assert repeated_runs({"c.py": "y = 1\n" * 12}) == []
 
 
 def test_no_import_circles():
