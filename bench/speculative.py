@@ -1,25 +1,41 @@
 """Speculative decoding off against on (docs/speculative.md), in process, on the bundled models:
-decode speed, acceptance, and a check that every run's token ids are the same both ways.
+decode speed, acceptance, and a check that every run's token ids are the same both ways; beside
+it llama.cpp's llama-server on the same GGUF without and with each of its n-gram draft types.
 
-    flock /tmp/turnkv-bench.lock python bench/speculative.py --model gemma3-270m smollm2-135m
+    flock /tmp/turnkv-bench.lock python bench/speculative.py --model gemma3-270m smollm2-135m \\
+        --llama-server PATH/llama-server
 
 Workloads (greedy, ``--max-tokens`` each):
 - ``code_edit``: the model is given a source file (turnkv/engine/text.py, 51 lines) and asked to
-  rewrite it whole with one small change (a renamed function), so most of the reply copies text
+  rewrite it whole with one small change (a renamed class), so most of the reply copies text
   already in the prompt;
 - ``regenerate``: a second turn asks for the previous answer again, that answer (the plain run's
   reply to the first turn) being in the conversation;
-- ``prose``: a short story, nothing to copy (the drafter's back-off is what is measured).
+- ``prose``: a short story, nothing to copy (the drafter's back-off is what is measured);
+- ``agent``: the steps of one recorded agent session (bench/agent_traces/small.jsonl, the OpenAI
+  Agents SDK: forced tool calls whose arguments name files, then a text answer), each body as
+  recorded (tools, tool_choice's grammar, max_tokens) under the shipped chatml-tools template,
+  one after another on one engine with the prompt cache on, as the server would run them.
 
 Each (model, workload) runs ``--rounds`` rounds, off and on alternating in order (off, on, on,
-off, ...), each run on a fresh engine with the prompt cache off, so runs see the same prefill.
-Prints the median decode tok/s of each, the speedup (median of the rounds' on/off ratios), the
-acceptance rate and the tokens per forward pass; exits non-zero if any on run's tokens differ.
+off, ...), each run on a fresh engine (the model loaded once), so runs see the same prefill.
+Every run uses ``--threads`` compute threads (default 1: the machine is shared; a descheduled
+partner thread costs more than the second core gives). Prints the median decode tok/s of each,
+the speedup (median of the rounds' on/off ratios), the acceptance rate and the tokens per
+forward pass; exits non-zero if any on run's tokens differ.
+
+``--llama-server``: for each of ``--llama-types`` (``none`` and llama.cpp's n-gram types, each
+at its defaults) a fresh server (``-t``/``-tb`` ``--threads``, one slot) gets the same prompt
+token ids as turnkv, once per workload (bench/speculative_peer.py); its decode tok/s
+(``timings.predicted_per_second``) and acceptance are printed beside turnkv's, and the ratio of
+turnkv's speculative speed to the best type's. Its replies may differ from turnkv's in length
+(numerics, and the agent steps run without turnkv's tool-call grammar), so compare tok/s.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -29,77 +45,146 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 SOURCE = (ROOT / "turnkv" / "engine" / "text.py").read_text()
+TRACE = ROOT / "bench" / "agent_traces" / "small.jsonl"
+QUESTION = "Explain in a few sentences how a sourdough starter works and how to keep one alive."
+AGENT_MAX_TOKENS = 96        # the recorded bodies without max_tokens (pydantic-ai's) get this
 
 
-def workloads(engine, first_reply: str | None) -> dict[str, list[dict]]:
-    question = "Explain in a few sentences how a sourdough starter works and how to keep one alive."
-    out = {
+def chats(first_reply: str) -> dict[str, list[dict]]:
+    return {
         "code_edit": [{"role": "user", "content": "Here is a Python file:\n\n```python\n" + SOURCE + "```\n\n"
                        "Rewrite the whole file with one change: rename the class StopMatcher to StopStrings "
                        "everywhere. Reply with the complete file only."}],
+        "regenerate": [{"role": "user", "content": QUESTION},
+                       {"role": "assistant", "content": first_reply},
+                       {"role": "user", "content": "Please give me exactly that answer again, word for word."}],
         "prose": [{"role": "user", "content": "Write a short story about a lighthouse keeper who finds a "
                    "message in a bottle."}],
     }
-    if first_reply is not None:
-        out["regenerate"] = [{"role": "user", "content": question},
-                             {"role": "assistant", "content": first_reply},
-                             {"role": "user", "content": "Please give me exactly that answer again, word for word."}]
-    return out
 
 
-def run(model: str, messages: list[dict], mode: str, max_tokens: int, draft_max: int):
-    from turnkv.engine.engine import Engine
-    from turnkv.engine.sampling import SamplingParams
+def agent_bodies(trace: Path, session: str | None) -> list[dict]:
+    rows = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
+    session = session or rows[0]["session"]
+    return [r["body"] for r in sorted((r for r in rows if r["session"] == session), key=lambda r: r["step"])]
 
-    engine = Engine.load(model, weights=None, kv_mode="auto", progress=False, speculative=mode, draft_max=draft_max)
-    req = engine.chat_request(messages, SamplingParams(max_tokens=max_tokens, temperature=0.0))
-    result = engine.generate(req)
-    return result, engine.steps
+
+class Bench:
+    """The model loaded once; each run gets a fresh engine on it (nothing carried between runs)."""
+
+    def __init__(self, model: str, args):
+        from turnkv.engine.engine import auto_kv_mode
+        from turnkv.loading.model import load_model
+        from turnkv.loading.tokenizer import chat_template_source
+
+        self.loaded = load_model(model, weights=None, progress=False)
+        self.kv_mode = auto_kv_mode(self.loaded.weights, self.loaded.net.dtype)
+        self.tools_tokenizer = self.loaded.tokenizer.with_template(chat_template_source("chatml-tools"),
+                                                                   note="chatml-tools")
+        self.args = args
+        self.agent = agent_bodies(Path(args.trace), args.session)
+
+    def engine(self, mode: str, tools: bool = False):
+        from turnkv.engine.engine import Engine
+        from turnkv.engine.speculative import DEFAULT_DRAFT_MAX
+        from turnkv.prompt_cache.store import PromptCache
+
+        lm = self.loaded
+        return Engine(lm.net, self.tools_tokenizer if tools else lm.tokenizer, fingerprint=lm.fingerprint,
+                      name=lm.name, weights=lm.weights, kv_mode=self.kv_mode, max_context=lm.max_context,
+                      prompt_cache=PromptCache(1 << 30 if tools else 0), speculative=mode,
+                      draft_max=self.args.draft_max or DEFAULT_DRAFT_MAX)
+
+    def requests(self, engine, name: str, messages: list[dict] | None) -> list:
+        from turnkv.engine.sampling import SamplingParams
+
+        if name != "agent":
+            return [engine.chat_request(messages, SamplingParams(max_tokens=self.args.max_tokens, temperature=0.0))]
+        from turnkv.server.requests import build_chat_request
+        from turnkv.server.schemas import ChatCompletionRequest
+
+        out = []
+        for body in self.agent:
+            params = SamplingParams(max_tokens=body.get("max_tokens") or AGENT_MAX_TOKENS, temperature=0.0)
+            out.append(build_chat_request(engine, ChatCompletionRequest(**body), params, ""))
+        return out
+
+    def run(self, name: str, messages: list[dict] | None, mode: str) -> dict:
+        """One run of a workload: its token ids, decode tok/s over all its requests, drafts."""
+        engine = self.engine(mode, tools=name == "agent")
+        ids, decode_s, decoded, drafted, accepted, prompts = [], 0.0, 0, 0, 0, []
+        for req in self.requests(engine, name, messages):
+            prompts.append((list(req.prompt_ids), req.params.max_tokens))
+            result = engine.generate(req)
+            ids.append(result.token_ids)
+            decode_s += result.stats.decode_ms / 1000
+            decoded += max(0, len(result.token_ids) - 1)
+            drafted += result.stats.drafted
+            accepted += result.stats.accepted
+        return {"ids": ids, "tok_s": decoded / decode_s if decode_s else 0.0, "drafted": drafted,
+                "accepted": accepted, "tokens": sum(len(i) for i in ids), "prompts": prompts}
+
+
+def bench_workload(bench: Bench, name: str, messages, rounds: int) -> dict:
+    speeds = {"off": [], "ngram": []}
+    ratios, rate, per_pass, ids, same = [], [], [], {}, True
+    for r in range(rounds):
+        got = {}
+        for mode in (("off", "ngram") if r % 2 == 0 else ("ngram", "off")):
+            got[mode] = out = bench.run(name, messages, mode)
+            speeds[mode].append(out["tok_s"])
+            ids.setdefault(mode, out["ids"])
+            same &= out["ids"] == ids[mode] == ids.get("off", out["ids"])
+        on = got["ngram"]
+        ratios.append(on["tok_s"] / max(got["off"]["tok_s"], 1e-9))
+        rate.append(on["accepted"] / on["drafted"] if on["drafted"] else 0.0)
+        per_pass.append(on["tokens"] / max(1, on["tokens"] - on["accepted"]))
+    same &= ids["off"] == ids["ngram"]
+    row = {"tokens": sum(len(i) for i in ids["off"]), "off": statistics.median(speeds["off"]),
+           "ngram": statistics.median(speeds["ngram"]), "speedup": statistics.median(ratios),
+           "acceptance": statistics.median(rate), "per_pass": statistics.median(per_pass), "same": same,
+           "prompts": got["off"]["prompts"]}
+    print(f"  {name:<11} {row['tokens']:>4} tok  off {row['off']:6.1f} tok/s  ngram {row['ngram']:6.1f} tok/s  "
+          f"speedup {row['speedup']:.2f}x  accepted {row['acceptance']:.0%} of drafts  {row['per_pass']:.2f} tok/pass  "
+          f"{'same tokens' if same else 'TOKENS DIFFER'}  (load {os.getloadavg()[0]:.1f})", flush=True)
+    return row
 
 
 def bench_model(model: str, args) -> bool:
-    from turnkv.engine.engine import Engine
     from turnkv.engine.sampling import SamplingParams
 
-    engine = Engine.load(model, weights=None, kv_mode="auto", progress=False)
-    q = [{"role": "user", "content": "Explain in a few sentences how a sourdough starter works and how to keep one alive."}]
-    first = engine.generate(engine.chat_request(q, SamplingParams(max_tokens=args.max_tokens, temperature=0.0)))
-    print(f"\n{model} ({engine.weights} weights, KV {engine.modes[0]})")
-    ok = True
-    for name, messages in workloads(engine, first.text).items():
-        speeds = {"off": [], "ngram": []}
-        ratios, rate, per_step, ids = [], [], [], {}
-        for r in range(args.rounds):
-            order = ("off", "ngram") if r % 2 == 0 else ("ngram", "off")
-            got = {}
-            for mode in order:
-                result, steps = run(model, messages, mode, args.max_tokens, args.draft_max)
-                got[mode] = result
-                speeds[mode].append(result.stats.decode_tokens_per_s)
-                ids.setdefault(mode, result.token_ids)
-                if result.token_ids != ids[mode] or result.token_ids != ids.get("off", result.token_ids):
-                    ok = False
-            on = got["ngram"].stats
-            ratios.append(on.decode_tokens_per_s / max(got["off"].stats.decode_tokens_per_s, 1e-9))
-            rate.append(on.accepted / on.drafted if on.drafted else 0.0)
-            per_step.append(len(got["ngram"].token_ids) / max(1, len(got["ngram"].token_ids) - on.accepted))
-        same = ids["off"] == ids["ngram"]
-        ok &= same
-        print(f"  {name:<11} {len(ids['off']):>4} tok  off {statistics.median(speeds['off']):6.1f} tok/s  "
-              f"ngram {statistics.median(speeds['ngram']):6.1f} tok/s  speedup {statistics.median(ratios):.2f}x  "
-              f"accepted {statistics.median(rate):.0%} of drafts  {statistics.median(per_step):.2f} tok/pass  "
-              f"{'same tokens' if same else 'TOKENS DIFFER'}")
-    return ok
+    bench = Bench(model, args)
+    plain = bench.engine("off")
+    first = plain.generate(plain.chat_request([{"role": "user", "content": QUESTION}],
+                                              SamplingParams(max_tokens=args.max_tokens, temperature=0.0)))
+    print(f"\n{model} ({bench.loaded.weights} weights, KV {plain.modes[0]}, {args.threads} thread(s))", flush=True)
+    work = {**chats(first.text), "agent": None}
+    rows = {name: bench_workload(bench, name, work[name], args.rounds)
+            for name in args.workloads}
+    if args.llama_server:
+        from bench.speculative_peer import compare
+        from turnkv.loading import gguf_path
+        compare(args, str(gguf_path(model)), rows)
+    return all(r["same"] for r in rows.values())
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", nargs="+", default=["gemma3-270m", "smollm2-135m"])
+    p.add_argument("--workloads", nargs="+", default=["code_edit", "regenerate", "prose", "agent"])
     p.add_argument("--max-tokens", type=int, default=200)
-    p.add_argument("--draft-max", type=int, default=8)
+    p.add_argument("--draft-max", type=int, default=None, help="default: the engine's")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--trace", default=str(TRACE), help="agent trace (bench/agent_replay.py record)")
+    p.add_argument("--session", default=None, help="the trace's session to run (default: its first)")
+    p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary")
+    p.add_argument("--llama-types", nargs="+",
+                   default=["none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"])
     args = p.parse_args()
     from bench.machine import cpu_model
+    from turnkv.launch import configure_process
+    configure_process(args.threads)
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f} at start")
     ok = all([bench_model(m, args) for m in args.model])
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
