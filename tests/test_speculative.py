@@ -315,7 +315,13 @@ def test_drafting_backs_off_when_drafts_fail_and_recovers():
         if draft:
             spec.record(len(draft), 0)
     assert drafted_steps < 200 / MAX_PAUSE + 10 and spec.length == 1
-    while not spec.propose([1], 8):        # the pause ends; a draft taken whole doubles the length
+    while not spec.propose([1], 8):        # the pause ends; a draft taken whole climbs a rung (1 -> 3)
         pass
     spec.record(1, 1)
-    assert spec.pause == 0 and spec.length == 2 and spec.propose([1], 8) == [0, 0]
+    assert spec.pause == 0 and spec.length == 3 and spec.propose([1], 8) == [0, 0, 0]
+    spec.record(3, 3)
+    assert spec.length == 7
+    spec.record(7, 7)                      # capped at draft_max
+    assert spec.length == 8 and len(spec.propose([1], 8)) == 8
+    spec.record(8, 0)                      # rejected whole: down to the rung below half
+    assert spec.length == 3

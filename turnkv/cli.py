@@ -13,7 +13,7 @@ DEFAULT_MAX_SEQS, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_QUEUE = 8, 256, 64
 DEFAULT_MAX_MESSAGES, DEFAULT_MAX_CONNECTIONS = 2048, 1024
 DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_IMAGE_CACHE_MB = 4096 * 4096, 256.0     # = turnkv/images.py's
 # engine/speculative.py's MODES and DEFAULT_DRAFT_MAX, for the same reason
-SPECULATIVE_MODES, DEFAULT_DRAFT_MAX = ("off", "ngram"), 8
+SPECULATIVE_MODES, DEFAULT_DRAFT_MAX = ("off", "ngram"), 7
 # the names of turnkv.models.weights.FORMATS, listed here so `--help` does not import torch
 WEIGHT_FORMATS = ("native", "bf16", "int8", "int4x2", "int4", "auto", "gguf")
 # perplexity.py's DEFAULT_CTX and DEFAULT_BATCH, for the same reason
