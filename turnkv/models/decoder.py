@@ -1,7 +1,7 @@
 """The decoder skeleton the families share: the common config fields, the embedding / final norm /
-lm_head, RoPE from a config, the gated MLP, the per-layer cache specs of a layer-type pattern and
-``DecoderModel``, the model class a dense family subclasses. A family imports what it uses; its
-attention and block stay its own."""
+lm_head, RoPE from a config, the gated MLP, the pre-norm block, the per-layer cache specs of a
+layer-type pattern and ``DecoderModel``, the model class a dense family subclasses. A family imports
+what it uses; its attention (and a block that is not ``PreNormBlock``) stay its own."""
 
 from __future__ import annotations
 
@@ -149,6 +149,37 @@ class GatedMLP(nn.Module):
         if self.limit is not None:
             g, u = g.clamp_(max=self.limit), u.clamp(-self.limit, self.limit)
         return linear(g.mul_(u), self.wdown, self.bdown)
+
+
+class PreNormBlock(nn.Module):
+    """A decoder layer under HF's names with pre-norm residuals: ``x += attn(norm(x))``, then
+    ``x += mlp(norm(x))``, both in place on the model's own residual buffer (fresh from the
+    embedding). A family's block names its ``Attention`` class (built as ``Attention(args, tensors,
+    prefix, dtype)``; ``make_attention`` where it takes more) and overrides ``make_mlp`` where the
+    layer's MLP is not the plain gated one (a MoE on some layers, biases); ``forward``'s ``extra``
+    arguments go to the attention."""
+
+    Attention: ClassVar[type[nn.Module]]
+
+    def __init__(self, a, t: dict, i: int, dtype: torch.dtype):
+        super().__init__()
+        p = f"model.layers.{i}"
+        self.eps = a.rms_norm_eps
+        self.ln_attn = param(take(t, f"{p}.input_layernorm.weight"), dtype)
+        self.ln_mlp = param(take(t, f"{p}.post_attention_layernorm.weight"), dtype)
+        self.attn = self.make_attention(a, t, f"{p}.self_attn", i, dtype)
+        self.mlp = self.make_mlp(a, t, f"{p}.mlp", i, dtype)
+
+    def make_attention(self, a, t: dict, p: str, i: int, dtype: torch.dtype) -> nn.Module:
+        return self.Attention(a, t, p, dtype)
+
+    def make_mlp(self, a, t: dict, p: str, i: int, dtype: torch.dtype) -> nn.Module:
+        return GatedMLP.named(t, p, dtype)
+
+    def forward(self, x, batch, i, rope, *extra):
+        x += self.attn.forward(rms_norm(x, self.ln_attn, self.eps), batch, i, rope, *extra)
+        x += self.mlp.forward(rms_norm(x, self.ln_mlp, self.eps))
+        return x
 
 
 class HybridBlock(nn.Module):

@@ -21,7 +21,7 @@ from torch import nn
 
 from .base import attention_spans, linear, rms_norm
 from .batch import Batch
-from .decoder import DecoderArgs, DecoderModel, GatedMLP, apply_partial_rope, qkv_weights, rope_for
+from .decoder import DecoderArgs, DecoderModel, GatedMLP, PreNormBlock, apply_partial_rope, qkv_weights, rope_for
 from .experts import RoutedExperts, expert_stacks
 from .rope_config import rope_params
 from .tensors import param, stored, take, weight
@@ -103,20 +103,11 @@ class MoE(nn.Module):
         return self.experts.forward(x, weights, chosen) + self.shared.forward(x)
 
 
-class Block(nn.Module):
-    def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
-        super().__init__()
-        p = f"model.layers.{i}"
-        self.eps = a.rms_norm_eps
-        self.ln_attn = param(take(t, f"{p}.input_layernorm.weight"), dtype)
-        self.ln_mlp = param(take(t, f"{p}.post_attention_layernorm.weight"), dtype)
-        self.attn = Attention(a, t, f"{p}.self_attn", dtype)
-        self.mlp = MoE(a, t, f"{p}.mlp", dtype) if i >= a.first_k_dense_replace else GatedMLP.named(t, f"{p}.mlp", dtype)
+class Block(PreNormBlock):
+    Attention = Attention
 
-    def forward(self, x, batch, i, rope):
-        x += self.attn.forward(rms_norm(x, self.ln_attn, self.eps), batch, i, rope)
-        x += self.mlp.forward(rms_norm(x, self.ln_mlp, self.eps))
-        return x
+    def make_mlp(self, a: ModelArgs, t: dict, p: str, i: int, dtype):
+        return MoE(a, t, p, dtype) if i >= a.first_k_dense_replace else GatedMLP.named(t, p, dtype)
 
 
 class Glm4MoeModel(DecoderModel):

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from .batch import Batch
-from .base import BaseArgs, apply_rope, attention_spans, linear, rms_norm
-from .decoder import FULL, SLIDING, DecoderModel, out_weights, qkv_weights, rope_for
+from .base import BaseArgs, apply_rope, attention_spans, linear
+from .decoder import FULL, SLIDING, DecoderModel, PreNormBlock, out_weights, qkv_weights, rope_for
 from .rope_config import rope_params
 from .experts import RoutedExperts
 from .tensors import MissingWeight, param, stored, take, weight
@@ -148,21 +148,12 @@ class MoE(nn.Module):
         return self.experts.forward(x, torch.softmax(top, dim=-1), chosen)
 
 
-class Block(nn.Module):
-    def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
-        super().__init__()
-        p = f"model.layers.{i}"
-        self.eps = a.rms_norm_eps
-        self.sliding = a.layer_types[i] == SLIDING
-        self.ln_attn = param(take(t, f"{p}.input_layernorm.weight"), dtype)
-        self.ln_mlp = param(take(t, f"{p}.post_attention_layernorm.weight"), dtype)
-        self.attn = Attention(a, t, f"{p}.self_attn", dtype, self.sliding)
-        self.mlp = MoE(a, t, f"{p}.mlp", dtype)
+class Block(PreNormBlock):
+    def make_attention(self, a: ModelArgs, t: dict, p: str, i: int, dtype):
+        return Attention(a, t, p, dtype, a.layer_types[i] == SLIDING)
 
-    def forward(self, x, batch, i, rope):
-        x += self.attn.forward(rms_norm(x, self.ln_attn, self.eps), batch, i, rope)
-        x += self.mlp.forward(rms_norm(x, self.ln_mlp, self.eps))
-        return x
+    def make_mlp(self, a: ModelArgs, t: dict, p: str, i: int, dtype):
+        return MoE(a, t, p, dtype)
 
 
 class GptOssModel(DecoderModel):

@@ -12,9 +12,10 @@ from torch import nn
 
 from .base import apply_rope, attention_spans, embedding, linear, rms_norm
 from .batch import Batch
-from .decoder import FULL, SLIDING, DecoderArgs, DecoderModel, GatedMLP, out_weights, qk_norm_rows, qkv_weights
+from .decoder import (FULL, SLIDING, DecoderArgs, DecoderModel, GatedMLP, PreNormBlock, out_weights, qk_norm_rows,
+                      qkv_weights)
 from .fused import FusedSlot, fuse_llama_block, stack_for
-from .tensors import param, take
+from .tensors import param
 
 
 QWEN = ("qwen2", "qwen3", "qwen3_moe")
@@ -69,15 +70,11 @@ class Attention(nn.Module):
         return linear(out, self.wo, self.bo)
 
 
-class Block(nn.Module):
-    def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
-        super().__init__()
-        p = f"model.layers.{i}"
-        self.eps = a.rms_norm_eps
-        self.ln_attn = param(take(t, f"{p}.input_layernorm.weight"), dtype)
-        self.ln_mlp = param(take(t, f"{p}.post_attention_layernorm.weight"), dtype)
-        self.attn = Attention(a, t, f"{p}.self_attn", dtype)
-        self.mlp = GatedMLP.named(t, f"{p}.mlp", dtype, bias=a.mlp_bias)
+class Block(PreNormBlock):
+    Attention = Attention
+
+    def make_mlp(self, a: ModelArgs, t: dict, p: str, i: int, dtype):
+        return GatedMLP.named(t, p, dtype, bias=a.mlp_bias)
 
     fused = FusedSlot()     # its FusedBlock, or None
 
@@ -90,10 +87,7 @@ class Block(nn.Module):
         f = self.fused
         if f is not None and f.takes(x):
             return f.layer(x, rope, batch, i, self.attn.scale)
-        # x is the model's own residual buffer (fresh from the embedding): accumulate in place
-        x += self.attn.forward(rms_norm(x, self.ln_attn, self.eps), batch, i, rope)
-        x += self.mlp.forward(rms_norm(x, self.ln_mlp, self.eps))
-        return x
+        return super().forward(x, batch, i, rope)
 
 
 class LlamaModel(DecoderModel):

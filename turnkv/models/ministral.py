@@ -10,12 +10,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import apply_rope, attention_spans, embedding, linear, rms_norm
+from .base import apply_rope, attention_spans, embedding, linear
 from .batch import Batch
-from .decoder import FULL, SLIDING, DecoderArgs, DecoderModel, GatedMLP, out_weights, qkv_weights, rope_for
+from .decoder import FULL, SLIDING, DecoderArgs, DecoderModel, PreNormBlock, out_weights, qkv_weights, rope_for
 from .fused import FusedSlot, fuse_llama_block
 from .rope_config import rope_params
-from .tensors import param, take
 
 
 @dataclass(kw_only=True)
@@ -57,15 +56,8 @@ class Attention(nn.Module):
         return linear(attention_spans(batch, i, q, qk[hq:], qkv[hq + hk:], self.scale), self.wo)
 
 
-class Block(nn.Module):
-    def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
-        super().__init__()
-        p = f"model.layers.{i}"
-        self.eps = a.rms_norm_eps
-        self.ln_attn = param(take(t, f"{p}.input_layernorm.weight"), dtype)
-        self.ln_mlp = param(take(t, f"{p}.post_attention_layernorm.weight"), dtype)
-        self.attn = Attention(a, t, f"{p}.self_attn", dtype)
-        self.mlp = GatedMLP.named(t, f"{p}.mlp", dtype)
+class Block(PreNormBlock):
+    Attention = Attention
 
     fused = FusedSlot()     # its FusedBlock, or None
 
@@ -81,9 +73,7 @@ class Block(nn.Module):
             hq = self.attn.hq
             q = qk[:hq] if q_scale is None else qk[:hq] * q_scale
             return f.out_mlp(x, attention_spans(batch, i, q, qk[hq:], v, self.attn.scale))
-        x += self.attn.forward(rms_norm(x, self.ln_attn, self.eps), batch, i, rope, q_scale)
-        x += self.mlp.forward(rms_norm(x, self.ln_mlp, self.eps))
-        return x
+        return super().forward(x, batch, i, rope, q_scale)
 
 
 class MinistralModel(DecoderModel):

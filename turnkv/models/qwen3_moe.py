@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import rms_norm
-from .decoder import DecoderModel, GatedMLP
+from .decoder import DecoderModel, GatedMLP, PreNormBlock
 from .experts import RoutedExperts, expert_stacks
 from .llama import Attention
 from .llama import ModelArgs as QwenArgs
@@ -60,20 +59,11 @@ class MoE(nn.Module):
         return self.experts.forward(x, weights, chosen)
 
 
-class Block(nn.Module):
-    def __init__(self, a: ModelArgs, t: dict, i: int, dtype):
-        super().__init__()
-        p = f"model.layers.{i}"
-        self.eps = a.rms_norm_eps
-        self.ln_attn = param(take(t, f"{p}.input_layernorm.weight"), dtype)
-        self.ln_mlp = param(take(t, f"{p}.post_attention_layernorm.weight"), dtype)
-        self.attn = Attention(a, t, f"{p}.self_attn", dtype)
-        self.mlp = MoE(a, t, f"{p}.mlp", dtype) if a.sparse(i) else GatedMLP.named(t, f"{p}.mlp", dtype)
+class Block(PreNormBlock):
+    Attention = Attention
 
-    def forward(self, x, batch, i, rope):
-        x += self.attn.forward(rms_norm(x, self.ln_attn, self.eps), batch, i, rope)
-        x += self.mlp.forward(rms_norm(x, self.ln_mlp, self.eps))
-        return x
+    def make_mlp(self, a: ModelArgs, t: dict, p: str, i: int, dtype):
+        return MoE(a, t, p, dtype) if a.sparse(i) else GatedMLP.named(t, p, dtype)
 
 
 class Qwen3MoeModel(DecoderModel):
