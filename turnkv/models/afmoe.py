@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import BaseArgs, apply_rope, attention_spans, embedding, linear, rms_norm
+from .base import apply_rope, attention_spans, embedding, linear, rms_norm
 from .batch import Batch, select_rows
-from .decoder import FULL, SLIDING, DecoderModel, GatedMLP, float32_norm, out_weights
+from .decoder import FULL, SLIDING, DecoderArgs, DecoderModel, GatedMLP, float32_norm, out_weights
 from .experts import RoutedExperts, expert_stacks
 from .tensors import fused_weight, param, stored, take
 
@@ -27,20 +27,12 @@ def norm32(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm(x.float(), w, eps).to(x.dtype)
 
 
-@dataclass
-class ModelArgs(BaseArgs):
+@dataclass(kw_only=True)
+class ModelArgs(DecoderArgs):
     computes = {"hidden_act": ("silu",)}
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    vocab_size: int
     moe_intermediate_size: int = 1408
     num_dense_layers: int = 1
-    num_key_value_heads: int | None = None
     head_dim: int | None = 128
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
     num_experts: int = 64
     num_experts_per_tok: int = 6
     num_shared_experts: int = 2
@@ -52,8 +44,7 @@ class ModelArgs(BaseArgs):
     attention_bias: bool = False
 
     def __post_init__(self):
-        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
-        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        super().__post_init__()
         if not self.layer_types:   # transformers' default: every n-th layer global
             n = self.global_attn_every_n_layers
             self.layer_types = [SLIDING if (i + 1) % n else FULL for i in range(self.num_hidden_layers)]
