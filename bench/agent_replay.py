@@ -31,10 +31,11 @@ longest common prefix with the previous request's prompt followed by its reply (
 up to the previous assistant turn, as the template renders it). ``1 - new / prompt`` is the most
 of that prompt any server can restore.
 
-turnkv streams a tool call once it is complete (its text is held back until it parses), so on a
-step whose reply is a forced call its client TTFT is the whole reply; llama.cpp streams the
-call's name first. llama.cpp's servers take only a string ``tool_choice`` and answer a named
-one as ``auto`` (a warning in their log), so their replies to the same body may differ in length.
+On a step whose reply is a forced call, turnkv's first delta is the call's opening (its name,
+once generated; docs/tools.md), as llama.cpp streams a call's name first (before 2026-12-06
+turnkv sent a call only once complete, so its client TTFT was the whole reply). llama.cpp's
+servers take only a string ``tool_choice`` and answer a named one as ``auto`` (a warning in their
+log), so their replies to the same body may differ in length.
 """
 
 from __future__ import annotations

@@ -631,6 +631,8 @@ def test_warm_up_does_the_vocabulary_scan_before_any_request():
     from types import SimpleNamespace
 
     from turnkv.loading import load_tokenizer
+    from turnkv.engine.grammar import ll_tokenizer
+    from turnkv.loading import shipped_template
     from turnkv.server.requests import RequestError, check_text_size, warm_up
 
     if not find_bundled("smollm2-135m")[0]:
@@ -643,3 +645,8 @@ def test_warm_up_does_the_vocabulary_scan_before_any_request():
     check_text_size(engine, 64 * longest, "messages")
     with pytest.raises(RequestError):
         check_text_size(engine, 64 * longest + 1, "messages")
+    # the grammar engine's vocabulary is built only for a template that renders tools (forced calls)
+    assert getattr(tokenizer, "_llguidance", None) is None
+    tools = tokenizer.with_template(shipped_template("chatml-tools"))
+    warm_up(SimpleNamespace(tokenizer=tools, max_context=64))
+    assert tools._llguidance is ll_tokenizer(tools)

@@ -38,7 +38,7 @@ def forces_call(req: ChatCompletionRequest) -> bool:
 
 def prepare(engine, req: ChatCompletionRequest) -> ChatExtras:
     """Validate the extras against the model; RequestError (400) naming the field at fault.
-    Compiling a grammar takes milliseconds (the tokenizer's first one ~0.2 s): call it off the
+    Compiling a grammar takes milliseconds (the tokenizer's first one seconds, unless warm_up built it): call it off the
     event loop."""
     try:
         messages = [toolkit.history_message(m) for m in req.template_messages()]
