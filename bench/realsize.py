@@ -4,13 +4,15 @@ llama.cpp (and ik_llama.cpp where built) on the same files.
     .venv/bin/python bench/realsize.py make [--preset llama-3.2-1b ...] [--types Q4_K_M Q8_0 IQ4_XS]
     .venv/bin/python bench/realsize.py run  [--preset llama-3.2-1b] [--types ...] [--threads 2]
     .venv/bin/python bench/realsize.py long [--preset llama-3.2-1b] [--types Q4_K_M] [--lengths 1024 8192 32768]
+    .venv/bin/python bench/realsize.py exact [--preset llama-3.2-1b gemma-3-1b ...] [--types Q4_K_M]
 
 ``make`` is described in bench/realsize_models.py. ``run`` times, one engine at a time under
 ``flock /tmp/turnkv-bench.lock``, per file: turnkv in-process (load time, resident memory after
 load, prefill of a 512-token prompt, decode of 128 tokens), llama.cpp's ``llama-bench -p 512 -n
 128`` and ik_llama.cpp's with ``-rtr 1``; then prints turnkv / peer ratios, the CPU model and a
 read-bandwidth probe, so decode reads as a share of what the machine can stream. ``long`` times
-long prompts and decode at long contexts (bench/realsize_long.py).
+long prompts and decode at long contexts (bench/realsize_long.py); ``exact`` checks reuse == cold,
+chunk 64 == 512 and batched == alone bit for bit on the files (bench/realsize_exact.py).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from bench.realsize_models import DEFAULT_TYPES, PRESETS, make  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=("make", "run", "long"))
+    ap.add_argument("command", choices=("make", "run", "long", "exact"))
     ap.add_argument("--preset", nargs="+", default=["llama-3.2-1b"], choices=list(PRESETS))
     ap.add_argument("--types", nargs="+", default=list(DEFAULT_TYPES))
     ap.add_argument("--threads", type=int, default=2)
@@ -35,6 +37,7 @@ def main() -> None:
     ap.add_argument("--ik-lengths", nargs="+", type=int, default=[1024, 32768],
                     help="long: contexts ik_llama.cpp decodes at (each prefills its prompt first)")
     args = ap.parse_args()
+    failed = []
     for preset in args.preset:
         files = make(preset, args.types)
         if args.command == "run":
@@ -44,6 +47,11 @@ def main() -> None:
             from bench.realsize_long import run_long
             for t in args.types:
                 run_long(files[t.upper()], args.threads, sorted(args.lengths), sorted(args.ik_lengths))
+        elif args.command == "exact":
+            from bench.realsize_exact import check_exact
+            failed += [f"{preset} {t}" for t in args.types if not check_exact(files[t.upper()], args.threads)]
+    if failed:
+        raise SystemExit(f"not exact: {', '.join(failed)}")
 
 
 if __name__ == "__main__":
