@@ -32,9 +32,9 @@ from turnkv.engine.sampling import SamplingParams
 from turnkv.prompt_cache.store import PromptCache
 
 PATH, CHUNK = {path!r}, {chunk}
-# a prompt cache as `turnkv serve` makes one (its default budget)
+# the K/V mode and a prompt cache as `turnkv serve` makes them (its default budget)
 eng = Engine.load(PATH, weights=None, progress=False, max_context=4096, prefill_chunk=CHUNK,
-                  prompt_cache=PromptCache(2048 << 20))
+                  kv_mode="auto", prompt_cache=PromptCache(2048 << 20))
 vocab = eng.requests.model.vocab_size
 
 def ids(n, seed):

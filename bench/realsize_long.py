@@ -27,7 +27,8 @@ from turnkv.engine.engine import Engine
 from turnkv.engine.sequence import GenerationRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.kernels.weight_memory import collapse
-eng = Engine.load({path!r}, weights=None, progress=False, max_context={ctx})
+# K/V in `turnkv serve`'s default mode ("auto": float16 under the GGUF weights), as llama.cpp's f16
+eng = Engine.load({path!r}, weights=None, progress=False, max_context={ctx}, kv_mode="auto")
 collapse()
 vocab = eng.requests.model.vocab_size
 warm = GenerationRequest(list(range(1000, 1256)), SamplingParams(max_tokens={decode}, ignore_eos=True))

@@ -32,7 +32,8 @@ from turnkv.engine.sequence import GenerationRequest
 from turnkv.engine.sampling import SamplingParams
 t1 = time.perf_counter()
 rss0 = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-eng = Engine.load({path!r}, weights=None, progress=False, max_context=1024)
+# K/V in `turnkv serve`'s default mode ("auto": float16 under the GGUF weights), as llama.cpp's f16
+eng = Engine.load({path!r}, weights=None, progress=False, max_context=1024, kv_mode="auto")
 t2 = time.perf_counter()
 # what `turnkv serve` does on a background thread once it answers: the weights to huge pages
 from turnkv.kernels.weight_memory import collapse
