@@ -96,6 +96,32 @@ def test_native_equals_reference_and_rows_run_alone(qtype):
                     assert torch.equal(w.matmul(x[r0:r0 + m], isa=isa), ref[r0:r0 + m]), (isa, n, m, r0)
 
 
+@pytest.mark.parametrize("qtype", [q for q in TYPES if q.name.startswith("IQ")], ids=lambda q: q.name)
+def test_decode_path_equals_general(qtype):
+    """M = 1..8 (the grid types' decode path, csrc/grid_fused.inc: a tile's 8 rows' grid entries
+    gathered into vector lanes, no scratch) == the same rows inside an M = 40 call (the unpack +
+    dot path), on every path, with the AVX-512 paths' row pairing on and off (the low-bit types
+    dot their rows unpaired either way); N = 67 (a partial tile) and 1000."""
+    if not tk.native_available():
+        pytest.skip("the decode path is the native kernels'")
+    before = tk._ext.set_pair(1)
+    try:
+        for n in (N, 1000):
+            w = random_weight(qtype, n=n, seed=n + 2)
+            x = _x(40) * 5
+            x[33, 96:128] = 0.0
+            for isa in ISAS:
+                full = w.matmul(x, isa=isa)
+                for pair in (1, 0):
+                    tk._ext.set_pair(pair)
+                    for m in range(1, 9):
+                        for r0 in (0, 40 - m):
+                            assert torch.equal(w.matmul(x[r0:r0 + m], isa=isa), full[r0:r0 + m]), (isa, n, m, r0, pair)
+                tk._ext.set_pair(1)
+    finally:
+        tk._ext.set_pair(before)
+
+
 def _largest_block(qtype: Q) -> np.ndarray:
     """A block at the type's largest |value| x |scale| (Q2_K: q 3, scale 15, min 0; Q3_K: q - 4 =
     -4, scale -32; IQ: grid entry 0 of the largest value where there is one, all signs negative,
