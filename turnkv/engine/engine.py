@@ -27,7 +27,7 @@ from ..cache.slots import StateIdentity, StatePool
 from ..cache.sliding import DEFAULT_SLACK
 from ..cache.specs import CacheSpec, default_modes
 from ..images import DEFAULT_IMAGE_CACHE_MB, DEFAULT_MAX_IMAGE_PIXELS, EncoderCache, image_ids_in, last_image_end
-from ..models.batch import ALL, LAST, Batch
+from ..models.batch import Batch, split_logits
 from ..prompt_cache.plan import Reuse
 from ..prompt_cache.store import Namespace, PromptCache
 from .requests import ContextLengthError, Requests
@@ -259,13 +259,7 @@ class Engine:
             for w in work:
                 self._fail(w.seq, err)
             return True
-        row = 0
-        for w in work:
-            out = None
-            if w.logits == LAST:
-                out, row = logits[row], row + 1
-            elif w.logits == ALL:
-                out, row = logits[row:row + len(w.tokens)], row + len(w.tokens)
+        for w, out in zip(work, split_logits(logits, [(w.logits, len(w.tokens)) for w in work])):
             try:
                 self._advance(w, out)
             except Exception as err:  # noqa: BLE001

@@ -93,6 +93,17 @@ class Batch:
         return [s.logit_count() for s in self.spans]
 
 
+def split_logits(logits: torch.Tensor | None, parts: Sequence[tuple[str, int]]) -> list[torch.Tensor | None]:
+    """``model.forward``'s logit rows per sequence, in batch order; ``parts``: (logits kind, token
+    count) per sequence. LAST gets its one row, ALL its ``count`` rows, NONE None."""
+    out, row = [], 0
+    for kind, count in parts:
+        n = {NONE: 0, LAST: 1, ALL: count}[kind]
+        out.append(None if n == 0 else logits[row] if kind == LAST else logits[row:row + n])
+        row += n
+    return out
+
+
 def spans_apply(batch: Batch, fn: Callable[[Span], torch.Tensor], state_layer: int | None = None) -> torch.Tensor:
     """``fn(span)`` -> that span's rows ``[length, ...]``, for every span, stacked back in row
     order (no copy for a batch of one).
