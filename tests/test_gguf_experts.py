@@ -127,17 +127,19 @@ def test_fixture_experts_stay_in_blocks(name):
 
 
 @needs_native
-def test_moe_requests_batched_equal_each_alone_bit_for_bit():
-    """GLM-4 MoE on its Q8_0 blocks: five requests sharing steps (chunked prefills beside decodes)
-    give each the tokens and the first logits, torch.equal, of its run alone."""
+@pytest.mark.parametrize("name", ["glm4_moe", "qwen3_moe"])
+def test_moe_requests_batched_equal_each_alone_bit_for_bit(name):
+    """GLM-4 MoE and Qwen 3 MoE (its layers fused, models/fused.py) on their Q8_0 blocks: five
+    requests sharing steps (chunked prefills beside decodes) give each the tokens and the first
+    logits, torch.equal, of its run alone."""
     from turnkv.engine.engine import Engine
     from turnkv.prompt_cache.store import PromptCache
 
-    _, ckpt, model = gguf_moe("glm4_moe")
+    _, ckpt, model = gguf_moe(name)
     vocab = ckpt.config["vocab_size"]
 
     def make(**kw):
-        return Engine(model, None, fingerprint="glm4-moe-q8", prompt_cache=PromptCache(0), max_context=1024, **kw)
+        return Engine(model, None, fingerprint=f"{name}-q8", prompt_cache=PromptCache(0), max_context=1024, **kw)
 
     rng = random.Random(4)
     toks = lambda n: [rng.randrange(3, vocab) for _ in range(n)]   # noqa: E731

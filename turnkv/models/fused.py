@@ -8,7 +8,9 @@ runs the same operations in the same order with the same roundings in two calls:
   and RoPE -> (q and k rotated [hq + hk, T, D], v [hk, T, D]);
 - ``out_mlp(x, a)``: the o projection of the attention output ``a``, the optional post-attention
   norm, the residual add, the MLP (pre-norm, gate/up, silu or gelu-tanh, down, optional post norm)
-  and its residual add, in place on the residual ``x``.
+  and its residual add, in place on the residual ``x``. A MoE layer's MLP (``moe``: Qwen 3 MoE's
+  softmax router, top-k, routed experts) runs there as models/qwen3_moe.py computes it, for at
+  most ``RoutedExperts.FUSED_MAX_ROWS`` rows (decode); longer chunks run the family's Python path.
 
 The attention between them runs per sequence over its own cache (models/base.py). ``layer(x,
 rope, batch, i, scale)`` runs the whole layer as one native call (``fused_layer``: the two calls
@@ -55,6 +57,15 @@ def _qlinear(w):
                                 int(w.in_features))
 
 
+def _moe_layer(router, experts, top_k: int, norm_topk: bool):
+    """The native MoELayer of a router [E, H] and RoutedExperts whose native call is on."""
+    if not hasattr(kernels._ext, "MoELayer") or (experts.native is None and not experts.fuse()):
+        raise TypeError
+    if not (isinstance(router, torch.Tensor) and router.dtype == torch.float32 and router.is_cpu):
+        raise TypeError
+    return kernels._ext.MoELayer(experts.native, router.detach().contiguous(), int(top_k), bool(norm_topk))
+
+
 def _vec(t):
     if t is None:
         return None
@@ -88,19 +99,22 @@ class FusedBlock:
     one_call = os.environ.get("TURNKV_FUSED_LAYER", "1").strip() != "0"   # ``layer`` as one call (A/B, tests)
 
     def __init__(self, *, hq: int, hk: int, head_dim: int, eps: float, attn_norm, wqkv, qk_norm, wo, post_attn,
-                 mlp_norm, wgu, act: str, wdown, post_ff):
+                 mlp_norm, wgu, act: str, wdown, post_ff, moe: tuple | None = None):
         self.hq, self.hk, self.d, self.eps = hq, hk, head_dim, float(eps)
         self.attn_norm, self.qk_norm = _vec(attn_norm), _vec(qk_norm)
         self.post_attn, self.mlp_norm, self.post_ff = _vec(post_attn), _vec(mlp_norm), _vec(post_ff)
         self.wqkv, self.wo, self.wgu, self.wdown = (_qlinear(w) for w in (wqkv, wo, wgu, wdown))
         self.act = ACTS[act]
         self.isa = kernels._isa_index(None)
+        # moe: (router, RoutedExperts, top_k, norm_topk) in place of wgu / wdown; rows per call at most
+        self.moe = _moe_layer(*moe) if moe is not None else None
+        self.max_rows = moe[1].FUSED_MAX_ROWS if moe is not None else None
+        self.complete = None not in (self.wqkv, self.wo) and (self.moe is not None or None not in (self.wgu, self.wdown))
         self.native = None      # the whole layer as one call (``layer``), where the build has it
-        if (hasattr(kernels._ext, "fused_layer") and head_dim <= 1024       # write_attend's head_dim limit
-                and None not in (self.wqkv, self.wo, self.wgu, self.wdown)):     # else ``build`` gives None
+        if hasattr(kernels._ext, "fused_layer") and head_dim <= 1024 and self.complete:   # write_attend's head_dim limit
             self.native = kernels._ext.FusedLayer(self.attn_norm, self.eps, self.wqkv, hq, hk, head_dim, self.qk_norm,
                                                   self.wo, self.post_attn, self.mlp_norm, self.wgu, self.act,
-                                                  self.wdown, self.post_ff, self.isa, attention_isa())
+                                                  self.wdown, self.post_ff, self.isa, attention_isa(), self.moe)
 
     @classmethod
     def build(cls, **kw) -> "FusedBlock | None":
@@ -112,12 +126,11 @@ class FusedBlock:
             f = cls(**kw)
         except TypeError:
             return None
-        if None in (f.wqkv, f.wo, f.wgu, f.wdown):
-            return None
-        return f
+        return f if f.complete else None
 
     def takes(self, x: torch.Tensor) -> bool:
-        return x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() and x.dim() == 2
+        return (x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() and x.dim() == 2
+                and (self.max_rows is None or x.shape[0] <= self.max_rows))
 
     def qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """(q and k after norm and RoPE [hq + hk, T, D], v [hk, T, D]) for the rows ``x`` [T, H]."""
@@ -146,6 +159,10 @@ class FusedBlock:
 
     def out_mlp(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """The rest of the layer on the attention output ``a`` [T, hq * D], in place on ``x``."""
+        if self.moe is not None:
+            kernels._ext.fused_out_moe(x, a.contiguous(), self.wo, self.post_attn, self.mlp_norm, self.eps, self.moe,
+                                       self.isa)
+            return x
         kernels._ext.fused_out_mlp(x, a.contiguous(), self.wo, self.post_attn, self.mlp_norm, self.eps, self.wgu,
                                    self.act, self.wdown, self.post_ff, self.isa)
         return x
@@ -153,14 +170,16 @@ class FusedBlock:
 
 def fuse_llama_block(block) -> "FusedBlock | None":
     """The fused calls of a Llama-shaped block: ``attn`` (hq, hk, d, wqkv, wo and no biases),
-    ``mlp`` (wgu, wdown, SiLU, no biases), ``ln_attn``, ``ln_mlp``, ``eps``, and the attention's
-    ``qk_norm`` rows where it has them (llama, Qwen 3, ministral)."""
+    ``mlp`` (wgu, wdown, SiLU, no biases; or a Qwen 3 MoE layer: ``w_router``, ``experts``,
+    ``top_k``, ``norm_topk``), ``ln_attn``, ``ln_mlp``, ``eps``, and the attention's ``qk_norm``
+    rows where it has them (llama, Qwen 3, Qwen 3 MoE, ministral)."""
     a, m = block.attn, block.mlp
     if any(getattr(o, b, None) is not None for o, b in ((a, "bqkv"), (a, "bo"), (m, "bgu"), (m, "bdown"))):
         return None
+    moe = (m.w_router, m.experts, m.top_k, m.norm_topk) if hasattr(m, "w_router") else None
     return FusedBlock.build(hq=a.hq, hk=a.hk, head_dim=a.d, eps=block.eps, attn_norm=block.ln_attn, wqkv=a.wqkv,
-                            qk_norm=getattr(a, "qk_norm", None), wo=a.wo, post_attn=None, mlp_norm=block.ln_mlp, wgu=m.wgu, act="silu",
-                            wdown=m.wdown, post_ff=None)
+                            qk_norm=getattr(a, "qk_norm", None), wo=a.wo, post_attn=None, mlp_norm=block.ln_mlp,
+                            wgu=getattr(m, "wgu", None), act="silu", wdown=getattr(m, "wdown", None), post_ff=None, moe=moe)
 
 
 class FusedStack:
@@ -178,6 +197,8 @@ class FusedStack:
     def __init__(self, fused: list[FusedBlock], scales: list[float], softcaps: list[float | None],
                  rope_of: list[int]):
         self.first = fused[0]
+        rows = [f.max_rows for f in fused if f.max_rows is not None]
+        self.max_rows = min(rows) if rows else None     # a MoE layer's native experts take few rows
         self.natives = [f.native for f in fused]
         self.scales = [float(x) for x in scales]
         self.softcaps = [float(x) if x else 0.0 for x in softcaps]
@@ -198,7 +219,7 @@ class FusedStack:
     def run(self, x: torch.Tensor, batch, ropes: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Every layer on the rows ``x`` in place, the RoPE tables ``ropes[rope_of[i]]`` for layer
         ``i``; False, with nothing done, when ``x`` or some layer's caches do not take it."""
-        if not self.first.takes(x):
+        if not self.first.takes(x) or (self.max_rows is not None and x.shape[0] > self.max_rows):
             return False
         spans = batch.spans
         plan = self._writes.plan([s.caches for s in spans], [s.length for s in spans], len(self.natives))

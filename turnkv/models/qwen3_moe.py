@@ -1,7 +1,9 @@
 """Qwen 3 MoE (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder MoE): Qwen 3's attention (per-head q/k
 RMS norms before RoPE; turnkv.models.llama) and, on every ``decoder_sparse_step``-th layer not in
 ``mlp_only_layers``, routed experts: a softmax over ``num_experts`` router logits, the top
-``num_experts_per_tok`` kept (renormalized when ``norm_topk_prob``), no shared expert."""
+``num_experts_per_tok`` kept (renormalized when ``norm_topk_prob``), no shared expert. Under the
+gguf weights at float32 a decode step's layers run as Llama's fused native calls
+(models/fused.py), the MoE layers' router and experts in them."""
 
 from __future__ import annotations
 
@@ -11,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .decoder import DecoderModel, GatedMLP, PreNormBlock
+from .decoder import GatedMLP
 from .experts import RoutedExperts, expert_stacks
-from .llama import Attention
+from .llama import Block as LlamaBlock
+from .llama import LlamaModel
 from .llama import ModelArgs as QwenArgs
 from .tensors import param, take
 
@@ -59,14 +62,14 @@ class MoE(nn.Module):
         return self.experts.forward(x, weights, chosen)
 
 
-class Block(PreNormBlock):
-    Attention = Attention
+class Block(LlamaBlock):
+    """Llama's block (its attention and fused calls) with a MoE layer for its MLP where ``sparse``."""
 
     def make_mlp(self, a: ModelArgs, t: dict, p: str, i: int, dtype):
         return MoE(a, t, p, dtype) if a.sparse(i) else GatedMLP.named(t, p, dtype)
 
 
-class Qwen3MoeModel(DecoderModel):
+class Qwen3MoeModel(LlamaModel):
     family = "qwen3_moe"
     Args = ModelArgs
     Block = Block
