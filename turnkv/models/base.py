@@ -282,6 +282,18 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, b: torch.Tensor | No
     return F.linear(x, w, b)
 
 
+def rowwise_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` with each row of ``x`` multiplied alone, as a fresh one-row call. A float GEMM's
+    blocking rounds a row differently with other rows beside it (the GGUF kernels do not), so a
+    float matrix whose output picks something discrete (a MoE router's top-k) or feeds a recurrence
+    goes through here: its rows are the same bits whatever the chunk, the batch or the restored
+    prefix. One call per row, so only for small matrices (routers, low-rank projections)."""
+    rows = x.reshape(-1, x.shape[-1])
+    # a fresh copy of each row: the BLAS path may depend on the input's alignment
+    out = [F.linear(r.clone(), w) for r in rows.split(1)]
+    return (torch.cat(out) if out else rows.new_empty(0, w.shape[0])).view(*x.shape[:-1], w.shape[0])
+
+
 def embedding(tokens: torch.Tensor, w: torch.Tensor | PackedWeight, dtype: torch.dtype) -> torch.Tensor:
     """Row lookup in an embedding table that may be packed (the ``bf16`` weight format)."""
     if isinstance(w, PackedWeight):

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .base import rowwise_linear
 from .decoder import GatedMLP
 from .experts import RoutedExperts, expert_stacks
 from .llama import Block as LlamaBlock
@@ -50,7 +50,7 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] in x's dtype, experts [N, k]) as transformers' Qwen3MoeTopKRouter."""
-        logits = F.linear(x, self.w_router)
+        logits = rowwise_linear(x, self.w_router)   # the experts chosen for a row: never from its neighbours
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
-from .base import BaseArgs, Model, embedding, linear
+from .base import BaseArgs, Model, embedding, linear, rowwise_linear
 from .batch import Batch, Span, select_rows, spans_apply
 from .gguf_weights import GGUFPacked
 from .packed import PackedWeight
@@ -116,10 +116,7 @@ class RowByRow(PackedWeight):
         self.w = w
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        # a fresh copy of each row: the BLAS path may depend on the input's alignment
-        out = [F.linear(r.clone(), self.w) for r in rows.split(1)]
-        return (torch.cat(out) if out else rows.new_empty(0, self.out_features)).view(*x.shape[:-1], self.out_features)
+        return rowwise_linear(x, self.w)
 
 
 class TimeMix(nn.Module):
