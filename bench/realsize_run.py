@@ -120,8 +120,17 @@ def run_all(preset: str, files: dict[str, Path], threads: int) -> None:
         ik = run_llama_bench(IK_BENCH, path, threads, ("-rtr", "1")) if IK_BENCH.exists() else {}
         if ik:
             print(f"  ik_llama.cpp {ik}", flush=True)
-        rows.append((qtype, size, tk, lc, ik))
+        rows.append((qtype, size, tk, lc, ik, path))
     _table(preset, rows, bw)
+
+
+def _experts(path: Path) -> int:
+    """The GGUF's expert count (0 for a dense model)."""
+    from gguf import GGUFReader
+    for name, field in GGUFReader(path).fields.items():
+        if name.endswith(".expert_count"):
+            return int(field.parts[field.data[0]][0])
+    return 0
 
 
 def _table(preset: str, rows, bw: float) -> None:
@@ -131,7 +140,8 @@ def _table(preset: str, rows, bw: float) -> None:
     print("| file | turnkv prefill | decode | vs llama.cpp (p / d) | vs ik -rtr (p / d) | load s "
           "| RSS (load) / file MB | decode GB/s (share of probe) |")
     print("|---|---|---|---|---|---|---|---|")
-    for qtype, size, tk, lc, ik in rows:
+    moe = any(_experts(path) for _, _, _, _, _, path in rows)
+    for qtype, size, tk, lc, ik, _ in rows:
         if "error" in tk:
             print(f"| {qtype} | turnkv failed: {tk['error']} |")
             continue
@@ -140,6 +150,6 @@ def _table(preset: str, rows, bw: float) -> None:
               f"| {_ratio(tk['prefill_tps'], lc.get('prefill_tps'))} / {_ratio(tk['decode_tps'], lc.get('decode_tps'))} "
               f"| {_ratio(tk['prefill_tps'], ik.get('prefill_tps'))} / {_ratio(tk['decode_tps'], ik.get('decode_tps'))} "
               f"| {tk['load_s']:.1f} | {tk['rss'] / 1e6:.0f} ({tk['rss_load'] / 1e6:.0f}) / {size / 1e6:.0f} "
-              f"| {gbs:.1f} ({gbs * 1e9 / bw:.0%}) |")
-    for qtype, size, tk, lc, ik in rows:
+              f"| {'- (MoE: a token reads its experts only)' if moe else f'{gbs:.1f} ({gbs * 1e9 / bw:.0%})'} |")
+    for qtype, size, tk, lc, ik, _ in rows:
         print(f"{qtype}: llama.cpp {lc}; ik_llama.cpp {ik or 'not built'}")
