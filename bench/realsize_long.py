@@ -2,7 +2,7 @@
 
 turnkv (a child process, under the benchmark lock) prefills a random prompt of each length and
 decodes 32 tokens after it, so decode is timed at that context; ik_llama.cpp's ``llama-bench -rtr 1``
-times ``-p 8192`` (prefill) and ``-gp N,32`` (32 tokens generated after an N-token prompt) for the
+times ``-p 8192 -r 1`` (prefill) and ``-gp N,32`` (32 tokens generated after an N-token prompt) for the
 lengths asked with ``--ik-lengths``. The issue's goals: prefill at 8192 >= 1.0x ik_llama.cpp, decode
 at 32k >= 0.6x decode at 1k, and a 32k prompt that prefills without running out of memory."""
 
@@ -60,7 +60,8 @@ def run_ik_long(path: Path, threads: int, prefill: int, lengths: list[int]) -> d
     runs = [(f"prefill {prefill}", ["-p", str(prefill), "-n", "0"])]
     runs += [(f"decode at {n}", ["-p", "0", "-n", "0", "-gp", f"{n},{DECODE}"]) for n in lengths]
     for name, args in runs:
-        cmd = [str(IK_BENCH), "-m", str(path), "-t", str(threads), "-rtr", "1", "-o", "json", *args]
+        # one repetition: llama-bench's default five take minutes a long prompt
+        cmd = [str(IK_BENCH), "-m", str(path), "-t", str(threads), "-rtr", "1", "-r", "1", "-o", "json", *args]
         t0 = time.perf_counter()
         r = _locked(cmd)
         if r.returncode != 0:
