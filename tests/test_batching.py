@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from ssm_family_checks import fresh, perturb_vectors, save_and_load
 from test_family_reuse import BUILDERS
 from tiny import VOCAB, tiny_gemma3, tiny_llama
-from turnkv.models import llama as llama_module
+from turnkv.models import decoder as decoder_module
 from turnkv.models.batch import Batch
 
 # float32. Measured (1 thread, these schedules): no family is bit-identical here, as PyTorch's
@@ -179,7 +179,7 @@ def test_the_check_catches_mixed_rows(models, monkeypatch):
 
     def batch_norm(x, weight, eps):
         return F.rms_norm(x, (x.shape[-1],), weight, eps) + 0.01 * x.mean(dim=0)
-    monkeypatch.setattr(llama_module, "rms_norm", batch_norm)
+    monkeypatch.setattr(decoder_module, "rms_norm", batch_norm)   # llama's layer is the skeleton's PreNormBlock
     with pytest.raises(AssertionError):
         compare(run_batched(model, SEQS, STEPS), alone)
 
