@@ -26,6 +26,11 @@ NONE, LAST, ALL = "none", "last", "all"
 LOGITS = (NONE, LAST, ALL)
 
 
+def logit_count(kind: str, length: int) -> int:
+    """Logit rows a sequence of ``length`` tokens gets back for ``kind``: NONE 0, LAST 1, ALL each."""
+    return {NONE: 0, LAST: 1, ALL: length}[kind]
+
+
 @dataclass(frozen=True, eq=False)   # identity: a step may key per-span tables by span
 class Span:
     """One sequence's share of a step: rows ``[start, start + length)`` of the token tensor."""
@@ -45,7 +50,7 @@ class Span:
         return slice(self.start, self.end)
 
     def logit_count(self) -> int:
-        return {NONE: 0, LAST: 1, ALL: self.length}[self.logits]
+        return logit_count(self.logits, self.length)
 
 
 @dataclass(frozen=True)
@@ -98,7 +103,7 @@ def split_logits(logits: torch.Tensor | None, parts: Sequence[tuple[str, int]]) 
     count) per sequence. LAST gets its one row, ALL its ``count`` rows, NONE None."""
     out, row = [], 0
     for kind, count in parts:
-        n = {NONE: 0, LAST: 1, ALL: count}[kind]
+        n = logit_count(kind, count)
         out.append(None if n == 0 else logits[row] if kind == LAST else logits[row:row + n])
         row += n
     return out
