@@ -184,6 +184,11 @@ def parse_layouts(text: str) -> list[tuple[int, int]]:
     return out
 
 
+# docs/scale-out.md: with the router's default thresholds, conversations that share a system prompt
+# all go to one replica; these spread them evenly and keep each on its replica
+BALANCED = "--balance-abs-threshold 0 --balance-rel-threshold 1.0"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layouts", default="1x2,2x1,4x1", help="RxT: R replicas of T threads (comma list)")
@@ -193,7 +198,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--redis", action="store_true", help="the replicas share one Redis tier")
-    ap.add_argument("--router-args", default="", help="more sglang-router flags, e.g. \"--balance-abs-threshold 1\"")
+    ap.add_argument("--router-args", default=BALANCED,
+                    help="more sglang-router flags (default: docs/scale-out.md's balancing; \"\" for the router's own)")
     args = ap.parse_args()
     layouts, policies = parse_layouts(args.layouts), args.policies.split(",")
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; {args.users} users x {args.turns} turns, "
