@@ -158,6 +158,23 @@ def test_same_prompt_in_two_spans_over_two_cache_sets(models, family):
     compare(batched, run_alone(model, seqs, steps))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_deferred_head_gives_the_same_logits(models, family):
+    """``Batch.head`` False: forward returns the final hidden states of the rows that want logits,
+    in their order, and ``Model.head`` on them gives forward's logits, bit for bit (the same rows
+    in one call). A step with a draft to verify asks for its rows so (docs/speculative.md)."""
+    model = models(family)
+
+    def parts():
+        return [(SEQS[0][:16], fresh(model), "all"), (SEQS[1][:5], fresh(model), "none"),
+                (SEQS[2][:9], fresh(model), "last")]
+    with torch.no_grad():
+        want = model.forward(Batch.build(parts()))
+        hidden = model.forward(Batch.build(parts(), head=False))
+        assert want.shape == (17, model.vocab_size) and hidden.shape[0] == 17
+        assert torch.equal(model.head(hidden), want)
+
+
 def test_the_check_catches_shared_caches(models, monkeypatch):
     """A forward that ran every span over span 0's caches must fail the comparison."""
     model = models("lfm2")

@@ -19,8 +19,9 @@ from turnkv.cache import specs as cache_specs
 from turnkv.engine.engine import Engine
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.sequence import GenerationRequest
-from turnkv.engine.speculative import MAX_PAUSE, NGRAM, NgramDrafter, Speculation
+from turnkv.engine.speculative import MAX_PAUSE, NGRAM, DraftLogits, NgramDrafter, Speculation, head_blocks
 from turnkv.loading.model import load_model
+from turnkv.models.batch import ALL, Batch
 from turnkv.prompt_cache.store import PromptCache
 
 FIXTURES = Path(__file__).parent / "gguf_fixtures"
@@ -191,6 +192,37 @@ def test_random_and_always_wrong_drafts(loaded, data):
         # a draft follows a decoded token only while the budget leaves room past it: the first
         # decode step (after token 1) drafts when max_tokens > 2
         assert got.stats.accepted == 0 and (got.stats.drafted > 0) == (len(want) > 1 and max_tokens > 2)
+
+
+def test_draft_logits_run_the_head_on_the_rows_verification_reaches(loaded):
+    """A verified chunk's rows get the lm_head a block at a time as verification asks for them
+    (``DraftLogits``): after a rejection the rows past it are never computed, and every row
+    computed is forward's logits row, bit for bit. Blocks are short where drafts fail, the whole
+    chunk where they are taken whole."""
+    net = loaded["full"].net
+    chunk = torch.tensor(tokens(12, 8))
+
+    def forward(head):
+        caches = cache_specs.make_caches(net.cache_specs())
+        with torch.inference_mode():
+            return net.forward(Batch.build([(chunk, caches, ALL)], head=head))
+    want, hidden = forward(True), forward(False)
+    calls = []
+
+    def head(x):
+        calls.append(len(x))
+        return net.head(x)
+    failing, taking = Speculation(NGRAM, 8, NgramDrafter()), Speculation(NGRAM, 8, NgramDrafter())
+    for _ in range(6):
+        failing.record(8, 0)
+        taking.record(8, 8)
+    rows = DraftLogits(head, hidden, failing)
+    assert torch.equal(rows[0], want[0]) and len(calls) == 1 and calls[0] < 4   # rejected at its first token: done
+    assert all(torch.equal(rows[i], want[i]) for i in range(8)) and sum(calls) == 8
+    calls.clear()
+    rows = DraftLogits(head, hidden, taking)
+    assert torch.equal(rows[0], want[0]) and calls == [8]
+    assert head_blocks(8, 0.0) == {i: 1 for i in range(8)} and head_blocks(8, 1.0) == {0: 8}
 
 
 def test_ngram_drafter_takes_the_longest_latest_match():

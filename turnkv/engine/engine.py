@@ -32,8 +32,8 @@ from ..prompt_cache.plan import Reuse
 from ..prompt_cache.store import Namespace, PromptCache
 from .requests import ContextLengthError, Requests
 from .scheduler import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_QUEUE, DEFAULT_MAX_SEQS, QueueFull, Scheduler, Work
-from .speculative import (DEFAULT_DRAFT_MAX, DRAFTERS, OFF, SpecCounters, Speculation, blocked_reason, check_mode,
-                          keep_trails, verify_draft)
+from .speculative import (DEFAULT_DRAFT_MAX, DRAFTERS, OFF, DraftLogits, SpecCounters, Speculation, blocked_reason,
+                          check_mode, keep_trails, verify_draft)
 from .sequence import (DECODE, FINISHED, PREFILL, Failure, GenerationRequest, Result, Sequence, Stats,
                        TokenEvent, Usage)
 
@@ -259,7 +259,7 @@ class Engine:
             for w in work:
                 self._fail(w.seq, err)
             return True
-        for w, out in zip(work, split_logits(logits, [(w.logits, len(w.tokens)) for w in work])):
+        for w, out in zip(work, self._logits_of(work, logits)):
             try:
                 self._advance(w, out)
             except Exception as err:  # noqa: BLE001
@@ -289,8 +289,25 @@ class Engine:
             for w in work:
                 if w.draft:     # its recurrent layers keep every token's state: verification picks one back
                     keep_trails(w.seq.state.caches)
-            batch = Batch.build([(w.tokens, w.seq.state.caches, w.logits) for w in work], self.device, images)
+            # with a draft in the step the head waits: verification asks for the rows it needs
+            batch = Batch.build([(w.tokens, w.seq.state.caches, w.logits) for w in work], self.device, images,
+                                head=not any(w.draft for w in work))
             return self.model.forward(batch)
+
+    def _logits_of(self, work: list[Work], out: torch.Tensor | None) -> list:
+        """Each work's logits from the forward's rows. When the step deferred the head (a draft
+        in it), the rows without a draft get theirs in one head call, and each draft's rows come
+        as ``DraftLogits``, computed as verification reaches them."""
+        parts = split_logits(out, [(w.logits, len(w.tokens)) for w in work])
+        if not any(w.draft for w in work):
+            return parts
+        with torch.inference_mode():
+            plain = [i for i, w in enumerate(work) if not w.draft and parts[i] is not None]
+            if plain:
+                for i, row in zip(plain, self.model.head(torch.stack([parts[i] for i in plain]))):
+                    parts[i] = row
+        return [DraftLogits(self.model.head, parts[i], w.seq.spec) if w.draft else parts[i]
+                for i, w in enumerate(work)]
 
     def _step_images(self, work: list[Work]) -> dict | None:
         """Embeddings of the images whose keys this step prefills: the sequence's own (already

@@ -5,6 +5,7 @@ is chunk-invariant, which exactness rests on. The verification itself is the eng
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass, field
 
@@ -21,6 +22,11 @@ DEFAULT_DRAFT_MAX = 7
 MAX_DRAFT = 64
 NGRAM_MAX, NGRAM_MIN = 4, 2      # suffix lengths prompt lookup tries, longest first
 MAX_PAUSE = 16                   # steps without drafts after repeated rejections, at most
+# The lm_head's time for m rows in one call over a one-row call's, m = 0..16 (Gemma 3 270M's
+# 262k x 640 Q8_0 head, 1 thread, Zen 4): up to 4 rows cost one row's (the weights stream once
+# for paired rows), an odd row past that costs more than the even count above it
+HEAD_COST = [0.0, 1.0, 1.0, 1.0, 1.03, 1.5, 1.16, 1.76, 1.35, 2.22, 2.29, 2.75, 2.74, 2.92, 2.9, 3.51, 3.47]
+RECENT = 0.8                     # weight of the acceptance counts kept at each verified draft
 # Draft lengths are 2^j - 1, so a verified chunk (the next token and the draft) is 2, 4, 8 or 16
 # rows: the gguf kernels' row tiles and pairs. One row past them costs a step out of line with
 # what it brings (1 thread, Zen 4: Gemma 3 270M 8 rows 2.1x one row's time, 9 rows 2.8x).
@@ -91,6 +97,8 @@ class Speculation:
     accepted: int = 0
     pause: int = 0         # steps the last back-off paused drafting for
     skip: int = 0          # steps left in this pause
+    recent_accepted: float = 0.0   # draft tokens accepted, recent drafts weighing more
+    recent_rejected: float = 0.0   # drafts that ended in a rejected token, likewise
 
     def __post_init__(self):
         self.length = rung(self.draft_max, START_LENGTH)
@@ -104,6 +112,12 @@ class Speculation:
         k = min(self.length, room)
         return self.drafter.draft(history, k) if k > 0 else []
 
+    def token_acceptance(self) -> float:
+        """The chance that a draft token is accepted given the one before it was, from recent
+        drafts (a draft's accepted run is geometric: accepted tokens over accepted tokens plus
+        rejections), with one of each assumed before any draft."""
+        return (self.recent_accepted + 1) / (self.recent_accepted + self.recent_rejected + 2)
+
     def record(self, drafted: int, accepted: int) -> None:
         """Counts, and the next draft's length, one rung of 1, 3, 7, 15 .. (``draft_max`` at
         most) up after a draft taken whole, one down after one rejected from its first token; a
@@ -111,6 +125,8 @@ class Speculation:
         never repeats costs almost nothing)."""
         self.drafted += drafted
         self.accepted += accepted
+        self.recent_accepted = RECENT * self.recent_accepted + accepted
+        self.recent_rejected = RECENT * self.recent_rejected + (accepted < drafted)
         if accepted:
             self.pause = 0
             if accepted == drafted:
@@ -142,7 +158,53 @@ class SpecCounters:
                 "verify_steps": self.verify_steps, "off": dict(self.off)}
 
 
-def verify_draft(seq, tokens: list[int], rows: torch.Tensor) -> tuple[bool, int]:
+def head_cost(rows: int) -> float:
+    """The lm_head's time for ``rows`` rows in one call, in one-row calls (``HEAD_COST``, past
+    16 rows in proportion)."""
+    return HEAD_COST[rows] if rows < len(HEAD_COST) else HEAD_COST[-1] * rows / (len(HEAD_COST) - 1)
+
+
+@functools.lru_cache(maxsize=4096)
+def head_blocks(rows: int, p: float) -> dict[int, int]:
+    """How to cut a verified chunk of ``rows`` logit rows into head calls, {first row: rows}, for
+    the least expected head time when each draft token is accepted with chance ``p`` (row i + 1
+    is needed only if row i's token was accepted): the first block's rows are always needed."""
+    best, size = [0.0] * (rows + 1), [0] * (rows + 1)
+    for i in range(rows - 1, -1, -1):
+        best[i], size[i] = min((head_cost(b) + p ** b * best[i + b], b) for b in range(1, rows - i + 1))
+    out, i = {}, 0
+    while i < rows:
+        out[i] = size[i]
+        i += size[i]
+    return out
+
+
+class DraftLogits:
+    """A verified draft's logits rows, computed by the lm_head (``head``: ``Model.head``) as
+    verification reaches them, a block of rows at a time. Verification takes rows in order and
+    stops at the first rejected draft token, so the rows after it are never computed: on Gemma 3
+    the head (262k x 640) is most of a step. A row's logits are the same bits whatever block
+    computes it (the kernels are row-invariant: the chunk probe checks it), so this changes no
+    token. Blocks follow ``head_blocks`` for the sequence's recent acceptance."""
+
+    def __init__(self, head, hidden: torch.Tensor, spec: "Speculation"):
+        self.head, self.hidden = head, hidden
+        self.blocks = head_blocks(len(hidden), round(spec.token_acceptance(), 2))
+        self.rows: list[torch.Tensor] = []
+
+    def __len__(self) -> int:
+        return len(self.hidden)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        while i >= len(self.rows):
+            start = len(self.rows)
+            n = self.blocks.get(start, len(self.hidden) - start)
+            with torch.inference_mode():
+                self.rows.extend(self.head(self.hidden[start:start + n]))
+        return self.rows[i]
+
+
+def verify_draft(seq, tokens: list[int], rows) -> tuple[bool, int]:
     """``tokens`` (a sequence's next token and its draft) ran as one chunk; ``rows`` are their
     logits. Take tokens from the rows in order as plain decoding would (``seq.take``: sampler,
     penalties, grammar, logprobs, stops, events), while each equals the draft token fed after it;
@@ -184,7 +246,8 @@ def keep_trails(caches) -> list:
 def chunk_probe(model, specs: list[CacheSpec], dtype, device, modes, slack: int, k: int) -> str:
     """Whether ``k + 1`` tokens fed one at a time give the same logits, bit for bit, as the same
     tokens fed as a verified draft is (recurrent layers keeping their trail): as one chunk alone,
-    as two chunks, and beside another sequence's prefill chunk, after a short prefill; and
+    as two chunks, beside another sequence's prefill chunk, and with the head run afterwards on
+    blocks of the chunk's rows (``DraftLogits``), after a short prefill; and
     whether the state cut back inside the chunk then gives the single steps' logits too. On
     scratch caches with the engine's KV modes. "" when all hold, else the reason."""
     rng = random.Random(1234)
@@ -217,5 +280,7 @@ def chunk_probe(model, specs: list[CacheSpec], dtype, device, modes, slack: int,
     split = torch.cat([first, run(tail[cut:], keep_trails(caches))]) if cut < len(tail) else whole
     other = make_caches(specs, dtype, device, list(modes), slack)
     beside = model.forward(Batch.build([(prefix[:5], other, LAST), (tail, keep_trails(fresh()), ALL)], device))[1:]
-    same = all(torch.equal(want, got) for got in (whole, after_cut, split, beside))
+    hidden = model.forward(Batch.build([(tail, keep_trails(fresh()), ALL)], device, head=False))
+    blocks = torch.cat([model.head(hidden[a:b]) for a, b in ((0, 1), (1, 4), (4, len(tail)))])   # DraftLogits
+    same = all(torch.equal(want, got) for got in (whole, after_cut, split, beside, blocks))
     return "" if same else NOT_CHUNK_INVARIANT

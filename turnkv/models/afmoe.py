@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .base import apply_rope, attention_spans, embedding, linear, rms_norm
-from .batch import Batch, select_rows
+from .batch import Batch
 from .decoder import FULL, SLIDING, DecoderArgs, DecoderModel, GatedMLP, float32_norm, out_weights
 from .experts import RoutedExperts, expert_stacks
 from .tensors import fused_weight, param, stored, take
@@ -140,7 +140,7 @@ class AfmoeModel(DecoderModel):
             x = x * (self.args.hidden_size ** 0.5)
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, batch, i, rope)
-        x = select_rows(x, batch)
-        if x is None:
-            return None
+        return self.final_logits(x, batch)
+
+    def head(self, x):
         return linear(norm32(x, self.norm, self.args.rms_norm_eps), self.lm_head)

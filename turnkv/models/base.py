@@ -112,10 +112,17 @@ class Model(nn.Module, ABC):
         return self.final_logits(x, batch)
 
     def final_logits(self, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
-        """The final RMS norm and the lm_head on the rows of ``x`` that want logits (None: none)."""
+        """``head`` on the rows of ``x`` that want logits (None: none); the rows themselves when
+        the batch defers the head (``Batch.head`` False: a verified draft's rows, docs/speculative.md)."""
         x = select_rows(x, batch)
-        if x is None:
-            return None
+        if x is None or not batch.head:
+            return x
+        return self.head(x)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits of final hidden states ``x`` [R, hidden]: the final norm and the lm_head
+        (a family with another norm or a logit cap overrides). Row-wise: a row's logits do not
+        depend on the rows beside it under the chunk-invariant kernels."""
         return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
 
 

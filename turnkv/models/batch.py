@@ -12,7 +12,9 @@ batch invariance, docs/batching.md).
 
 ``Model.forward(batch)`` returns the logits of the rows the spans asked for, in span order:
 ``"last"`` gives one row (the span's last token), ``"all"`` one per token, ``"none"`` nothing (a
-prefill chunk that is not the end of its prompt). ``Model.step`` is the one-sequence shorthand.
+prefill chunk that is not the end of its prompt); with ``Batch.head`` False, those rows' final
+hidden states instead, whose logits ``Model.head`` gives. ``Model.step`` is the one-sequence
+shorthand.
 """
 
 from __future__ import annotations
@@ -59,10 +61,13 @@ class Batch:
     spans: tuple[Span, ...]
     # image_id -> embeddings [n, hidden] of the images whose keys (turnkv/images.py) are in tokens
     images: dict | None = None
+    # False: ``forward`` returns the final hidden states of the rows that want logits, for the
+    # caller to run ``Model.head`` on (as few rows as it needs: speculative verification)
+    head: bool = True
 
     @classmethod
     def build(cls, parts: Sequence[tuple[Sequence[int] | torch.Tensor, Sequence, str]], device="cpu",
-              images: dict | None = None) -> "Batch":
+              images: dict | None = None, head: bool = True) -> "Batch":
         """``parts``: (tokens, caches, logits) per sequence, in the order their logits come back."""
         spans, pieces, row = [], [], 0
         for tokens, caches, logits in parts:
@@ -77,7 +82,7 @@ class Batch:
         if not spans:
             raise ValueError("an empty batch")
         tokens = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        return cls(tokens.to(device=device, dtype=torch.long), tuple(spans), images or None)
+        return cls(tokens.to(device=device, dtype=torch.long), tuple(spans), images or None, head)
 
     def logit_rows(self) -> torch.Tensor | slice | None:
         """Rows of the final hidden states whose logits are wanted: None (no row), a slice (a

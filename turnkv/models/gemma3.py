@@ -10,7 +10,7 @@ from torch import nn
 
 from ..images import IMAGE_KEY_BASE
 from .base import Rope, apply_rope, attention, attention_spans, embedding, linear, rms_norm
-from .batch import Batch, Span, select_rows, spans_apply
+from .batch import Batch, Span, spans_apply
 from .decoder import (FULL, SLIDING, DecoderArgs, DecoderModel, GatedMLP, gelu_tanh_, norm_plus_one, out_weights,
                       qk_norm_rows, qkv_weights, rope_for)
 from .fused import FusedBlock, FusedSlot, stack_for
@@ -197,9 +197,9 @@ class Gemma3Model(DecoderModel):
         if stack is None or not stack.run(x, batch, [rope_g, rope_l]):   # all layers in one native call, else one by one
             for i, layer in enumerate(self.layers):
                 x = layer.forward(x, batch, i, rope_l if layer.sliding else rope_g, blocks)
-        x = select_rows(x, batch)
-        if x is None:
-            return None
+        return self.final_logits(x, batch)
+
+    def head(self, x):
         out = linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
         cap = self.args.final_logit_softcapping
         if cap is not None:

@@ -153,3 +153,6 @@ class Gemma3VisionModel(Model):
         x = merge_embeddings(batch.tokens, lambda ids: embedding(ids, t.embed, self.dtype) * t.embed_scale,
                              batch.images)
         return t.forward_embeds(x, batch, image_blocks(batch))
+
+    def head(self, x):
+        return self.text.head(x)

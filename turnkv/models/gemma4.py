@@ -356,6 +356,10 @@ class Gemma4Model(Model):
             if rows is None:
                 return None
             x = x[rows]
+        return self.head(x) if batch.head else x
+
+    def head(self, x):
+        a = self.args
         out = linear(norm(x, self.norm, a.rms_norm_eps), self.lm_head)
         cap = a.final_logit_softcapping
         if cap is not None:

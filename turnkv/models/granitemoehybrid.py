@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
-from .batch import Batch, select_rows
+from .batch import Batch
 from .base import BaseArgs, Model, apply_rope, attention_spans, linear, rms_norm
 from .decoder import GatedMLP, decoder_weights, out_weights, qkv_weights, rope_for
 from .experts import RoutedExperts
@@ -172,7 +172,7 @@ class GraniteMoeHybridModel(Model):
         x = F.embedding(batch.tokens, self.embed) * self.args.embedding_multiplier
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, batch, i, rope)
-        x = select_rows(x, batch)
-        if x is None:
-            return None
+        return self.final_logits(x, batch)
+
+    def head(self, x):
         return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head) / self.args.logits_scaling

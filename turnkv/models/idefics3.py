@@ -218,3 +218,6 @@ class Idefics3Model(Model):
     def forward(self, batch):
         x = merge_embeddings(batch.tokens, lambda ids: embedding(ids, self.text.embed, self.dtype), batch.images)
         return self.text.forward_embeds(x, batch)
+
+    def head(self, x):
+        return self.text.head(x)

@@ -33,7 +33,7 @@ from torch import nn
 from ..cache import specs
 from ..cache.kv import KVView
 from .base import Model, attention, embedding, linear, rms_norm
-from .batch import Batch, Span, select_rows, spans_apply
+from .batch import Batch, Span, spans_apply
 from .decoder import DecoderArgs, GatedMLP, HybridBlock, decoder_weights
 from .experts import RoutedExperts, expert_stacks
 from .ssm import causal_conv1d
@@ -379,7 +379,4 @@ class KimiLinearModel(Model):
         x = embedding(batch.tokens, self.embed, self.dtype)
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, batch, i)
-        x = select_rows(x, batch)
-        if x is None:
-            return None
-        return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
+        return self.final_logits(x, batch)

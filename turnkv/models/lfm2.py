@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..cache import specs
-from .batch import Batch, Span, select_rows, spans_apply
+from .batch import Batch, Span, spans_apply
 from .base import BaseArgs, Model, apply_rope, attention_spans, embedding, linear, rms_norm
 from .decoder import GatedMLP, embedding_and_head, qkv_weights, rope_for
 from .rope_config import rope_params
@@ -138,7 +138,7 @@ class Lfm2Model(Model):
         rope = self.rope.rows(batch)
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, batch, i, rope)
-        x = select_rows(x, batch)
-        if x is None:
-            return None
+        return self.final_logits(x, batch)
+
+    def head(self, x):
         return linear(rms_norm(x, self.norm, self.args.norm_eps), self.lm_head)

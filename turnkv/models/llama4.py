@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
-from .batch import Batch, Span, select_rows, spans_apply
+from .batch import Batch, Span, spans_apply
 from .base import BaseArgs, Model, apply_rope, attention, linear, rms_norm
 from .decoder import GatedMLP, decoder_weights, out_weights, rope_for
 from .experts import RoutedExperts
@@ -177,7 +177,4 @@ class Llama4Model(Model):
         x = F.embedding(batch.tokens, self.embed)
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, batch, i, rope, temps)
-        x = select_rows(x, batch)
-        if x is None:
-            return None
-        return linear(rms_norm(x, self.norm, a.rms_norm_eps), self.lm_head)
+        return self.final_logits(x, batch)

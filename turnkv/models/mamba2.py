@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
-from .batch import select_rows
 from .base import BaseArgs, Model, linear, rms_norm
 from .ssm import Mamba2Dims, Mamba2Mixer, mamba2_state_fields, time_step_limit
 from .tensors import param, take
@@ -82,7 +81,7 @@ class Mamba2Model(Model):
         x = F.embedding(batch.tokens, self.embed)
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, batch, i)
-        x = select_rows(x, batch)
-        if x is None:
-            return None
+        return self.final_logits(x, batch)
+
+    def head(self, x):
         return linear(rms_norm(x.to(self.dtype), self.norm, self.args.layer_norm_epsilon), self.lm_head)

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import BaseArgs, apply_rope, attention_spans, embedding, linear
-from .batch import select_rows
 from .decoder import FULL, SLIDING, DecoderModel, GatedMLP, float32_norm, gelu_tanh_, out_weights, silu_
 from .tensors import fused_weight, param, stored, take
 
@@ -176,9 +175,9 @@ class MuseGlimmerModel(DecoderModel):
         x = unit_norm(embedding(tokens, self.embed, self.dtype), self.args.rms_norm_eps)
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, batch, i, rope)
-        x = select_rows(x, batch)
-        if x is None:
-            return None
+        return self.final_logits(x, batch)
+
+    def head(self, x):
         x = (x.float() * torch.pow(x.float().pow(2).mean(-1, keepdim=True) + self.args.rms_norm_eps, -0.5)
              * self.norm).to(x.dtype)
         logits = linear(x, self.lm_head)

@@ -33,8 +33,8 @@ from torch import nn
 
 from ..cache import specs
 from ..images import ImageInput, content_digest, image_id_of, is_key, merge_embeddings, split_key
-from .base import UnsupportedConfig, linear, rms_norm
-from .batch import Batch, select_rows
+from .base import UnsupportedConfig
+from .batch import Batch
 from .qwen3_5 import Qwen3_5Model
 from .qwen3_next import LINEAR
 from .tensors import param, take
@@ -286,7 +286,4 @@ class Qwen3_5VlModel(Qwen3_5Model):
         rope = self.mrope_rows(batch)
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, batch, i, rope)
-        x = select_rows(x, batch)
-        if x is None:
-            return None
-        return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
+        return self.final_logits(x, batch)

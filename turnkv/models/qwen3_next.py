@@ -12,7 +12,7 @@ from torch import nn
 
 from ..cache import specs
 from ..kernels import GGUFWeight
-from .batch import Batch, Span, select_rows, spans_apply
+from .batch import Batch, Span, spans_apply
 from .base import Model, attention_spans, embedding, linear, rms_norm
 from .decoder import DecoderArgs, GatedMLP, HybridBlock, apply_partial_rope, norm_plus_one, out_weights, rope_for
 from .experts import RoutedExperts, expert_stacks
@@ -230,7 +230,4 @@ class Qwen3NextModel(Model):
         x = embedding(batch.tokens, self.embed, self.dtype)
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, batch, i, rope)
-        x = select_rows(x, batch)
-        if x is None:
-            return None
-        return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
+        return self.final_logits(x, batch)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
-from .batch import Batch, Span, select_rows, spans_apply
+from .batch import Batch, Span, spans_apply
 from .base import BaseArgs, Model, attention_spans, gelu_tanh, linear, rms_norm
 from .decoder import GatedMLP, HybridBlock, apply_partial_rope, gelu_tanh_, norm_plus_one, qkv_weights, rope_for
 from .rope_config import rope_params
@@ -176,9 +176,9 @@ class RecurrentGemmaModel(Model):
         x = F.embedding(batch.tokens, self.embed) * self.embed_scale
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, batch, i, rope)
-        x = select_rows(x, batch)
-        if x is None:
-            return None
+        return self.final_logits(x, batch)
+
+    def head(self, x):
         out = linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
         cap = self.args.logits_soft_cap
         return torch.tanh(out / cap) * cap

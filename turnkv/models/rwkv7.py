@@ -30,7 +30,7 @@ from torch import nn
 
 from ..cache import specs
 from .base import BaseArgs, Model, embedding, linear, rowwise_linear
-from .batch import Batch, Span, select_rows, spans_apply
+from .batch import Batch, Span, spans_apply
 from .gguf_weights import GGUFPacked
 from .packed import PackedWeight
 from .tensors import param, stored, take, weight
@@ -243,7 +243,7 @@ class Rwkv7Model(Model):
         x, v_first = embedding(batch.tokens, self.embed, self.dtype), None
         for i, layer in enumerate(self.layers):
             x, v_first = layer.forward(x, batch, i, v_first)
-        x = select_rows(x, batch)
-        if x is None:
-            return None
+        return self.final_logits(x, batch)
+
+    def head(self, x):
         return linear(layer_norm(x, self.norm, self.norm_b, self.args.norm_eps), self.lm_head)
