@@ -18,7 +18,7 @@ HERE = Path(__file__).resolve().parent
 SRC = HERE / "csrc"
 BUILD_DIR = HERE / "_build"
 EXT_NAME = "turnkv_gguf_kernels"
-SOURCES = [SRC / "gguf_matmul.cpp", SRC / "attention.cpp", SRC / "norm.cpp"]
+SOURCES = [SRC / "gguf_matmul.cpp", SRC / "attention.cpp", SRC / "norm.cpp", SRC / "row_linear.cpp"]
 # -ffp-contract=off: no a*b+c -> fma fusion, so the float ops are exactly reference.py's
 # -fopenmp: at::parallel_for is header-inline OpenMP; libgomp.so.1 resolves to torch's own copy
 CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-fno-math-errno"]

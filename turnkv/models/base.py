@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels as _kernels
 from ..cache.kv import KVView
 from ..cache.specs import CacheSpec
 from ..cache.write import write_plan
@@ -22,11 +23,14 @@ from ..kernels.attention import attend_many_native, attend_native, native_many_a
 from ..kernels.attention import write_attend_ok
 from ..kernels.attention import native_ok as native_attention_ok
 from ..kernels.norm import native_rms_norm
+from ..kernels.row_linear import native_op as native_row_linear
+from ..kernels.row_linear import reference as row_linear_reference
 from ..loading.errors import ModelLoadError
 from .batch import Batch, Span, select_rows
 from .packed import PackedWeight
 
 _native_norm = native_rms_norm()
+_native_row_linear = native_row_linear()
 
 
 class UnsupportedConfig(ModelLoadError, ValueError):
@@ -289,16 +293,31 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, b: torch.Tensor | No
     return F.linear(x, w, b)
 
 
-def rowwise_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` with each row of ``x`` multiplied alone, as a fresh one-row call. A float GEMM's
-    blocking rounds a row differently with other rows beside it (the GGUF kernels do not), so a
-    float matrix whose output picks something discrete (a MoE router's top-k) or feeds a recurrence
-    goes through here: its rows are the same bits whatever the chunk, the batch or the restored
-    prefix. One call per row, so only for small matrices (routers, low-rank projections)."""
-    rows = x.reshape(-1, x.shape[-1])
-    # a fresh copy of each row: the BLAS path may depend on the input's alignment
-    out = [F.linear(r.clone(), w) for r in rows.split(1)]
-    return (torch.cat(out) if out else rows.new_empty(0, w.shape[0])).view(*x.shape[:-1], w.shape[0])
+def rowwise_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T (+ b)`` in x's dtype, every output in one fixed order (kernels/row_linear.py). A
+    float GEMM's blocking rounds a row differently with other rows beside it (the GGUF kernels do
+    not), so a float matrix whose output picks something discrete (every MoE router's top-k) or
+    feeds a recurrence goes through here: its rows are the same bits whatever the chunk, the batch
+    or the restored prefix. Register tiles, no cache blocking: for small matrices (routers,
+    low-rank projections)."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    wf = w.float()
+    if _native_row_linear is not None and rows.is_cpu and wf.is_cpu:
+        out = _native_row_linear(rows, wf, max(0, _kernels._isa))
+    else:
+        out = row_linear_reference(rows.contiguous(), wf.contiguous())
+    out = out.to(x.dtype).view(*x.shape[:-1], w.shape[0])
+    return out if b is None else out + b
+
+
+def sigmoid_each(x: torch.Tensor) -> torch.Tensor:
+    """``torch.sigmoid`` of a small tensor (a gate per row, the chosen router logits) with every
+    element on ATen's scalar loop. ATen runs an elementwise op in vector steps (16 or 32 floats)
+    and the tail one at a time, and its vector exp rounds otherwise, so in a [rows, 1] tensor a
+    row's gate would change bits with the number of rows; pieces of 7 elements, under one step
+    on any ISA, all take the scalar loop."""
+    flat = x.reshape(-1)
+    return torch.cat([torch.sigmoid(p) for p in flat.split(7)]).view(x.shape) if flat.numel() else torch.sigmoid(x)
 
 
 def embedding(tokens: torch.Tensor, w: torch.Tensor | PackedWeight, dtype: torch.dtype) -> torch.Tensor:

@@ -26,7 +26,7 @@ from torch import nn
 from ..cache import specs
 from ..cache.kv import KVView
 from .batch import LAST, Batch, Span
-from .base import BaseArgs, Model, Rope, apply_rope, attention, embedding, linear
+from .base import BaseArgs, Model, Rope, apply_rope, attention, embedding, linear, rowwise_linear
 from .decoder import FULL, SLIDING, GatedMLP, gelu_tanh_
 from .experts import RoutedExperts
 from .rope_config import inv_freq_for, rope_params
@@ -206,13 +206,16 @@ class MoE(nn.Module):
         self.experts = RoutedExperts.gated(gu, down, dtype, gelu_tanh_)
         self.ln_pre = param(take(t, f"{p}.pre_feedforward_layernorm_2.weight"), dtype)
 
-    def forward(self, residual):
+    def route(self, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [N, k] float32, experts [N, k]) of the un-normed residual."""
         h = norm(residual, None, self.eps) * self.router_scale * self.H ** -0.5
-        probs = torch.softmax(linear(h, self.w_router), dim=-1, dtype=torch.float32)
+        probs = torch.softmax(rowwise_linear(h, self.w_router), dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights * self.per_expert_scale[chosen]
-        return self.experts.forward(norm(residual, self.ln_pre, self.eps), weights, chosen)
+        return weights * self.per_expert_scale[chosen], chosen
+
+    def forward(self, residual):
+        return self.experts.forward(norm(residual, self.ln_pre, self.eps), *self.route(residual))
 
 
 class Block(nn.Module):

@@ -16,10 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .base import attention_spans, linear, rms_norm
+from .base import attention_spans, linear, rms_norm, rowwise_linear
 from .batch import Batch
 from .decoder import DecoderArgs, DecoderModel, GatedMLP, PreNormBlock, apply_partial_rope, qkv_weights, rope_for
 from .experts import RoutedExperts, expert_stacks
@@ -85,7 +84,7 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] float32, experts [N, k]) exactly as transformers' Glm4MoeTopkRouter."""
-        scores = F.linear(x.float(), self.w_router).sigmoid()
+        scores = rowwise_linear(x.float(), self.w_router).sigmoid()
         choice = scores + self.score_bias
         N, G = x.shape[0], self.n_group
         group_scores = choice.view(N, G, -1).topk(2, dim=-1)[0].sum(dim=-1)           # [N, G]

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .batch import Batch
-from .base import BaseArgs, apply_rope, attention_spans, linear
+from .base import BaseArgs, apply_rope, attention_spans, linear, rowwise_linear
 from .decoder import FULL, SLIDING, DecoderModel, PreNormBlock, out_weights, qkv_weights, rope_for
 from .rope_config import rope_params
 from .experts import RoutedExperts
@@ -142,10 +142,13 @@ class MoE(nn.Module):
             Expert(gate_up(e), torch.cat([gate_up_b[e, 0::2], gate_up_b[e, 1::2]]), down(e), down_b[e],
                    a.swiglu_alpha, a.swiglu_limit, dtype) for e in range(a.num_local_experts))
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [N, k]: the softmax over the chosen logits, experts [N, k])."""
+        top, chosen = torch.topk(rowwise_linear(x, self.w_router, self.b_router), self.top_k, dim=-1)
+        return torch.softmax(top, dim=-1), chosen
+
     def forward(self, x):
-        logits = linear(x, self.w_router, self.b_router)
-        top, chosen = torch.topk(logits, self.top_k, dim=-1)                 # [N, k]
-        return self.experts.forward(x, torch.softmax(top, dim=-1), chosen)
+        return self.experts.forward(x, *self.route(x))
 
 
 class Block(PreNormBlock):

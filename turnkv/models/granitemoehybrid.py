@@ -16,7 +16,7 @@ from torch import nn
 
 from ..cache import specs
 from .batch import Batch
-from .base import BaseArgs, Model, apply_rope, attention_spans, linear, rms_norm
+from .base import BaseArgs, Model, apply_rope, attention_spans, linear, rms_norm, rowwise_linear
 from .decoder import GatedMLP, decoder_weights, out_weights, qkv_weights, rope_for
 from .experts import RoutedExperts
 from .rope_config import rope_params
@@ -123,9 +123,13 @@ class MoE(nn.Module):
                                            _take_either(t, f"{p}.experts.down_proj", f"{p}.output_linear.weight"),
                                            dtype)
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [N, k] in x's dtype: the softmax over the chosen logits, experts [N, k])."""
+        top_v, top_i = rowwise_linear(x, self.router).float().topk(self.top_k, dim=-1)
+        return torch.softmax(top_v, dim=-1).to(x.dtype), top_i
+
     def forward(self, x):
-        top_v, top_i = linear(x, self.router).float().topk(self.top_k, dim=-1)
-        return self.experts.forward(x, torch.softmax(top_v, dim=-1).to(x.dtype), top_i)
+        return self.experts.forward(x, *self.route(x))
 
 
 class Block(nn.Module):

@@ -32,7 +32,7 @@ from torch import nn
 
 from ..cache import specs
 from ..cache.kv import KVView
-from .base import Model, attention, embedding, linear, rms_norm
+from .base import Model, attention, embedding, linear, rms_norm, rowwise_linear
 from .batch import Batch, Span, spans_apply
 from .decoder import DecoderArgs, GatedMLP, HybridBlock, decoder_weights
 from .experts import RoutedExperts, expert_stacks
@@ -325,8 +325,9 @@ class MoE(nn.Module):
         self.experts = RoutedExperts.gated(*expert_stacks(t, p, self.E, ("w1", "w3", "w2")), dtype)
         self.shared = GatedMLP.named(t, f"{p}.shared_experts", dtype)
 
-    def forward(self, x):
-        scores = F.linear(x.float(), self.w_router).sigmoid()                   # [N, E]
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [N, k] float32, experts [N, k])."""
+        scores = rowwise_linear(x.float(), self.w_router).sigmoid()             # [N, E]
         choice = scores + self.score_bias
         if self.groups > 1:
             per = self.E // self.groups
@@ -338,7 +339,11 @@ class MoE(nn.Module):
         weights = scores.gather(1, chosen)
         if self.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return self.experts.forward(x, weights * self.scaling, chosen) + self.shared.forward(x)
+        return weights * self.scaling, chosen
+
+    def forward(self, x):
+        weights, chosen = self.route(x)
+        return self.experts.forward(x, weights, chosen) + self.shared.forward(x)
 
 
 class Block(HybridBlock):

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..cache import specs
 from .batch import Batch, Span, spans_apply
-from .base import BaseArgs, Model, apply_rope, attention, linear, rms_norm
+from .base import BaseArgs, Model, apply_rope, attention, linear, rms_norm, rowwise_linear, sigmoid_each
 from .decoder import GatedMLP, decoder_weights, out_weights, rope_for
 from .experts import RoutedExperts
 from .rope_config import rope_params
@@ -131,9 +131,13 @@ class MoE(nn.Module):
         self.experts = RoutedExperts.gated(gu, down, dtype)
         self.shared = GatedMLP.named(t, f"{p}.shared_expert", dtype)
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input scales [N, k] in x's dtype, experts [N, k])."""
+        top_v, top_i = torch.topk(rowwise_linear(x, self.router), self.top_k, dim=1)
+        return sigmoid_each(top_v.float()).to(x.dtype), top_i
+
     def forward(self, x):
-        top_v, top_i = torch.topk(linear(x, self.router), self.top_k, dim=1)
-        scores = torch.sigmoid(top_v.float()).to(x.dtype)
+        scores, top_i = self.route(x)
         return self.experts.forward(x, scores, top_i, out=self.shared.forward(x), scale_input=True)
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from ..cache import specs
 from ..kernels import GGUFWeight
 from .batch import Batch, Span, spans_apply
-from .base import Model, attention_spans, embedding, linear, rms_norm
+from .base import Model, attention_spans, embedding, linear, rms_norm, rowwise_linear, sigmoid_each
 from .decoder import DecoderArgs, GatedMLP, HybridBlock, apply_partial_rope, norm_plus_one, out_weights, rope_for
 from .experts import RoutedExperts, expert_stacks
 from .rope_config import rope_params
@@ -181,14 +181,21 @@ class SparseMoE(nn.Module):
         self.shared = GatedMLP.named(t, f"{p}.shared_expert", dtype)
         self.w_shared_gate = param(take(t, f"{p}.shared_expert_gate.weight"), dtype)
 
-    def forward(self, x):
-        probs = torch.softmax(linear(x, self.w_router).float(), dim=-1)
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, experts [T, k])."""
+        probs = torch.softmax(rowwise_linear(x, self.w_router).float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)             # [T, k]
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = self.experts.forward(x, weights.to(x.dtype), experts)
-        shared = self.shared.forward(x) * torch.sigmoid(linear(x, self.w_shared_gate))
-        return out + shared
+        return weights.to(x.dtype), experts
+
+    def shared_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's sigmoid gate [T, 1]: a float matrix as the router, and one value a row."""
+        return sigmoid_each(rowwise_linear(x, self.w_shared_gate))
+
+    def forward(self, x):
+        out = self.experts.forward(x, *self.route(x))
+        return out + self.shared.forward(x) * self.shared_gate(x)
 
 
 class Block(HybridBlock):

@@ -105,10 +105,10 @@ def lora(t: dict, p: str, dtype, bias: bool):
 
 class RowByRow(PackedWeight):
     """A float matrix of a model whose other matrices run on GGUF blocks (llama.cpp keeps RWKV-7's
-    decay LoRA F32 in every file): each activation row multiplied alone, as a fresh one-row call.
-    A GEMM's blocking rounds a row differently with other rows beside it; the GGUF kernels do not,
-    so with this the model's rows are the same bits whatever the chunk or the batch (reuse, drafts).
-    Only these small low-rank matrices are stored so: a prefill chunk pays one call per row."""
+    decay LoRA F32 in every file), multiplied by ``rowwise_linear``: every output in one fixed
+    order, whatever the rows beside it. A GEMM's blocking rounds a row differently with other rows
+    beside it; the GGUF kernels do not, so with this the model's rows are the same bits whatever
+    the chunk or the batch (reuse, drafts). Only these small low-rank matrices are stored so."""
 
     def __init__(self, w: nn.Parameter):
         super().__init__()

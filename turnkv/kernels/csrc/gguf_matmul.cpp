@@ -16,6 +16,7 @@
 #include "lowbit.h"
 #include "cpu_family.h"
 #include "write_attend.h"
+#include "row_linear.h"
 
 namespace tkv {
 

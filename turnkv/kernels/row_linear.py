@@ -1,0 +1,52 @@
+"""``x @ w.T`` for small float matrices in one fixed order per output (csrc/row_linear.h).
+
+A float GEMM's blocking depends on how many rows it multiplies, so a row's last bits change with
+the rows beside it; where the product picks something discrete (a MoE router's top-k) that moves
+the output by far more than rounding. Here every output is 16 lane sums over k (lane = k % 16,
+increasing k, a multiply then an add), then the fixed tree (l + 8), (l + 4), (l + 2), (l + 1):
+the same bits for any number of rows, on the native op (``torch.ops.turnkv_ops.row_linear``,
+one call, register tiles) and in ``reference`` (PyTorch ops, the fallback and the tests' oracle).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import native_available
+
+LANES = 16
+
+
+def native_op():
+    """The op, or None (no build, or a build from before it)."""
+    if not native_available():
+        return None
+    try:
+        return torch.ops.turnkv_ops.row_linear
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """[M, N] float32 of float32 x [M, K], w [N, K], in the native op's order; rows in groups so
+    that the [rows, N, 16] lane sums stay small."""
+    m, k = x.shape
+    n = w.shape[0]
+    pad = (-k) % LANES    # zero products: the native op's last partial group
+    nb = (k + pad) // LANES
+    xb = F.pad(x, (0, pad)).view(m, nb, LANES)
+    wb = F.pad(w, (0, pad)).view(1, n, nb, LANES)
+    out = x.new_empty(m, n)
+    step = max(1, 4096 // max(1, n))
+    for m0 in range(0, m, step):
+        xs = xb[m0:m0 + step, None]
+        acc = x.new_zeros(xs.shape[0], n, LANES)
+        for b in range(nb):
+            acc = acc + xs[:, :, b] * wb[:, :, b]
+        h = LANES
+        while h > 1:
+            h //= 2
+            acc = acc[..., :h] + acc[..., h:2 * h]
+        out[m0:m0 + step] = acc[..., 0]
+    return out
