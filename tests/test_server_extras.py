@@ -118,19 +118,26 @@ def test_tool_round_trip_over_three_turns_reuses_and_equals_cold(servers):
     assert r3.usage.prompt_tokens_details.cached_tokens == r2.usage.prompt_tokens + r2.usage.completion_tokens - 1
 
 
-def test_streamed_tool_call_equals_the_whole_one(servers):
-    cached, _ = servers
-    messages = [{"role": "user", "content": "What time is it in Oslo?"}]
-    kw = dict(tools=[WEATHER, CLOCK], tool_choice="required", max_tokens=48)
-    whole = chat(cached, messages, **kw).choices[0].message.tool_calls
+def streamed_deltas(server: Server, messages: list, **kw) -> tuple[list, str | None, str]:
+    """(the tool_calls delta entries in order, the finish_reason, the content) of a streamed reply."""
     deltas, finish, content = [], None, ""
-    for chunk in chat(cached, messages, stream=True, **kw):
+    for chunk in chat(server, messages, stream=True, **kw):
         if not chunk.choices:
             continue
         delta = chunk.choices[0].delta
         content += delta.content or ""
         deltas += delta.tool_calls or []
         finish = chunk.choices[0].finish_reason or finish
+    return deltas, finish, content
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_streamed_tool_call_equals_the_whole_one(servers, choice):
+    cached, _ = servers
+    messages = [{"role": "user", "content": "What time is it in Oslo?"}]
+    kw = dict(tools=[WEATHER, CLOCK], tool_choice=choice, max_tokens=48)
+    whole = chat(cached, messages, **kw).choices[0].message.tool_calls
+    deltas, finish, content = streamed_deltas(cached, messages, **kw)
     assert finish == "tool_calls" and content == ""
     # a forced call opens (id, type, name) as soon as its name is generated; its arguments follow
     heads = [d for d in deltas if d.function.name]
@@ -140,6 +147,22 @@ def test_streamed_tool_call_equals_the_whole_one(servers):
     args = ["".join(d.function.arguments or "" for d in deltas if d.index == i) for i in range(len(whole))]
     assert [(h.function.name, a) for h, a in zip(heads, args)] == \
            [(c.function.name, c.function.arguments) for c in whole]
+
+
+def test_a_call_to_the_named_function_opens_with_the_first_token(servers):
+    cached, _ = servers
+    messages = [{"role": "user", "content": "What time is it in Oslo?"}]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    # one token in, the model has not written the name yet: the named call is open all the same
+    deltas, finish, content = streamed_deltas(cached, messages, tools=[WEATHER, CLOCK], tool_choice=named,
+                                              max_tokens=1)
+    assert finish == "length" and content == ""
+    assert [(d.index, d.type, d.function.name, d.function.arguments) for d in deltas] == \
+           [(0, "function", "get_time", "")]
+    # with the model free to pick, nothing opens before the name is written
+    deltas, _, content = streamed_deltas(cached, messages, tools=[WEATHER, CLOCK], tool_choice="required",
+                                         max_tokens=1)
+    assert deltas == [] and content
 
 
 def test_tool_request_errors(servers):

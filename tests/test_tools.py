@@ -15,6 +15,7 @@ import pytest
 from turnkv.loading import load_tokenizer, shipped_template
 from turnkv.loading.bundled import find_bundled
 from turnkv.server import tools as T
+from turnkv.server.chat_extras import forced_name
 from turnkv.server.schemas import ChatCompletionRequest
 
 WEATHER = {"type": "function", "function": {
@@ -142,6 +143,48 @@ def test_a_forced_call_cut_short_streams_the_arguments_written():
     [head] = parser.opened()
     assert head["function"] == {"name": "get_weather", "arguments": ""}
     assert parser.finish() == ("", [{"index": 0, "function": {"arguments": '{"city": "Par'}}])
+
+
+@pytest.mark.parametrize("fmt,text", _FORCED)
+def test_a_call_to_the_one_function_allowed_opens_with_the_first_token(fmt, text):
+    # tool_choice names get_time / get_weather: the first call's name is known before it is written
+    first = re.search(r'"name": "([a-z_]+)"', text).group(1)
+    parser = T.StreamParser(fmt, name=first)
+    assert parser.push(text[0]) == ""
+    [head] = parser.opened()
+    assert head["index"] == 0 and head["function"] == {"name": first, "arguments": ""}
+    heads, later_ends = [head], [m.end() for m in re.finditer(r'"name": "[a-z_]+"', text)][1:]
+    for i in range(1, len(text)):
+        assert parser.push(text[i]) == ""
+        for h in parser.opened():      # a later call (parallel_tool_calls) opens once its name is out
+            assert i + 1 == later_ends[h["index"] - 1]
+            heads.append(h)
+    assert [h["index"] for h in heads] == list(range(len(later_ends) + 1))
+    rest, deltas = parser.finish()
+    _, calls = T.parse(text, fmt)
+    assert rest == "" and [d["function"]["arguments"] for d in deltas] == [c["function"]["arguments"] for c in calls]
+    assert [h["function"]["name"] for h in heads] == [c["function"]["name"] for c in calls]
+    assert [h["id"] for h in heads] == [c["id"] for c in parser.calls]
+
+
+def test_a_call_opened_with_the_first_token_and_cut_short_streams_no_arguments():
+    parser = T.StreamParser(T.HERMES, name="get_weather")
+    parser.push("<tool_")
+    [head] = parser.opened()
+    assert head["function"]["name"] == "get_weather"
+    assert parser.finish() == ("", [])
+
+
+def test_the_name_known_before_the_reply_is_the_one_function_a_forced_call_may_name():
+    def req(tools, choice):
+        return ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                     "tools": tools, "tool_choice": choice})
+    named = {"type": "function", "function": {"name": "get_time"}}
+    assert forced_name(req([WEATHER, TIME], named)) == "get_time"
+    assert forced_name(req([WEATHER], "required")) == "get_weather"
+    assert forced_name(req([WEATHER, TIME], "required")) is None      # the model picks: known once written
+    assert forced_name(req([WEATHER, TIME], "auto")) is None
+    assert forced_name(req([WEATHER, TIME], "none")) is None
 
 
 def test_a_call_the_model_may_not_make_streams_only_once_complete():

@@ -36,6 +36,15 @@ def forces_call(req: ChatCompletionRequest) -> bool:
     return bool(req.tools) and req.tool_choice not in (None, "auto", "none")
 
 
+def forced_name(req: ChatCompletionRequest) -> str | None:
+    """The one function a forced reply may call (a named tool_choice, or ``required`` with one
+    tool), else None: its call's name is known before the model writes it."""
+    if not forces_call(req):
+        return None
+    names = toolkit.forced_names(toolkit.validate_tools(req.tools), req.tool_choice)
+    return names[0] if names and len(names) == 1 else None
+
+
 def prepare(engine, req: ChatCompletionRequest) -> ChatExtras:
     """Validate the extras against the model; RequestError (400) naming the field at fault.
     Compiling a grammar takes milliseconds (the tokenizer's first one seconds, unless warm_up built it): call it off the
@@ -95,14 +104,14 @@ def apply_tool_calls(body: dict, fmt: str | None) -> dict:
 
 
 class ToolStream:
-    """Per choice StreamParsers for a streamed reply (``forced``: see StreamParser)."""
+    """Per choice StreamParsers for a streamed reply (``forced``, ``name``: see StreamParser)."""
 
-    def __init__(self, fmt: str, forced: bool = False):
-        self.fmt, self.forced = fmt, forced
+    def __init__(self, fmt: str, forced: bool = False, name: str | None = None):
+        self.fmt, self.forced, self.name = fmt, forced, name
         self.parsers: dict[int, toolkit.StreamParser] = {}
 
     def content(self, index: int, text: str) -> str:
-        return self.parsers.setdefault(index, toolkit.StreamParser(self.fmt, self.forced)).push(text)
+        return self.parsers.setdefault(index, toolkit.StreamParser(self.fmt, self.forced, self.name)).push(text)
 
     def opened(self, index: int) -> list[dict]:
         """Opening deltas of choice ``index``'s calls whose names have just been generated."""

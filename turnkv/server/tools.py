@@ -248,15 +248,24 @@ class StreamParser:
     content): each call's opening delta (``index``, ``id``, ``type``, ``function.name``, empty
     ``arguments``) is ready from ``opened`` as soon as its name has been generated, as OpenAI and
     llama.cpp stream a call; its arguments follow at the end (cut short with the reply at
-    ``max_tokens``)."""
+    ``max_tokens``). ``name``: the grammar allows calls to this one function only (a named
+    ``tool_choice``, or ``required`` with one tool), so the first call's name is known before the
+    model writes it: its opening delta is ready from the first token on, as vLLM streams a named
+    ``tool_choice`` (the model's name tokens would add a decode step each to the client's time to
+    first token)."""
 
     fmt: str
     forced: bool = False
+    name: str | None = None
     held: str = ""
     in_call: bool = False
     started: bool = False
     calls: list[dict] = field(default_factory=list)
     heads: list[dict] = field(default_factory=list)     # opening deltas sent (forced)
+
+    def __post_init__(self):
+        if self.name is not None:      # the grammar leaves no room for content: all of it is calls
+            self.forced = self.in_call = True
 
     def push(self, text: str) -> str:
         """Content to send now for newly generated ``text`` ('' when held)."""
@@ -291,21 +300,23 @@ class StreamParser:
         """Opening deltas of the calls whose names are complete since the last look (forced only)."""
         if not (self.forced and self.in_call):
             return []
+        out = [self._open(self.name)] if self.name is not None and not self.heads else []
         if self.fmt == HERMES:
             names = [m.group(1) for m in _HERMES_NAME.finditer(self.held)]
         else:
             m = _LLAMA_NAME.match(self.held) if not self.heads else None
             names = [m.group(1)] if m else []
-        out = []
         for name in names[len(self.heads):]:
             try:
-                name = json.loads(f'"{name}"')
+                out.append(self._open(json.loads(f'"{name}"')))
             except ValueError:
                 return out
-            head = {"index": len(self.heads), **_call(name, "")}
-            self.heads.append(head)
-            out.append(head)
         return out
+
+    def _open(self, name: str) -> dict:
+        head = {"index": len(self.heads), **_call(name, "")}
+        self.heads.append(head)
+        return head
 
     def finish(self) -> tuple[str, list[dict]]:
         """(content still to send, tool-call deltas) at the end of the reply."""
