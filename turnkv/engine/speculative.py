@@ -30,7 +30,9 @@ RECENT = 0.8                     # weight of the acceptance counts kept at each 
 # Draft lengths are 2^j - 1, so a verified chunk (the next token and the draft) is 2, 4, 8 or 16
 # rows: the gguf kernels' row tiles and pairs. One row past them costs a step out of line with
 # what it brings (1 thread, Zen 4: Gemma 3 270M 8 rows 2.1x one row's time, 9 rows 2.8x).
-START_LENGTH = 7
+# A step of that many rows over a one-row step's time, the mean of Gemma 3 270M and SmolLM2 135M
+# (1 thread, Zen 4, 700 tokens of context: docs/measurements/2026-12-06-speculative.md)
+CHUNK_COST = {2: 1.09, 4: 1.30, 8: 2.06, 16: 4.17}
 
 
 def rung(draft_max: int, length: int) -> int:
@@ -101,7 +103,7 @@ class Speculation:
     recent_rejected: float = 0.0   # drafts that ended in a rejected token, likewise
 
     def __post_init__(self):
-        self.length = rung(self.draft_max, START_LENGTH)
+        self.length = self.best_length()
 
     def propose(self, history: list[int], room: int) -> list[int]:
         """A draft of at most ``min(length, room)`` tokens to follow ``history`` (none while
@@ -119,23 +121,44 @@ class Speculation:
         return (self.recent_accepted + 1) / (self.recent_accepted + self.recent_rejected + 2)
 
     def record(self, drafted: int, accepted: int) -> None:
-        """Counts, and the next draft's length, one rung of 1, 3, 7, 15 .. (``draft_max`` at
-        most) up after a draft taken whole, one down after one rejected from its first token; a
-        one-token draft rejected pauses drafting for 1, 2, 4 .. ``MAX_PAUSE`` steps (prose that
-        never repeats costs almost nothing)."""
+        """Counts, and the next draft's length: ``best_length`` for the recent acceptance, and
+        after a draft taken whole at least the next rung up (copying runs long). A one-token
+        draft rejected pauses drafting for 1, 2, 4 .. ``MAX_PAUSE`` steps (prose that never
+        repeats costs almost nothing)."""
         self.drafted += drafted
         self.accepted += accepted
         self.recent_accepted = RECENT * self.recent_accepted + accepted
         self.recent_rejected = RECENT * self.recent_rejected + (accepted < drafted)
         if accepted:
             self.pause = 0
-            if accepted == drafted:
-                self.length = rung(self.draft_max, self.length * 2 + 1)
-        elif self.length > 1:
-            self.length = rung(self.draft_max, self.length // 2)
-        else:
+        elif drafted == 1:
             self.pause = min(MAX_PAUSE, max(1, self.pause * 2))
             self.skip = self.pause
+        self.length = self.best_length()
+        if accepted == drafted:
+            self.length = max(self.length, rung(self.draft_max, 2 * drafted + 1))
+
+    def best_length(self) -> int:
+        """The rung (1, 3, 7 .. at most ``draft_max``) whose expected tokens per pass, at the
+        recent per-token acceptance p (1 + p + .. + p^k for a draft of k), over its step's cost
+        (``CHUNK_COST``) is highest."""
+        p = min(self.token_acceptance(), 0.999)
+        best, length, k = 0.0, 1, 1
+        while True:
+            n = min(k, self.draft_max)
+            rate = (1 - p ** (n + 1)) / (1 - p) / chunk_cost(n + 1)
+            if rate > best:
+                best, length = rate, n
+            if n == self.draft_max:
+                return length
+            k = 2 * k + 1
+
+
+def chunk_cost(rows: int) -> float:
+    """A step of ``rows`` rows over a one-row step's time: the smallest ``CHUNK_COST`` chunk that
+    holds them, past 16 rows in proportion."""
+    fit = [c for m, c in sorted(CHUNK_COST.items()) if m >= rows]
+    return fit[0] if fit else CHUNK_COST[16] * rows / 16
 
 
 @dataclass
