@@ -22,10 +22,11 @@ DEFAULT_DRAFT_MAX = 7
 MAX_DRAFT = 64
 NGRAM_MAX, NGRAM_MIN = 4, 2      # suffix lengths prompt lookup tries, longest first
 MAX_PAUSE = 16                   # steps without drafts after repeated rejections, at most
-# The lm_head's time for m rows in one call over a one-row call's, m = 0..16 (Gemma 3 270M's
-# 262k x 640 Q8_0 head, 1 thread, Zen 4): up to 4 rows cost one row's (the weights stream once
-# for paired rows), an odd row past that costs more than the even count above it
-HEAD_COST = [0.0, 1.0, 1.0, 1.0, 1.03, 1.5, 1.16, 1.76, 1.35, 2.22, 2.29, 2.75, 2.74, 2.92, 2.9, 3.51, 3.47]
+# The lm_head's time for a call of m rows over a one-row call's, for the block sizes verification
+# uses (1 thread, Zen 4; the mean of Gemma 3 270M's 262k x 640 and SmolLM2's 49k x 576 Q8_0
+# heads): up to 4 rows cost about one row's (the weights stream once for paired rows). Odd
+# sizes past 1 are left out: an unpaired row costs an extra pass (SmolLM2: 3 rows 1.6-2.8x one).
+HEAD_COST = {1: 1.0, 2: 1.0, 4: 1.06, 8: 1.55, 16: 3.7}
 RECENT = 0.8                     # weight of the acceptance counts kept at each verified draft
 # Draft lengths are 2^j - 1, so a verified chunk (the next token and the draft) is 2, 4, 8 or 16
 # rows: the gguf kernels' row tiles and pairs. One row past them costs a step out of line with
@@ -181,12 +182,6 @@ class SpecCounters:
                 "verify_steps": self.verify_steps, "off": dict(self.off)}
 
 
-def head_cost(rows: int) -> float:
-    """The lm_head's time for ``rows`` rows in one call, in one-row calls (``HEAD_COST``, past
-    16 rows in proportion)."""
-    return HEAD_COST[rows] if rows < len(HEAD_COST) else HEAD_COST[-1] * rows / (len(HEAD_COST) - 1)
-
-
 @functools.lru_cache(maxsize=4096)
 def head_blocks(rows: int, p: float) -> dict[int, int]:
     """How to cut a verified chunk of ``rows`` logit rows into head calls, {first row: rows}, for
@@ -194,7 +189,7 @@ def head_blocks(rows: int, p: float) -> dict[int, int]:
     is needed only if row i's token was accepted): the first block's rows are always needed."""
     best, size = [0.0] * (rows + 1), [0] * (rows + 1)
     for i in range(rows - 1, -1, -1):
-        best[i], size[i] = min((head_cost(b) + p ** b * best[i + b], b) for b in range(1, rows - i + 1))
+        best[i], size[i] = min((cost + p ** b * best[i + b], b) for b, cost in HEAD_COST.items() if b <= rows - i)
     out, i = {}, 0
     while i < rows:
         out[i] = size[i]
