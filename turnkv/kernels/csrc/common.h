@@ -32,6 +32,7 @@ extern int64_t g_prefetch;  // software prefetch distance in bytes
 extern int64_t g_prefetch_fused;  // per-block prefetch distance of full 8-row tiles (TURNKV_KERNEL_PREFETCH_FUSED)
 extern int g_fused;         // 1: the fused decode path of the 32-value block types (TURNKV_KERNEL_FUSED=0 turns it off)
 extern int g_pair;          // 1: that path pairs activation rows in 512-bit vectors (AVX-512; TURNKV_KERNEL_PAIR)
+extern int g_vbmi;          // 1: IQ4_XS's decode looks its table up with vpermb (AVX-512 VBMI; TURNKV_KERNEL_VBMI)
 // The most activation rows the fused decode path takes where the rows go in pairs (AVX-512 with
 // g_pair: Zen 5): 9..31 rows run in passes of 8 over each tile, which comes from memory once and
 // from L1 for the later passes. Elsewhere the limit stays 8 (unpaired 256-bit passes measured no

@@ -56,6 +56,23 @@ int g_pair = [] {
     return e && *e ? (std::atoi(e) != 0 ? 1 : 0) : (tkv_cpu::amd_zen4_or_later() ? 1 : 0);
 }();
 
+// IQ4_XS's fused decode looks its table up with AVX-512 VBMI's vpermb where the CPU has it
+// (csrc/iq4xs_fused.inc: no nibble mask); TURNKV_KERNEL_VBMI=0 / set_vbmi turn it off (A/B,
+// tests); the same bits either way
+static bool cpu_vbmi() {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vbmi");
+}
+int g_vbmi = [] {
+    const char* e = std::getenv("TURNKV_KERNEL_VBMI");
+    return cpu_vbmi() && !(e && *e && std::atoi(e) == 0) ? 1 : 0;
+}();
+static int64_t set_vbmi(int64_t on) {
+    const int64_t before = g_vbmi;
+    g_vbmi = on != 0 && cpu_vbmi() ? 1 : 0;
+    return before;
+}
+
 // a call goes parallel only when each thread gets at least this many weight-bytes-equivalent
 int64_t g_par_bytes = [] {
     const char* e = std::getenv("TURNKV_KERNEL_PAR_BYTES");
@@ -340,6 +357,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_pair", &tkv::set_pair, "the fused path's paired 512-bit rows on (1) / off (0); returns the previous", py::arg("on"));
     m.def("set_fused_rows", &tkv::set_fused_rows, "the fused decode path's row limit (8..31; tests, A/B); returns the previous", py::arg("n"));
     m.def("pair", [] { return (int64_t)tkv::g_pair; }, "1 when the fused path pairs rows in 512-bit vectors");
+    m.def("set_vbmi", &tkv::set_vbmi, "IQ4_XS's vpermb lookup on (1, where the CPU has AVX-512 VBMI) / off (0); returns the previous", py::arg("on"));
     m.def("best_isa", &tkv::best_isa, "best ISA path: 0 scalar, 1 avx2, 2 avx512, 3 avx512vnni");
     m.def("tile_gather", &tkv::tile_gather, "out[t, j] = src[t, index[j]] per tile of 1- or 2-byte units (the load's repack)",
           py::arg("src"), py::arg("index"), py::arg("out"), py::arg("unit_bytes"), py::call_guard<py::gil_scoped_release>());

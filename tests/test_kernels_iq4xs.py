@@ -1,0 +1,52 @@
+"""IQ4_XS's fused decode path (csrc/iq4xs_fused.inc) with and without its AVX-512 VBMI table
+lookup: the same bits as the PyTorch reference and the unpack path either way."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+import native
+import turnkv.kernels as tk
+from turnkv.kernels import GGUFWeight
+
+N, K = 1003, 1024   # a partial last tile; 4 super-blocks a row
+
+
+def _weight(seed: int) -> GGUFWeight:
+    """Random bytes (every pattern is a valid IQ4_XS block: all 64 sub-block scales, all 16
+    table indices) with small float16 d."""
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[Q.IQ4_XS]
+    b = rng.integers(0, 256, size=(N, K // block, size), dtype=np.uint8)
+    b[..., 0:2] = rng.uniform(1e-4, 2e-3, size=(N, K // block)).astype(np.float16).view(np.uint8).reshape(N, -1, 2)
+    return GGUFWeight.from_raw(b.reshape(N, -1), Q.IQ4_XS, (N, K))
+
+
+@native.needs(tk.native_available(), "the native kernels")
+def test_iq4xs_decode_lookup_same_bits_with_and_without_vbmi():
+    """M = 1..8 unpaired rows (pairs off, so every M takes the fused path) on every 8-row path,
+    the vpermb lookup on (where the CPU has VBMI) and off: each equals the reference and the same
+    rows inside an M = 40 call (the unpack + dot path); activations with an all-zero block and
+    large outliers (full int8 range against every table value and scale)."""
+    w = _weight(7)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, K, generator=g)
+    x[0, 64:96] = 0.0
+    x[:, ::37] *= 40.0
+    ref = w.matmul(x, native=False)
+    pair, vbmi = tk._ext.set_pair(0), tk._ext.set_vbmi(1)
+    try:
+        for isa in [i for i in tk.available_isas() if i != "scalar"]:
+            full = w.matmul(x, isa=isa)
+            assert torch.equal(full, ref), isa
+            for on in (1, 0):
+                tk._ext.set_vbmi(on)
+                for m in range(1, 9):
+                    assert torch.equal(w.matmul(x[:m], isa=isa), ref[:m]), (isa, on, m)
+                    assert torch.equal(w.matmul(x[40 - m:], isa=isa), ref[40 - m:]), (isa, on, m)
+    finally:
+        tk._ext.set_pair(pair)
+        tk._ext.set_vbmi(vbmi)
