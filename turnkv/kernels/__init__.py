@@ -172,14 +172,17 @@ class GGUFWeight:
     A weight made with ``from_raw(..., defer=True)`` holds GGUF's rows (``_pending``: typically a
     view of the file's mapping) until its tiles are first needed: ``raw`` tiles them then, and
     ``cat`` tiles them straight into the fused weight's buffer, so a loaded weight's bytes are
-    read from the file once and written once (``settle_deferred`` ends a load)."""
+    read from the file once and written once (``settle_deferred`` ends a load). ``_order``: the
+    pending rows' order (``from_raw``), applied as they are tiled."""
 
-    __slots__ = ("_raw", "_pending", "qtype", "shape", "tiled", "base", "__weakref__")
+    __slots__ = ("_raw", "_pending", "_order", "qtype", "shape", "tiled", "base", "__weakref__")
 
     def __init__(self, raw: torch.Tensor | None, qtype: GGMLQuantizationType, shape: tuple[int, int],
-                 tiled: bool = False, base: "GGUFStack | None" = None, pending: torch.Tensor | None = None):
+                 tiled: bool = False, base: "GGUFStack | None" = None, pending: torch.Tensor | None = None,
+                 order: torch.Tensor | None = None):
         self._raw = raw
         self._pending = pending
+        self._order = order
         self.qtype = qtype
         self.shape = shape
         self.tiled = tiled
@@ -189,23 +192,29 @@ class GGUFWeight:
     def raw(self) -> torch.Tensor:
         pending = self._pending
         if pending is not None:
-            self._raw = tile_rows(pending, self.qtype)
-            self._pending = None      # after _raw: a reader that sees None finds the tiles
+            self._raw = tile_rows(pending, self.qtype, order=self._order)
+            self._pending = self._order = None      # after _raw: a reader that sees None finds the tiles
         return self._raw
 
     @classmethod
-    def from_raw(cls, raw, qtype, shape, defer: bool = False) -> "GGUFWeight":
-        """``defer``: tile later (see the class); ``raw`` must then stay unchanged until then."""
+    def from_raw(cls, raw, qtype, shape, defer: bool = False, order: torch.Tensor | None = None) -> "GGUFWeight":
+        """``defer``: tile later (see the class); ``raw`` must then stay unchanged until then.
+        ``order`` (int64 [N]): the weight's row i is ``raw``'s row ``order[i]`` (a family's row
+        permutation of a file's rows), moved while tiling instead of copied first."""
         qtype = GGMLQuantizationType(qtype)
         n, k = int(shape[0]), int(shape[1])
-        raw = _own_bytes(raw, qtype, n, k).contiguous()
+        raw = _own_bytes(raw, qtype, n if order is None else -1, k).contiguous()
+        if order is not None:
+            order = torch.as_tensor(order, dtype=torch.int64).reshape(-1).contiguous()
+            if order.numel() != n:
+                raise ValueError(f"GGUFWeight: order names {order.numel()} rows for a weight of {n}")
         if _ext is not None and raw.is_cpu:   # the layout the native kernels read
             if not defer:
-                return cls(tile_rows(raw, qtype), qtype, (n, k), tiled=True)
-            weight = cls(None, qtype, (n, k), tiled=True, pending=raw)
+                return cls(tile_rows(raw, qtype, order=order), qtype, (n, k), tiled=True)
+            weight = cls(None, qtype, (n, k), tiled=True, pending=raw, order=order)
             _DEFERRED.add(weight)
             return weight
-        return cls(raw, qtype, (n, k))
+        return cls(raw if order is None else raw.index_select(0, order), qtype, (n, k))
 
     def rows(self) -> torch.Tensor:
         """GGUF's own rows [N, row_bytes] (a copy when tiled)."""
@@ -294,7 +303,7 @@ class GGUFWeight:
                 end = at + -(-p.shape[0] // TILE_ROWS) * TILE_ROWS
                 pending = p._pending
                 if pending is not None:
-                    tile_rows(pending, q, out[at:end])
+                    tile_rows(pending, q, out[at:end], order=p._order)
                 else:
                     out[at:end].copy_(p._raw)
                 at = end

@@ -99,16 +99,17 @@ def _index_tensor(qtype, row_bytes: int, inverse: bool) -> torch.Tensor:
     return torch.from_numpy(_tile_index(qtype, row_bytes)[int(inverse)].astype(np.int64))
 
 
-def _gather_units(src: torch.Tensor, qtype, inverse: bool, rows: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def _gather_units(src: torch.Tensor, qtype, inverse: bool, rows: int, out: torch.Tensor | None = None,
+                  order: torch.Tensor | None = None, parallel: bool = True) -> torch.Tensor:
     """``src`` [tiles * 8, row_bytes] uint8, each tile's units gathered by ``_tile_index``'s
     forward (or ``inverse``) index into ``out`` (a contiguous [rows, row_bytes] uint8; a new one
-    when None)."""
+    when None). ``order`` (native gather only): tile rows are src rows ``order`` (-1: zeros)."""
     rb = src.shape[1]
     if out is None:
         out = torch.empty((rows, rb), dtype=torch.uint8)
     src = src.contiguous()
     if native_gather is not None:
-        native_gather(src, _index_tensor(qtype, rb, inverse), out, _unit(qtype))
+        native_gather(src, _index_tensor(qtype, rb, inverse), out, _unit(qtype), order, parallel)
         return out
     index = _tile_index(qtype, rb)[int(inverse)]
     view = np.int16 if _unit(qtype) == 2 else np.uint8
@@ -117,22 +118,34 @@ def _gather_units(src: torch.Tensor, qtype, inverse: bool, rows: int, out: torch
     return out
 
 
-def tile_rows(rows: torch.Tensor, qtype, out: torch.Tensor | None = None) -> torch.Tensor:
+def tile_rows(rows: torch.Tensor, qtype, out: torch.Tensor | None = None, order: torch.Tensor | None = None,
+              parallel: bool = True) -> torch.Tensor:
     """GGUF rows [N, row_bytes] -> their tiles [ceil(N / 8) * 8, row_bytes], written into ``out``
     when given (a contiguous buffer of that shape: a slice of a fused weight's tiles), so rows
-    still in a file's mapping are read once and written once; else into a ``weight_buffer``."""
+    still in a file's mapping are read once and written once; else into a ``weight_buffer``.
+    ``order`` (int64 [N']): the weight's row i is ``rows[order[i]]`` (a family's row permutation,
+    llama's q/k un-permute), moved as it is tiled rather than copied first. ``parallel`` False:
+    the native gather runs on the calling thread alone (no OpenMP team)."""
     qtype = GGMLQuantizationType(qtype)
-    n, rb = rows.shape
+    rb = rows.shape[1]
+    n = rows.shape[0] if order is None else order.numel()
     npad = -(-n // TILE_ROWS) * TILE_ROWS
     if out is None:
         out = weight_buffer(npad, rb)
+    if native_gather is not None and (order is not None or npad != n):
+        # the padding rows are order -1: zeros, written by the gather itself
+        full = torch.full((npad,), -1, dtype=torch.int64)
+        full[:n] = torch.arange(n) if order is None else order
+        return _gather_units(rows, qtype, False, npad, out, full, parallel)
+    if order is not None:
+        rows = rows.index_select(0, order)
     whole = n - n % TILE_ROWS
     if whole:
-        _gather_units(rows[:whole], qtype, False, whole, out[:whole])
+        _gather_units(rows[:whole], qtype, False, whole, out[:whole], parallel=parallel)
     if npad != whole:      # the last tile, padded with zero rows
         last = rows.new_zeros(TILE_ROWS, rb)
         last[:n - whole] = rows[whole:]
-        _gather_units(last, qtype, False, TILE_ROWS, out[whole:])
+        _gather_units(last, qtype, False, TILE_ROWS, out[whole:], parallel=parallel)
     return out
 
 

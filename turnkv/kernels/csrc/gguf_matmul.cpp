@@ -359,8 +359,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("pair", [] { return (int64_t)tkv::g_pair; }, "1 when the fused path pairs rows in 512-bit vectors");
     m.def("set_vbmi", &tkv::set_vbmi, "IQ4_XS's vpermb lookup on (1, where the CPU has AVX-512 VBMI) / off (0); returns the previous", py::arg("on"));
     m.def("best_isa", &tkv::best_isa, "best ISA path: 0 scalar, 1 avx2, 2 avx512, 3 avx512vnni");
-    m.def("tile_gather", &tkv::tile_gather, "out[t, j] = src[t, index[j]] per tile of 1- or 2-byte units (the load's repack)",
-          py::arg("src"), py::arg("index"), py::arg("out"), py::arg("unit_bytes"), py::call_guard<py::gil_scoped_release>());
+    m.def("tile_gather", &tkv::tile_gather, "out[t, j] = rows[t, index[j]] per tile of 1- or 2-byte units (the load's repack)",
+          py::arg("src"), py::arg("index"), py::arg("out"), py::arg("unit_bytes"), py::arg("order") = py::none(),
+          py::arg("parallel") = true, py::call_guard<py::gil_scoped_release>());
     tkv::register_fused(m);
     tkv::register_moe(m);
     m.def("write_attend", &tkv_attn::write_attend,

@@ -115,10 +115,11 @@ def _keep_quantized(buf: mmap.mmap, info: TensorInfo, hf_name: str, arch: GGUFAr
     raw = raw_rows(buf, info)
     if stack:
         return GGUFStack.from_raw(raw, info.qtype, tuple(info.shape))
-    if transform:
-        raw = arch.transform(hf_name, raw, config)
+    # a row permutation, found by applying it to the row numbers: the tiling moves the file's
+    # rows to their places, so the permuted rows are never copied on their own
+    order = arch.transform(hf_name, torch.arange(raw.shape[0])[:, None], config)[:, 0] if transform else None
     # tiled when first used, or straight into a fused weight's tiles: one copy from the file
-    return GGUFWeight.from_raw(raw, info.qtype, tuple(info.shape), defer=True)
+    return GGUFWeight.from_raw(raw, info.qtype, tuple(info.shape), defer=True, order=order)
 
 
 

@@ -1,0 +1,106 @@
+"""Start-up as a user sees it: process start to the server's first successful HTTP answer
+(``GET /v1/models`` answering 200), for ``turnkv serve`` and ``llama-server`` on the same GGUF,
+same thread count, one at a time. Run it under ``flock /tmp/turnkv-bench.lock`` on a shared machine.
+
+    python bench/startup.py [--model FILE] [--threads 2] [--runs 3] [--engines turnkv,llama]
+
+Both servers bind their port before loading and answer only once the model is loaded (turnkv
+accepts connections early and answers when uvicorn starts; llama-server answers 503 while
+loading), so the time to the first 200 is the time to a server that can take a request."""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.machine import cpu_model  # noqa: E402
+from bench.realsize_models import CACHE, LLAMA_CPP  # noqa: E402
+
+DEFAULT_MODEL = CACHE / "llama-3.2-1b" / "llama-3.2-1b-Q4_K_M.gguf"
+LLAMA_SERVER = LLAMA_CPP / "build" / "bin" / "llama-server"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def answers(port: int) -> bool:
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        conn.request("GET", "/v1/models")
+        ok = conn.getresponse().status == 200
+        conn.close()
+        return ok
+    except (OSError, http.client.HTTPException):
+        return False
+
+
+def command(engine: str, model: Path, port: int, threads: int) -> list[str]:
+    if engine == "turnkv":
+        return [sys.executable, "-m", "turnkv.cli", "serve", "-m", str(model), "--port", str(port),
+                "--threads", str(threads)]
+    return [str(LLAMA_SERVER), "-m", str(model), "--port", str(port), "-t", str(threads), "-c", "4096"]
+
+
+def time_start(engine: str, model: Path, threads: int, timeout: float = 120.0) -> float:
+    """Seconds from spawning the server to its first 200 on /v1/models."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(command(engine, model, port, threads), cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        while time.perf_counter() - t0 < timeout:
+            if answers(port):
+                return time.perf_counter() - t0
+            if proc.poll() is not None:
+                raise RuntimeError(f"{engine} exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            time.sleep(0.01)
+        raise RuntimeError(f"{engine} did not answer within {timeout} s")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--engines", default="turnkv,llama")
+    args = p.parse_args()
+    print(f"CPU: {cpu_model()}, {args.threads} threads; {args.model.name}; load average "
+          f"{os.getloadavg()[0]:.1f}", flush=True)
+    result = {}
+    for engine in args.engines.split(","):
+        times = [time_start(engine, args.model, args.threads) for _ in range(args.runs)]
+        result[engine] = {"median_s": statistics.median(times), "runs_s": [round(t, 3) for t in times]}
+        print(f"{engine:>7}: start to first answer {statistics.median(times):.2f} s (median of {len(times)}: "
+              f"{', '.join(f'{t:.2f}' for t in times)})", flush=True)
+    if "turnkv" in result and "llama" in result:
+        print(f"turnkv / llama-server: {result['turnkv']['median_s'] / result['llama']['median_s']:.2f}x")
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""The load's repack with a row order (llama's q/k un-permute moved by the gather itself): the
+same tile bytes as permuting the rows first, which the rest of the suite checks against GGUF's own
+rows and dequantization."""
+
+from __future__ import annotations
+
+import native
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+
+from turnkv import kernels as tk
+from turnkv.kernels import GGUFWeight, tiles
+
+TYPES = [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.IQ4_XS, Q.MXFP4, Q.IQ2_XXS, Q.BF16]
+needs_gather = native.needs(tk.native_available() and tiles.native_gather is not None, "the native tile gather")
+
+
+def _rows(qtype, n: int = 67, blocks: int = 3, seed: int = 1) -> torch.Tensor:
+    size = GGML_QUANT_SIZES[qtype][1]
+    return torch.randint(0, 256, (n, blocks * size), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+@needs_gather
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_ordered_tiles_equal_permuting_first(qtype, monkeypatch):
+    rows = _rows(qtype)
+    for order in (torch.randperm(67, generator=torch.Generator().manual_seed(2)),
+                  torch.arange(64).reshape(8, 4, 2).transpose(1, 2).reshape(-1)):     # llama's q/k un-permute
+        picked = rows.index_select(0, order)
+        got = tiles.tile_rows(rows, qtype, order=order)
+        assert torch.equal(got, tiles.tile_rows(picked, qtype))
+        assert torch.equal(tiles.untile_rows(got, qtype, len(order)), picked)
+        with monkeypatch.context() as m:      # numpy's gather (no build): permutes, then tiles
+            m.setattr(tiles, "native_gather", None)
+            assert torch.equal(tiles.tile_rows(rows, qtype, order=order), got)
+    block = GGML_QUANT_SIZES[qtype][0]
+    order = torch.randperm(67, generator=torch.Generator().manual_seed(3))
+    eager = GGUFWeight.from_raw(rows.index_select(0, order), qtype, (67, 3 * block))
+    lazy = GGUFWeight.from_raw(rows, qtype, (67, 3 * block), defer=True, order=order)
+    other = GGUFWeight.from_raw(rows[:36], qtype, (36, 3 * block), defer=True, order=order[:36] % 36)
+    fused = GGUFWeight.cat([other, lazy])      # 36 rows: not whole tiles, so cat joins their rows()
+    assert torch.equal(fused.rows(), torch.cat([rows[:36].index_select(0, order[:36] % 36), eager.rows()]))
+    assert torch.equal(lazy.raw, eager.raw) and torch.equal(lazy.rows(), eager.rows())
+    with pytest.raises(ValueError):
+        GGUFWeight.from_raw(rows, qtype, (67, 3 * block), order=order[:5])
