@@ -3,6 +3,10 @@
 same thread count, one at a time. Run it under ``flock /tmp/turnkv-bench.lock`` on a shared machine.
 
     python bench/startup.py [--model FILE] [--threads 2] [--runs 3] [--engines turnkv,llama]
+                            [--before CHECKOUT]
+
+``--before`` adds ``turnkv serve`` run from another checkout (e.g. main before a change), its runs
+interleaved with the others' so a busy machine's drift falls on all alike.
 
 Both servers bind their port before loading and answer only once the model is loaded (turnkv
 accepts connections early and answers when uvicorn starts; llama-server answers 503 while
@@ -50,18 +54,18 @@ def answers(port: int) -> bool:
 
 
 def command(engine: str, model: Path, port: int, threads: int) -> list[str]:
-    if engine == "turnkv":
+    if engine.startswith("turnkv"):
         return [sys.executable, "-m", "turnkv.cli", "serve", "-m", str(model), "--port", str(port),
                 "--threads", str(threads)]
     return [str(LLAMA_SERVER), "-m", str(model), "--port", str(port), "-t", str(threads), "-c", "4096"]
 
 
-def time_start(engine: str, model: Path, threads: int, timeout: float = 120.0) -> float:
+def time_start(engine: str, model: Path, threads: int, cwd: Path = ROOT, timeout: float = 120.0) -> float:
     """Seconds from spawning the server to its first 200 on /v1/models."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     t0 = time.perf_counter()
-    proc = subprocess.Popen(command(engine, model, port, threads), cwd=ROOT, env=env,
+    proc = subprocess.Popen(command(engine, model, port, threads), cwd=cwd, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         while time.perf_counter() - t0 < timeout:
@@ -86,12 +90,19 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--engines", default="turnkv,llama")
+    p.add_argument("--before", type=Path, default=None, help="a checkout whose turnkv serve runs too")
     args = p.parse_args()
     print(f"CPU: {cpu_model()}, {args.threads} threads; {args.model.name}; load average "
           f"{os.getloadavg()[0]:.1f}", flush=True)
+    engines = {e: ROOT for e in args.engines.split(",")}
+    if args.before is not None:
+        engines = {"turnkv-before": args.before.resolve(), **engines}
+    runs: dict[str, list[float]] = {e: [] for e in engines}
+    for _ in range(args.runs):
+        for engine, cwd in engines.items():
+            runs[engine].append(time_start(engine, args.model, args.threads, cwd))
     result = {}
-    for engine in args.engines.split(","):
-        times = [time_start(engine, args.model, args.threads) for _ in range(args.runs)]
+    for engine, times in runs.items():
         result[engine] = {"median_s": statistics.median(times), "runs_s": [round(t, 3) for t in times]}
         print(f"{engine:>7}: start to first answer {statistics.median(times):.2f} s (median of {len(times)}: "
               f"{', '.join(f'{t:.2f}' for t in times)})", flush=True)
