@@ -19,7 +19,8 @@ from turnkv.cache import specs as cache_specs
 from turnkv.engine.engine import Engine
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.sequence import GenerationRequest
-from turnkv.engine.speculative import MAX_PAUSE, NGRAM, DraftLogits, NgramDrafter, Speculation, head_blocks
+from turnkv.engine.speculative import (CHUNK_COST, MAX_PAUSE, NGRAM, DraftLogits, NgramDrafter, Speculation,
+                                      StepCosts, head_blocks)
 from turnkv.loading.model import load_model
 from turnkv.models.batch import ALL, Batch
 from turnkv.prompt_cache.store import PromptCache
@@ -61,12 +62,15 @@ def loaded():
     return out
 
 
-def make_engine(model, speculative="off", drafter=None, budget=1 << 30, tokenizer=None, **kw) -> Engine:
+def make_engine(model, speculative="off", drafter=None, budget=1 << 30, tokenizer=None, measured=False,
+                **kw) -> Engine:
     eng = Engine(model.net, tokenizer, fingerprint=f"spec-{model.net.family}", weights=model.weights,
                  prompt_cache=PromptCache(budget), slack=4, prefill_chunk=16, max_context=4096,
                  speculative=speculative, draft_max=6, **kw)
     if drafter is not None:
         eng.drafters[NGRAM] = drafter
+    if not measured:     # drafts as the prior costs choose them, whatever this machine's timing
+        eng.spec.costs = StepCosts(window=0)
     return eng
 
 
@@ -346,14 +350,49 @@ def test_drafting_backs_off_when_drafts_fail_and_recovers():
         drafted_steps += bool(draft)
         if draft:
             spec.record(len(draft), 0)
-    assert drafted_steps < 200 / MAX_PAUSE + 10 and spec.length == 1
-    while not spec.propose([1], 8):        # the pause ends; a draft taken whole climbs a rung (1 -> 3)
+    assert drafted_steps < 200 / MAX_PAUSE + 10 and spec.length == 0      # backed off: one-token probes
+    while not spec.propose([1], 8):        # the pause ends; a probe taken whole climbs a rung (1 -> 3)
         pass
     spec.record(1, 1)
     assert spec.pause == 0 and spec.length == 3 and spec.propose([1], 8) == [0, 0, 0]
     spec.record(3, 3)
     assert spec.length == 7
-    spec.record(7, 7)                      # capped at draft_max
-    assert spec.length == 8 and len(spec.propose([1], 8)) == 8
-    spec.record(8, 0)                      # rejected whole: down to the rung below half
+    spec.record(7, 7)          # at draft_max 8 no climb: 9 rows cost a 16-row step (CHUNK_COST), 8 an 8-row one
+    assert spec.length == 7 and len(spec.propose([1], 8)) == 7
+    spec.record(7, 0)                      # rejected whole: down to the rung below half
     assert spec.length == 3
+
+
+def test_drafts_shorten_when_multi_row_steps_cost_more(loaded, monkeypatch):
+    """Draft lengths follow the step costs the engine measures on its own steps: with the
+    forward made slower by 5 ms a row past the first (a real delay inside the steps the engine
+    times), a multi-row step measures many one-row steps' time, so drafts get shorter than the
+    prior costs make them and drafting backs off to probes; the tokens stay the plain ones."""
+    import time
+
+    model = loaded["full"]
+    r = req(tokens(13, 20), 80)
+    want = plain_runs(model, [r])[0]
+    oracle = Oracle([r.prompt_ids + want.token_ids], wrong=0.2, seed=5)
+
+    class Gappy:        # no draft at every third position: one-row steps, as lookups that miss give
+        def draft(self, history, k):
+            return [] if len(history) % 3 == 0 else oracle.draft(history, k)
+
+    prior = make_engine(model, "ngram", Gappy)
+    got = prior.generate(r)
+    assert got.token_ids == want.token_ids and prior.spec.accepted > 0
+    forward = model.net.forward
+
+    def slow_forward(batch):
+        time.sleep(0.005 * (batch.tokens.shape[0] - 1))
+        return forward(batch)
+
+    monkeypatch.setattr(model.net, "forward", slow_forward)
+    slowed = make_engine(model, "ngram", Gappy, measured=True)
+    got = slowed.generate(r)
+    assert got.token_ids == want.token_ids
+    costs = slowed.spec.costs
+    assert costs.measured(1) is not None and costs.cost(2) > 2 * CHUNK_COST[2] and costs.cost(4) > 2 * CHUNK_COST[4]
+    mean = {e: e.spec.drafted / e.spec.verify_steps for e in (prior, slowed)}
+    assert mean[slowed] < mean[prior] and slowed.spec.drafted < prior.spec.drafted / 2, (prior.spec, slowed.spec)

@@ -252,6 +252,7 @@ class Engine:
         if not work:
             return acted
         self.steps += 1
+        t0 = time.perf_counter()
         try:
             logits = self._forward(work)
         except Exception as err:  # noqa: BLE001 - fail this batch's sequences, keep serving
@@ -265,6 +266,8 @@ class Engine:
             except Exception as err:  # noqa: BLE001
                 log.exception("a sequence failed after its step")
                 self._fail(w.seq, err)
+        if not any(w.prefill for w in work):    # a decode step: what drafts cost here (docs/speculative.md)
+            self.spec.costs.observe(sum(len(w.tokens) for w in work), time.perf_counter() - t0)
         return True
 
     def _admit_waiting(self) -> bool:
@@ -407,7 +410,7 @@ class Engine:
             self.spec.off[blocked] = self.spec.off.get(blocked, 0) + 1
             return None
         seq.stats.speculative = mode
-        return Speculation(mode, seq.params.draft_max or self.draft_max, self.drafters[mode]())
+        return Speculation(mode, seq.params.draft_max or self.draft_max, self.drafters[mode](), self.spec.costs)
 
     def speculation_blocked(self) -> str:
         """Why no draft can be verified exactly on this model ("" when drafts can be): its state

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 import random
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +23,11 @@ MODES = (OFF, NGRAM)
 DEFAULT_DRAFT_MAX = 7
 MAX_DRAFT = 64
 NGRAM_MAX, NGRAM_MIN = 4, 2      # suffix lengths prompt lookup tries, longest first
-MAX_PAUSE = 16                   # steps without drafts after repeated rejections, at most
+MAX_PAUSE = 16                   # steps between probes while backed off, at most
+# A draft is proposed only when its expected tokens per unit of step time beat plain decoding's
+# by this much: below it what a draft could win is within the error of the acceptance estimate
+# (which never falls below 1/7) and of the measured costs, and a draft that does not win loses.
+MIN_GAIN = 1.15
 # The lm_head's time for a call of m rows over a one-row call's, for the block sizes verification
 # uses (1 thread, Zen 4; the mean of Gemma 3 270M's 262k x 640 and SmolLM2's 49k x 576 Q8_0
 # heads): up to 4 rows cost about one row's (the weights stream once for paired rows). Odd
@@ -32,8 +38,66 @@ RECENT = 0.8                     # weight of the acceptance counts kept at each 
 # rows: the gguf kernels' row tiles and pairs. One row past them costs a step out of line with
 # what it brings (1 thread, Zen 4: Gemma 3 270M 8 rows 2.1x one row's time, 9 rows 2.8x).
 # A step of that many rows over a one-row step's time, the mean of Gemma 3 270M and SmolLM2 135M
-# (1 thread, Zen 4, 700 tokens of context: docs/measurements/2026-12-06-speculative.md)
+# (1 thread, Zen 4, 700 tokens of context: docs/measurements/2026-12-06-speculative.md): only the
+# prior of ``StepCosts``, which measures them as the engine runs.
 CHUNK_COST = {2: 1.09, 4: 1.30, 8: 2.06, 16: 4.17}
+COST_WINDOW = 15                 # a row count's latest step times ``StepCosts`` keeps
+COST_MIN_SAMPLES = 3             # ... and how many it needs before they replace the prior
+RECALIBRATE = 64                 # multi-row steps in a row before one draft is skipped to time one row
+
+
+class StepCosts:
+    """What a decode step of 2, 4, 8 or 16 rows costs over a one-row step, measured from the
+    engine's own steps (``observe``: every step without a prefill chunk, under the smallest of
+    these row counts that holds its rows, as ``cost`` prices it) as the median of each row
+    count's latest ``window`` step times; ``CHUNK_COST`` stands in for a row count with fewer
+    than ``COST_MIN_SAMPLES``. A multi-row step's relative cost moves with the CPU and its load
+    (8 rows 2.3x one row's time on a quiet Zen 4 core, 2.75x at load 12): priced too low, drafts
+    run too long to pay. ``window=0``: the prior only."""
+
+    def __init__(self, window: int = COST_WINDOW):
+        self.times = {m: deque(maxlen=window) for m in (1, *CHUNK_COST)}
+        self.window = window
+        self.since_one = 0     # multi-row decode steps since the last one-row step
+
+    def observe(self, rows: int, seconds: float) -> None:
+        fit = next((m for m in self.times if m >= rows), None)
+        if fit is not None:
+            self.times[fit].append(seconds)
+        self.since_one = 0 if rows == 1 else self.since_one + 1
+
+    def plain_step_due(self) -> bool:
+        """True once ``RECALIBRATE`` multi-row steps ran since the last one-row step: a sequence
+        that asks then skips one draft, so what one row costs now is measured again (a copy
+        drafted whole at every step would never run one). The ask counts as the step."""
+        if not self.window or self.since_one < RECALIBRATE:
+            return False
+        self.since_one = 0
+        return True
+
+    def measured(self, rows: int) -> float | None:
+        got = self.times[rows]
+        return statistics.median(got) if len(got) >= COST_MIN_SAMPLES else None
+
+    def cost(self, rows: int) -> float:
+        """A step of ``rows`` rows over a one-row step's time, priced as the smallest row count
+        of ``CHUNK_COST`` that holds them (past 16 rows in proportion): measured over the
+        measured one-row time, or, before one-row steps are measured, over the smallest measured
+        row count's time at its prior cost."""
+        fit = next((m for m in CHUNK_COST if m >= rows), None)
+        if fit is None:
+            return self.cost(16) * rows / 16
+        got = self.measured(fit)
+        if got is None:
+            return CHUNK_COST[fit]
+        one = self.measured(1)
+        if one is None:
+            base = next(m for m in CHUNK_COST if self.measured(m) is not None)
+            one = self.measured(base) / CHUNK_COST[base]
+        return got / one
+
+    def as_dict(self) -> dict:
+        return {str(m): round(self.cost(m), 3) for m in CHUNK_COST}
 
 
 def rung(draft_max: int, length: int) -> int:
@@ -90,16 +154,18 @@ DRAFTERS = {NGRAM: NgramDrafter}
 
 @dataclass
 class Speculation:
-    """One sequence's speculation: the drafter, the adaptive draft length and its counts."""
+    """One sequence's speculation: the drafter, the adaptive draft length (0: backed off) and its
+    counts. ``costs`` is the engine's ``StepCosts`` (a sequence alone: the prior's)."""
 
     mode: str
     draft_max: int
     drafter: object
+    costs: StepCosts = field(default_factory=StepCosts)
     length: int = 0
     drafted: int = 0
     accepted: int = 0
-    pause: int = 0         # steps the last back-off paused drafting for
-    skip: int = 0          # steps left in this pause
+    pause: int = 0         # steps between probes while backed off, doubling to MAX_PAUSE
+    skip: int = 0          # steps left before the next probe
     recent_accepted: float = 0.0   # draft tokens accepted, recent drafts weighing more
     recent_rejected: float = 0.0   # drafts that ended in a rejected token, likewise
 
@@ -107,12 +173,14 @@ class Speculation:
         self.length = self.best_length()
 
     def propose(self, history: list[int], room: int) -> list[int]:
-        """A draft of at most ``min(length, room)`` tokens to follow ``history`` (none while
-        backing off)."""
+        """A draft of at most ``min(length, room)`` tokens to follow ``history``; backed off
+        (length 0), none but a one-token probe once the pause is over."""
         if self.skip > 0:
             self.skip -= 1
             return []
-        k = min(self.length, room)
+        if self.costs.plain_step_due():
+            return []
+        k = min(self.length or 1, room)
         return self.drafter.draft(history, k) if k > 0 else []
 
     def token_acceptance(self) -> float:
@@ -123,43 +191,47 @@ class Speculation:
 
     def record(self, drafted: int, accepted: int) -> None:
         """Counts, and the next draft's length: ``best_length`` for the recent acceptance, and
-        after a draft taken whole at least the next rung up (copying runs long). A one-token
-        draft rejected pauses drafting for 1, 2, 4 .. ``MAX_PAUSE`` steps (prose that never
-        repeats costs almost nothing)."""
+        after a draft taken whole at least ``climb``'s (copying runs long). Backed off (no
+        length pays), the next probe comes after 1, 2, 4 .. ``MAX_PAUSE`` steps, so prose that
+        never repeats decodes plainly but for a two-row step now and then."""
         self.drafted += drafted
         self.accepted += accepted
         self.recent_accepted = RECENT * self.recent_accepted + accepted
         self.recent_rejected = RECENT * self.recent_rejected + (accepted < drafted)
-        if accepted:
-            self.pause = 0
-        elif drafted == 1:
-            self.pause = min(MAX_PAUSE, max(1, self.pause * 2))
-            self.skip = self.pause
         self.length = self.best_length()
         if accepted == drafted:
-            self.length = max(self.length, rung(self.draft_max, 2 * drafted + 1))
+            self.length = max(self.length, self.climb(drafted))
+        if self.length:
+            self.pause = 0
+        else:
+            self.pause = min(MAX_PAUSE, max(1, self.pause * 2))
+            self.skip = self.pause
+
+    def climb(self, drafted: int) -> int:
+        """After a draft of ``drafted`` taken whole: the next rung up (copies run long) if, taken
+        whole too, it gives more tokens per unit of step time than this draft did; else this
+        length again; either only while it beats a plain step by ``MIN_GAIN`` (else 0)."""
+        def whole(n: int) -> float:
+            return (n + 1) / self.costs.cost(n + 1)
+        up = rung(self.draft_max, 2 * drafted + 1)
+        best = max((up, drafted), key=whole)
+        return best if whole(best) >= MIN_GAIN else 0
 
     def best_length(self) -> int:
         """The rung (1, 3, 7 .. at most ``draft_max``) whose expected tokens per pass, at the
         recent per-token acceptance p (1 + p + .. + p^k for a draft of k), over its step's cost
-        (``CHUNK_COST``) is highest."""
+        (``costs``, as measured) is highest; 0 (back off) when even that one does not beat a
+        plain step's one token by ``MIN_GAIN``."""
         p = min(self.token_acceptance(), 0.999)
         best, length, k = 0.0, 1, 1
         while True:
             n = min(k, self.draft_max)
-            rate = (1 - p ** (n + 1)) / (1 - p) / chunk_cost(n + 1)
+            rate = (1 - p ** (n + 1)) / (1 - p) / self.costs.cost(n + 1)
             if rate > best:
                 best, length = rate, n
             if n == self.draft_max:
-                return length
+                return length if best >= MIN_GAIN else 0
             k = 2 * k + 1
-
-
-def chunk_cost(rows: int) -> float:
-    """A step of ``rows`` rows over a one-row step's time: the smallest ``CHUNK_COST`` chunk that
-    holds them, past 16 rows in proportion."""
-    fit = [c for m, c in sorted(CHUNK_COST.items()) if m >= rows]
-    return fit[0] if fit else CHUNK_COST[16] * rows / 16
 
 
 @dataclass
@@ -170,6 +242,7 @@ class SpecCounters:
     accepted: int = 0
     verify_steps: int = 0
     off: dict[str, int] = field(default_factory=dict)     # requests that asked, by why it was off
+    costs: StepCosts = field(default_factory=StepCosts)   # the step costs every sequence's drafts go by
 
     def count(self, drafted: int, accepted: int) -> None:
         self.drafted += drafted
@@ -179,7 +252,7 @@ class SpecCounters:
     def as_dict(self) -> dict:
         rate = self.accepted / self.drafted if self.drafted else 0.0
         return {"drafted": self.drafted, "accepted": self.accepted, "acceptance_rate": round(rate, 4),
-                "verify_steps": self.verify_steps, "off": dict(self.off)}
+                "verify_steps": self.verify_steps, "off": dict(self.off), "step_costs": self.costs.as_dict()}
 
 
 @functools.lru_cache(maxsize=4096)
