@@ -157,12 +157,20 @@ def test_tool_use_then_tool_result_round_trip_reuses(server):
     assert m1.usage.input_tokens == count(c, messages=messages, tool_choice={"type": "tool", "name": "get_weather"},
                                           extra_body=extra, **kw)
 
-    # the same call streamed: a tool_use block whose input arrives as input_json_delta
-    events = sse_events(server, {**kw, "messages": messages, "tool_choice": {"type": "any"}, **extra})
-    starts = [d["content_block"] for n, d in events if n == "content_block_start"]
-    assert [b["type"] for b in starts] == ["tool_use"] and starts[0]["input"] == {}
-    partial = "".join(d["delta"]["partial_json"] for n, d in events if n == "content_block_delta")
-    assert json.loads(partial)["city"] and events[-2][1]["delta"]["stop_reason"] == "tool_use"
+    # the same call streamed: a tool_use block whose input arrives as input_json_delta, as it is written
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
+        events = sse_events(server, {**kw, "messages": messages, "tool_choice": choice, **extra})
+        starts = [d["content_block"] for n, d in events if n == "content_block_start"]
+        assert [b["type"] for b in starts] == ["tool_use"] and starts[0]["input"] == {}
+        assert [n for n, _ in events][:3] == ["message_start", "ping", "content_block_start"]
+        partials = [d["delta"]["partial_json"] for n, d in events if n == "content_block_delta"]
+        assert len(partials) > 1 and json.loads("".join(partials))["city"]
+        assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
+    assert json.loads("".join(partials)) == call.input and starts[0]["name"] == "get_weather"
+    with c.messages.stream(messages=messages, tool_choice={"type": "tool", "name": "get_weather"},
+                           extra_body=extra, **kw) as s:
+        streamed = s.get_final_message()
+    assert [(b.type, b.name, b.input) for b in streamed.content] == [("tool_use", "get_weather", call.input)]
 
     messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m1.content]},
                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
@@ -174,6 +182,21 @@ def test_tool_use_then_tool_result_round_trip_reuses(server):
     # the first prompt (tools and system turn included) came back from the cache
     assert m2.usage.cache_read_input_tokens == reused(server) - before
     assert m2.usage.cache_read_input_tokens >= m1.usage.input_tokens
+
+
+def test_a_call_to_the_named_tool_opens_with_the_first_token(server):
+    body = {"model": "m", "max_tokens": 1, "system": SYSTEM, "tools": [WEATHER, CLOCK],
+            "messages": [{"role": "user", "content": "What is the weather in Paris?"}], **salt()}
+    # one token in, the model has not written the name yet: the named tool's block is open all the same
+    events = sse_events(server, {**body, "tool_choice": {"type": "tool", "name": "get_weather"}})
+    assert [n for n, _ in events] == ["message_start", "ping", "content_block_start", "content_block_stop",
+                                      "message_delta", "message_stop"]
+    block = events[2][1]["content_block"]
+    assert (block["type"], block["name"], block["input"]) == ("tool_use", "get_weather", {})
+    assert block["id"].startswith("toolu_") and events[4][1]["delta"]["stop_reason"] == "max_tokens"
+    # with the model free to pick among two, nothing opens before the name is written
+    events = sse_events(server, {**body, "tool_choice": {"type": "any"}})
+    assert all(d["content_block"]["type"] == "text" for n, d in events if n == "content_block_start")
 
 
 def test_errors_in_anthropic_shape(server):

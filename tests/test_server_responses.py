@@ -103,12 +103,20 @@ def test_a_tool_call_and_its_output_round_trip(server):
     assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
     jsonschema.validate(json.loads(call.arguments), CITY)
 
+    # streamed: the call's item opens with the first token, its arguments stream as they are written
     events = list(create(server, input=[question], tool_choice=FORCE_WEATHER, stream=True, **kw))
     kinds = [e.type for e in events]
+    deltas = kinds.count("response.function_call_arguments.delta")
+    assert deltas > 1
     assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
-                     "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                     *["response.function_call_arguments.delta"] * deltas, "response.function_call_arguments.done",
                      "response.output_item.done", "response.completed"]
-    assert events[4].arguments == call.arguments and events[5].item.name == "get_weather"
+    assert events[2].item.name == "get_weather" and events[2].item.arguments == ""
+    assert "".join(e.delta for e in events[3:-3]) == events[-3].arguments == call.arguments
+    assert events[-2].item.name == "get_weather" and events[-2].item.arguments == call.arguments
+    assert [(o.type, o.name, o.arguments) for o in events[-1].response.output] == \
+           [("function_call", "get_weather", call.arguments)]
+    assert events[-1].response.output[0].call_id == events[2].item.call_id
 
     # the client runs the tool and sends the whole history back: the call's prompt and reply are reused
     history = [question, call.model_dump(exclude_none=True),
@@ -118,6 +126,22 @@ def test_a_tool_call_and_its_output_round_trip(server):
     assert r1.usage.input_tokens < cached(r2) < r2.usage.input_tokens
     c2 = create(server, input=history, **cold(**kw))
     assert cached(c2) == 0 and c2.output_text == r2.output_text
+
+
+def test_a_call_to_the_named_function_opens_with_the_first_token(server):
+    question = {"role": "user", "content": "What is the weather in Paris right now?"}
+    kw = dict(instructions=INSTRUCTIONS, tools=[WEATHER, CLOCK], max_output_tokens=1, stream=True)
+    # one token in, the model has not written the name yet: the named call's item is open all the same
+    events = list(create(server, input=[question], tool_choice=FORCE_WEATHER, **kw))
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "response.output_item.added",
+                                        "response.function_call_arguments.done", "response.output_item.done",
+                                        "response.incomplete"]
+    assert (events[2].item.type, events[2].item.name, events[2].item.status) == \
+           ("function_call", "get_weather", "in_progress")
+    assert events[4].item.status == "incomplete" and events[4].item.arguments == ""
+    # with the model free to pick among two, nothing opens before the name is written
+    events = list(create(server, input=[question], tool_choice="required", **kw))
+    assert all(e.item.type == "message" for e in events if e.type == "response.output_item.added")
 
 
 def test_previous_response_id_continues_from_the_cached_state(server):

@@ -15,7 +15,7 @@ import pytest
 from turnkv.loading import load_tokenizer, shipped_template
 from turnkv.loading.bundled import find_bundled
 from turnkv.server import tools as T
-from turnkv.server.chat_extras import forced_name
+from turnkv.server.chat_extras import forced_names
 from turnkv.server.schemas import ChatCompletionRequest
 
 WEATHER = {"type": "function", "function": {
@@ -111,7 +111,7 @@ _FORCED = [
 @pytest.mark.parametrize("fmt,text", _FORCED)
 @pytest.mark.parametrize("step", [1, 3, 7])
 def test_a_forced_call_streams_its_name_as_soon_as_it_is_generated(fmt, text, step):
-    parser = T.StreamParser(fmt, forced=True)
+    parser = T.StreamParser(fmt, forced=["get_weather", "get_time"])      # the model picks
     name_ends = [m.end() for m in re.finditer(r'"name": "[a-z_]+"', text)]
     heads, content = [], ""
     for i in range(0, len(text), step):
@@ -138,7 +138,7 @@ def test_a_forced_call_streams_its_name_as_soon_as_it_is_generated(fmt, text, st
 
 
 def test_a_forced_call_cut_short_streams_the_arguments_written():
-    parser = T.StreamParser(T.HERMES, forced=True)
+    parser = T.StreamParser(T.HERMES, forced=["get_weather", "get_time"])
     parser.push('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par')
     [head] = parser.opened()
     assert head["function"] == {"name": "get_weather", "arguments": ""}
@@ -149,7 +149,7 @@ def test_a_forced_call_cut_short_streams_the_arguments_written():
 def test_a_call_to_the_one_function_allowed_opens_with_the_first_token(fmt, text):
     # tool_choice names get_time / get_weather: the first call's name is known before it is written
     first = re.search(r'"name": "([a-z_]+)"', text).group(1)
-    parser = T.StreamParser(fmt, name=first)
+    parser = T.StreamParser(fmt, forced=[first])
     assert parser.push(text[0]) == ""
     [head] = parser.opened()
     assert head["index"] == 0 and head["function"] == {"name": first, "arguments": ""}
@@ -168,7 +168,7 @@ def test_a_call_to_the_one_function_allowed_opens_with_the_first_token(fmt, text
 
 
 def test_a_call_opened_with_the_first_token_and_cut_short_streams_no_arguments():
-    parser = T.StreamParser(T.HERMES, name="get_weather")
+    parser = T.StreamParser(T.HERMES, forced=["get_weather"])
     parser.push("<tool_")
     [head] = parser.opened()
     assert head["function"]["name"] == "get_weather"
@@ -180,11 +180,65 @@ def test_the_name_known_before_the_reply_is_the_one_function_a_forced_call_may_n
         return ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                                      "tools": tools, "tool_choice": choice})
     named = {"type": "function", "function": {"name": "get_time"}}
-    assert forced_name(req([WEATHER, TIME], named)) == "get_time"
-    assert forced_name(req([WEATHER], "required")) == "get_weather"
-    assert forced_name(req([WEATHER, TIME], "required")) is None      # the model picks: known once written
-    assert forced_name(req([WEATHER, TIME], "auto")) is None
-    assert forced_name(req([WEATHER, TIME], "none")) is None
+    assert forced_names(req([WEATHER, TIME], named)) == ["get_time"]
+    assert forced_names(req([WEATHER], "required")) == ["get_weather"]
+    assert forced_names(req([WEATHER, TIME], "required")) == ["get_weather", "get_time"]
+    assert forced_names(req([WEATHER, TIME], "auto")) is None
+    assert forced_names(req([WEATHER, TIME], "none")) is None
+    assert T.StreamParser(T.HERMES, forced=["get_time"]).known_name == "get_time"
+    assert T.StreamParser(T.HERMES, forced=["get_weather", "get_time"]).known_name is None   # known once written
+    assert T.StreamParser(T.HERMES).known_name is None
+
+
+def _stream_arguments(parser: T.StreamParser, text: str, step: int) -> tuple[dict, dict]:
+    """Push ``text`` ``step`` characters at a time: (per call index, its arguments sent while
+    streaming; per call index, the length of text pushed when its arguments were whole)."""
+    sent: dict[int, str] = {}
+    whole_at: dict[int, int] = {}
+    for i in range(0, len(text), step):
+        assert parser.push(text[i:i + step]) == ""
+        parser.opened()
+        for index, piece, whole in parser.arguments():
+            sent[index] = sent.get(index, "") + piece
+            if whole:
+                whole_at[index] = min(i + step, len(text))
+    return sent, whole_at
+
+
+@pytest.mark.parametrize("fmt,text", _FORCED)
+@pytest.mark.parametrize("step", [1, 4])
+def test_a_forced_calls_arguments_stream_as_they_are_written(fmt, text, step):
+    parser = T.StreamParser(fmt, forced=["get_weather", "get_time"])
+    sent, whole_at = _stream_arguments(parser, text, step)
+    _, calls = T.parse(text, fmt)
+    final = [c["function"]["arguments"] for c in calls]
+    # each call's arguments went out whole as soon as their closing brace was generated
+    assert [sent[i] for i in range(len(final))] == final
+    for i, args in enumerate(final):
+        end = [m.end() for m in re.finditer(re.escape(args), text)][0]
+        assert end <= whole_at[i] < end + step
+    rest, deltas = parser.finish()
+    assert rest == "" and deltas == [] and parser.sent == final
+
+
+def test_arguments_that_read_otherwise_once_parsed_stream_up_to_there():
+    # 1.50 and \u00e9 are written back as 1.5 and é: what is sent stays a prefix of the parsed arguments
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par", "n": 1.50, "s": "\\u00e9t\\u00e9"}}\n</tool_call>'
+    parser = T.StreamParser(T.HERMES, forced=["get_weather"])
+    sent, whole_at = _stream_arguments(parser, text, 1)
+    assert sent[0] == '{"city": "Par", "n": ' and whole_at == {}
+    rest, deltas = parser.finish()
+    [call] = T.parse(text, T.HERMES)[1]
+    assert call["function"]["arguments"] == '{"city": "Par", "n": 1.5, "s": "été"}'
+    assert deltas == [{"index": 0, "function": {"arguments": '1.5, "s": "été"}'}}] and rest == ""
+    assert parser.sent == [call["function"]["arguments"]]
+
+
+def test_a_forced_call_cut_short_after_streaming_sends_the_rest_it_wrote():
+    parser = T.StreamParser(T.HERMES, forced=["get_weather"])
+    sent, _ = _stream_arguments(parser, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par", "n": 12', 1)
+    assert sent == {0: '{"city": "Par", "n": '}      # the number may go on
+    assert parser.finish() == ("", [{"index": 0, "function": {"arguments": "12"}}])
 
 
 def test_a_call_the_model_may_not_make_streams_only_once_complete():

@@ -279,12 +279,16 @@ def event(name: str, payload: dict) -> str:
 
 class _Blocks:
     """A streamed reply's content blocks: text deltas as they come (text that may start a tool
-    call held back, as the chat stream does), each tool call a tool_use block at the end."""
+    call held back, as the chat stream does), each tool call a tool_use block at the end. A call
+    the grammar forces (``forced``: see StreamParser) opens its block as soon as its name is known
+    (the first token, when only one function is allowed) and its input streams as it is written;
+    one block is open at a time, as Anthropic streams them."""
 
-    def __init__(self, tool_format: str | None):
-        self.parser = toolkit.StreamParser(tool_format) if tool_format else None
+    def __init__(self, tool_format: str | None, forced: list[str] | None = None):
+        self.parser = toolkit.StreamParser(tool_format, forced) if tool_format else None
         self.index = -1
         self.text_open = False
+        self.live: list[dict] = []      # forced calls opened while streaming: block, input pieces, state
 
     def _start(self, block: dict) -> str:
         self.index += 1
@@ -295,7 +299,42 @@ class _Blocks:
         return event("content_block_stop", {"type": "content_block_stop", "index": self.index})
 
     def text(self, text: str) -> list[str]:
-        return self._text(self.parser.push(text) if self.parser is not None else text)
+        out = self._text(self.parser.push(text) if self.parser is not None else text)
+        if self.parser is None or self.parser.forced is None:
+            return out
+        for head in self.parser.opened():
+            block = {"type": "tool_use", "id": "toolu_" + head["id"].removeprefix("call_"),
+                     "name": head["function"]["name"], "input": {}}
+            self.live.append({"block": block, "pieces": [], "whole": False, "state": "waiting"})
+        for i, piece, whole in self.parser.arguments():
+            self.live[i]["pieces"].append(piece)
+            self.live[i]["whole"] = whole
+        return out + self._advance()
+
+    def _input(self, partial: str) -> str:
+        return event("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                             "delta": {"type": "input_json_delta", "partial_json": partial}})
+
+    def _advance(self, end: bool = False) -> list[str]:
+        """The live tool_use blocks in order: each started, fed the input written so far, and
+        stopped once whole (all of them at the ``end``) before the next one starts."""
+        out = []
+        for call in self.live:
+            if call["state"] == "stopped":
+                continue
+            if call["state"] == "waiting":
+                if self.text_open:
+                    out.append(self._stop())
+                    self.text_open = False
+                out.append(self._start(call["block"]))
+                call["state"] = "open"
+            out += [self._input(p) for p in call["pieces"] if p]
+            call["pieces"].clear()
+            if not (call["whole"] or end):
+                break
+            out.append(self._stop())
+            call["state"] = "stopped"
+        return out
 
     def _text(self, text: str) -> list[str]:
         if not text:
@@ -308,28 +347,42 @@ class _Blocks:
     def end(self) -> tuple[list[str], bool]:
         """(the last events of the content, whether the reply called tools)."""
         rest, calls = self.parser.finish() if self.parser is not None else ("", [])
+        if self.live:
+            return self._end_live(calls), True
         out = self._text(rest)
         if self.index < 0 and not calls:       # an empty reply still has its (empty) text block
             out.append(self._start({"type": "text", "text": ""}))
             self.text_open = True
         if self.text_open:
             out.append(self._stop())
+        return out + self._whole(calls), bool(calls)
+
+    def _whole(self, calls: list[dict]) -> list[str]:
+        out = []
         for call in calls:
             block = tool_use_block(call)
-            out.append(self._start({**block, "input": {}}))
-            out.append(event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": {
-                "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}}))
-            out.append(self._stop())
-        return out, bool(calls)
+            out += [self._start({**block, "input": {}}), self._input(json.dumps(block["input"], ensure_ascii=False)),
+                    self._stop()]
+        return out
+
+    def _end_live(self, deltas: list[dict]) -> list[str]:
+        """After live tool_use blocks: their input not sent yet, then any later call whole."""
+        later = []
+        for d in deltas:
+            if d["index"] < len(self.live):
+                self.live[d["index"]]["pieces"].append(d["function"]["arguments"])
+            else:
+                later.append({k: v for k, v in d.items() if k != "index"})
+        return self._advance(end=True) + self._whole(later)
 
 
-async def stream_message(job: Job, rid: str, model: str, tool_format: str | None,
+async def stream_message(job: Job, rid: str, model: str, tool_format: str | None, forced: list[str] | None,
                          timeout_s: float | None) -> AsyncIterator[str]:
     """A job's events as Anthropic's stream: message_start (sent once the engine has admitted the
     request, so its usage says what was reused), ping, the content blocks, message_delta with the
     stop_reason and the final usage, message_stop; a failure is an ``error`` event. Starlette
     cancels this generator when the client disconnects; ``finally`` cancels the generation."""
-    blocks = _Blocks(tool_format)
+    blocks = _Blocks(tool_format, forced)
     try:
         item = await job.events.get()
         usage = usage_json(job.seq.usage, output_tokens=0)

@@ -31,18 +31,12 @@ def tool_format(engine, req: ChatCompletionRequest) -> str | None:
     return toolkit.template_format(engine.tokenizer.chat_template)
 
 
-def forces_call(req: ChatCompletionRequest) -> bool:
-    """Whether a grammar forces the reply to be tool calls (``required`` or a named function)."""
-    return bool(req.tools) and req.tool_choice not in (None, "auto", "none")
-
-
-def forced_name(req: ChatCompletionRequest) -> str | None:
-    """The one function a forced reply may call (a named tool_choice, or ``required`` with one
-    tool), else None: its call's name is known before the model writes it."""
-    if not forces_call(req):
+def forced_names(req: ChatCompletionRequest) -> list[str] | None:
+    """The functions a grammar forces the reply to call (``required``: every tool; a named
+    function: that one), or None when the model is free. Call after ``prepare`` validated them."""
+    if not req.tools or req.tool_choice in (None, "auto", "none"):
         return None
-    names = toolkit.forced_names(toolkit.validate_tools(req.tools), req.tool_choice)
-    return names[0] if names and len(names) == 1 else None
+    return toolkit.forced_names(toolkit.validate_tools(req.tools), req.tool_choice)
 
 
 def prepare(engine, req: ChatCompletionRequest) -> ChatExtras:
@@ -104,14 +98,14 @@ def apply_tool_calls(body: dict, fmt: str | None) -> dict:
 
 
 class ToolStream:
-    """Per choice StreamParsers for a streamed reply (``forced``, ``name``: see StreamParser)."""
+    """Per choice StreamParsers for a streamed reply (``forced``: see StreamParser)."""
 
-    def __init__(self, fmt: str, forced: bool = False, name: str | None = None):
-        self.fmt, self.forced, self.name = fmt, forced, name
+    def __init__(self, fmt: str, forced: list[str] | None = None):
+        self.fmt, self.forced = fmt, forced
         self.parsers: dict[int, toolkit.StreamParser] = {}
 
     def content(self, index: int, text: str) -> str:
-        return self.parsers.setdefault(index, toolkit.StreamParser(self.fmt, self.forced, self.name)).push(text)
+        return self.parsers.setdefault(index, toolkit.StreamParser(self.fmt, self.forced)).push(text)
 
     def opened(self, index: int) -> list[dict]:
         """Opening deltas of choice ``index``'s calls whose names have just been generated."""

@@ -17,11 +17,11 @@ from .worker import Failed, Finished, Job, WorkerDown
 
 
 async def generate(ctx: ServerContext, request: Request, endpoint: str, gen: GenerationRequest, stream: bool,
-                   include_usage: bool, tool_format: str | None = None, tool_forced: bool = False,
-                   tool_name: str | None = None) -> Response:
+                   include_usage: bool, tool_format: str | None = None,
+                   tool_forced: list[str] | None = None) -> Response:
     reply = Reply(endpoint, schemas.new_id("chatcmpl" if endpoint == CHAT else "cmpl"), schemas.now(),
                   ctx.engine.name, include_usage, ctx.config.request_timeout_s, n=gen.params.n, tool_format=tool_format,
-                  tool_forced=tool_forced, tool_name=tool_name, names=ctx.token_names if gen.params.logprobs is not None else None)
+                  tool_forced=tool_forced, names=ctx.token_names if gen.params.logprobs is not None else None)
     job = submit(ctx, gen, endpoint, stream)
     if stream:
         return event_stream(stream_events(job, reply))

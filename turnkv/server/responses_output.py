@@ -63,6 +63,7 @@ class Turn:
     req: ResponsesRequest
     params: SamplingParams
     tool_format: str | None
+    tool_forced: list[str] | None       # a grammar forces calls to these functions (StreamParser)
     conversation: list[dict]            # the messages the reply follows (instructions excluded)
     store: ResponseStore | None         # None: store false
     tenant: str
@@ -87,11 +88,14 @@ class Turn:
         """(content, calls) of a whole reply, as the stream splits it."""
         return toolkit.parse(text, self.tool_format) if self.tool_format else (text, [])
 
-    def complete(self, content: str | None, calls: list[dict], result, mid: str | None = None) -> dict:
-        """The finished response's body (and it stored, when asked)."""
+    def complete(self, content: str | None, calls: list[dict], result, mid: str | None = None,
+                 output: list[dict] | None = None) -> dict:
+        """The finished response's body (and it stored, when asked); ``output``: its items as they
+        were streamed, when not the reply's (content, calls) (a forced call cut short)."""
         status = "incomplete" if result.finish_reason == "length" else "completed"
-        output = [] if content is None else [message_item(mid or new_id("msg"), content, status)]
-        output += [call_item(c) for c in calls]
+        if output is None:
+            output = [] if content is None else [message_item(mid or new_id("msg"), content, status)]
+            output += [call_item(c) for c in calls]
         body = self.body(status, output, result)
         if self.store is not None:
             self.store.put(self.tenant, body, [*self.conversation, assistant_message(content, calls)])
@@ -101,13 +105,18 @@ class Turn:
 class _Events:
     """The typed SSE events of one response: content streams as ``output_text`` deltas of one
     message item (opened at the first non-blank text, so a call preceded only by blank text has no
-    message, as in the whole reply); calls, known once complete, follow as ``function_call`` items."""
+    message, as in the whole reply); calls, known once complete, follow as ``function_call`` items.
+    A call the grammar forces opens its item as soon as its name is known (the first token, when
+    only one function is allowed), and its arguments stream as ``function_call_arguments`` deltas."""
 
     def __init__(self, turn: Turn):
         self.turn, self.seq, self.mid = turn, 0, new_id("msg")
-        self.parser = toolkit.StreamParser(turn.tool_format) if turn.tool_format else None
+        self.parser = toolkit.StreamParser(turn.tool_format, turn.tool_forced) if turn.tool_format else None
         self.held = ""              # leading blank text: a message only if no call follows
         self.text: str | None = None
+        self.raw = ""               # the reply's text (forced calls: what is stored)
+        self.live: list[dict] = []  # function_call items opened while streaming (forced calls)
+        self.closed: set[int] = set()
 
     def event(self, kind: str, **fields) -> str:
         payload = {"type": kind, "sequence_number": self.seq, **fields}
@@ -140,8 +149,42 @@ class _Events:
         return out
 
     def token(self, text: str) -> list[str]:
-        text = self.parser.push(text) if self.parser is not None else text
-        return self.content(text) if text else []
+        self.raw += text
+        if self.parser is None:
+            return self.content(text) if text else []
+        text = self.parser.push(text)
+        out = self.content(text) if text else []
+        if self.parser.forced is None:
+            return out
+        for head in self.parser.opened():
+            self.live.append(call_item(head, "in_progress"))
+            out.append(self.event("response.output_item.added", output_index=self.at(len(self.live) - 1),
+                                  item=dict(self.live[-1])))
+        for i, piece, whole in self.parser.arguments():
+            out += self.arguments(i, piece)
+            if whole:
+                out += self.close_call(i, "completed")
+        return out
+
+    def at(self, index: int) -> int:
+        """The output_index of the reply's ``index``-th call."""
+        return index + (self.text is not None)
+
+    def arguments(self, index: int, piece: str) -> list[str]:
+        if not piece:
+            return []
+        item = self.live[index]
+        item["arguments"] += piece
+        return [self.event("response.function_call_arguments.delta", item_id=item["id"],
+                           output_index=self.at(index), delta=piece)]
+
+    def close_call(self, index: int, status: str) -> list[str]:
+        self.closed.add(index)
+        item = self.live[index]
+        item["status"] = status
+        return [self.event("response.function_call_arguments.done", item_id=item["id"],
+                           output_index=self.at(index), arguments=item["arguments"]),
+                self.event("response.output_item.done", output_index=self.at(index), item=dict(item))]
 
     def close_message(self, status: str) -> list[str]:
         text = self.text or ""
@@ -164,6 +207,8 @@ class _Events:
         if result.finish_reason == "timeout":
             return [self.error(timed_out(self.turn.timeout_s))]
         rest, deltas = self.parser.finish() if self.parser is not None else ("", [])
+        if self.live:
+            return self.finished_live(result, deltas)
         calls = [{k: v for k, v in d.items() if k != "index"} for d in deltas]
         out = self.content(rest, force=not calls)
         status = "incomplete" if result.finish_reason == "length" else "completed"
@@ -173,6 +218,26 @@ class _Events:
         for i, call in enumerate(calls):
             out += self.call(first + i, call)
         body = self.turn.complete(self.text, calls, result, self.mid)
+        return out + [self.event(f"response.{status}", response=body)]
+
+    def finished_live(self, result, deltas: list[dict]) -> list[str]:
+        """The end of a reply whose forced calls opened while streaming: their arguments not sent
+        yet, their items closed, any later call whole. What is stored is what the whole reply stores."""
+        out, later = [], []
+        for d in deltas:
+            if d["index"] < len(self.live):
+                out += self.arguments(d["index"], d["function"]["arguments"])
+            else:
+                later.append({k: v for k, v in d.items() if k != "index"})
+        status = "incomplete" if result.finish_reason == "length" else "completed"
+        for i in range(len(self.live)):
+            if i not in self.closed:
+                out += self.close_call(i, status)
+        for call in later:
+            out += self.call(self.at(len(self.live)), call)
+            self.live.append(call_item(call))
+        calls = self.parser.calls
+        body = self.turn.complete(None if calls else self.raw, calls, result, self.mid, output=self.live)
         return out + [self.event(f"response.{status}", response=body)]
 
     def error(self, err: RequestError) -> str:

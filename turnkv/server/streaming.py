@@ -68,8 +68,7 @@ class Reply:
     n: int = 1                       # choices
     names: lp_format.TokenText | None = None   # set when the request asked for logprobs
     tool_format: str | None = None   # chat: parse tool calls out of the reply (server/tools.py)
-    tool_forced: bool = False        # a grammar forces calls: each streams its name once generated
-    tool_name: str | None = None     # ... to this one function: its call opens with the first token
+    tool_forced: list[str] | None = None   # a grammar forces calls to these functions (StreamParser)
 
     def logprobs(self, entries: list, offset: int = 0) -> dict | None:
         """One choice's logprobs in this endpoint's shape (None when not asked for)."""
@@ -91,7 +90,7 @@ class _Chunks:
         self.pending: dict[int, list] = {}     # per choice: logprobs of tokens whose text is not out yet
         self.offsets: dict[int, int] = {}      # completions: each choice's text_offset so far
         self.ended: set[int] = set()
-        self.tool_stream = chat_extras.ToolStream(reply.tool_format, reply.tool_forced, reply.tool_name) if self.chat and reply.tool_format else None
+        self.tool_stream = chat_extras.ToolStream(reply.tool_format, reply.tool_forced) if self.chat and reply.tool_format else None
 
     def opening(self) -> list[str]:
         if not self.chat:

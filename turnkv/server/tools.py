@@ -244,28 +244,34 @@ class StreamParser:
     starts with ``{`` or ``<|python_tag|>``). At the end the held text is parsed: calls become
     ``delta.tool_calls`` (one delta per call, complete), anything else is sent as content.
 
-    ``forced`` (a grammar forces the reply to be calls, so the held text cannot turn out to be
-    content): each call's opening delta (``index``, ``id``, ``type``, ``function.name``, empty
-    ``arguments``) is ready from ``opened`` as soon as its name has been generated, as OpenAI and
-    llama.cpp stream a call; its arguments follow at the end (cut short with the reply at
-    ``max_tokens``). ``name``: the grammar allows calls to this one function only (a named
-    ``tool_choice``, or ``required`` with one tool), so the first call's name is known before the
-    model writes it: its opening delta is ready from the first token on, as vLLM streams a named
-    ``tool_choice`` (the model's name tokens would add a decode step each to the client's time to
-    first token)."""
+    ``forced`` (the functions a grammar forces the reply to call, so the held text cannot turn out
+    to be content; None when the model is free): each call's opening delta (``index``, ``id``,
+    ``type``, ``function.name``, empty ``arguments``) is ready from ``opened`` as soon as its name
+    has been generated, as OpenAI and llama.cpp stream a call; its arguments follow, from
+    ``arguments`` as they are written or from ``finish`` (cut short with the reply at
+    ``max_tokens``). When ``forced`` names one function (a named ``tool_choice``, or ``required``
+    with one tool) the first call's name is known before the model writes it: its opening delta is
+    ready from the first token on, as vLLM streams a named ``tool_choice`` (the model's name
+    tokens would add a decode step each to the client's time to first token)."""
 
     fmt: str
-    forced: bool = False
-    name: str | None = None
+    forced: list[str] | None = None
     held: str = ""
     in_call: bool = False
     started: bool = False
     calls: list[dict] = field(default_factory=list)
     heads: list[dict] = field(default_factory=list)     # opening deltas sent (forced)
+    sent: list[str] = field(default_factory=list)       # per opened call: its arguments text sent so far
+    done: list[bool] = field(default_factory=list)      # per opened call: its arguments all sent
 
     def __post_init__(self):
-        if self.name is not None:      # the grammar leaves no room for content: all of it is calls
-            self.forced = self.in_call = True
+        if self.known_name is not None:      # the grammar leaves no room for content: all of it is calls
+            self.in_call = True
+
+    @property
+    def known_name(self) -> str | None:
+        """The first call's name when the grammar allows no other."""
+        return self.forced[0] if self.forced is not None and len(self.forced) == 1 else None
 
     def push(self, text: str) -> str:
         """Content to send now for newly generated ``text`` ('' when held)."""
@@ -298,9 +304,9 @@ class StreamParser:
 
     def opened(self) -> list[dict]:
         """Opening deltas of the calls whose names are complete since the last look (forced only)."""
-        if not (self.forced and self.in_call):
+        if self.forced is None or not self.in_call:
             return []
-        out = [self._open(self.name)] if self.name is not None and not self.heads else []
+        out = [self._open(self.known_name)] if self.known_name is not None and not self.heads else []
         if self.fmt == HERMES:
             names = [m.group(1) for m in _HERMES_NAME.finditer(self.held)]
         else:
@@ -316,7 +322,35 @@ class StreamParser:
     def _open(self, name: str) -> dict:
         head = {"index": len(self.heads), **_call(name, "")}
         self.heads.append(head)
+        self.sent.append("")
+        self.done.append(False)
         return head
+
+    def _written(self) -> list[str]:
+        """Per opened call, its arguments text as written so far (from the value's first character)."""
+        segments = self.held.split(_HERMES_OPEN)[1:] if self.fmt == HERMES else [self.held]
+        out = []
+        for seg in segments[:len(self.heads)]:
+            m = _ARGS.search(seg)
+            out.append(m.group(1) if m else "")
+        return out
+
+    def arguments(self) -> list[tuple[int, str, bool]]:
+        """(index, arguments text, whether that call's arguments are now whole) of the opened calls'
+        arguments written since the last look, as far as they are sure to read the same in the parsed
+        call (forced only): what is sent is always a prefix of the final ``function.arguments``."""
+        out = []
+        for i, raw in enumerate(self._written()):
+            if self.done[i]:
+                continue
+            stable, whole = _stable_json(raw)
+            text = _canonical(raw[:stable]) if whole else raw[:stable]
+            piece = text[len(self.sent[i]):] if text is not None and text.startswith(self.sent[i]) else ""
+            self.sent[i] += piece
+            self.done[i] = whole and text is not None
+            if piece or self.done[i]:
+                out.append((i, piece, self.done[i]))
+        return out
 
     def finish(self) -> tuple[str, list[dict]]:
         """(content still to send, tool-call deltas) at the end of the reply."""
@@ -333,19 +367,77 @@ class StreamParser:
         return ("" if self.fmt == HERMES else content or ""), deltas
 
     def _rest(self, held: str, deltas: list[dict]) -> list[dict]:
-        """After opening deltas: those calls' arguments (whole, or as far as a reply cut short at
-        ``max_tokens`` got), then any later call complete."""
+        """After opening deltas: those calls' arguments not sent yet (to the end, or as far as a reply
+        cut short at ``max_tokens`` got), then any later call complete."""
         if not deltas:      # cut short: each opened call's arguments text as written so far
             segments = held.split(_HERMES_OPEN)[1:] if self.fmt == HERMES else [held]
-            out = []
-            for head, seg in zip(self.heads, segments):
+            whole = []
+            for seg in segments[:len(self.heads)]:
                 m = _ARGS.search(seg)
-                text = m.group(1).strip().removesuffix(_HERMES_CLOSE).rstrip() if m else ""
-                out.append({"index": head["index"], "function": {"arguments": text}})
-            return [d for d in out if d["function"]["arguments"]]
-        for head, d in zip(self.heads, deltas):
-            call = self.calls[head["index"]]
+                whole.append(m.group(1).strip().removesuffix(_HERMES_CLOSE).rstrip() if m else "")
+            return self._remainders(whole)
+        for head, call in zip(self.heads, self.calls):
             call["id"] = head["id"]
-            d.clear()
-            d.update(index=head["index"], function={"arguments": call["function"]["arguments"]})
-        return deltas
+        whole = [c["function"]["arguments"] for c in self.calls[:len(self.heads)]]
+        return self._remainders(whole) + deltas[len(self.heads):]
+
+    def _remainders(self, whole: list[str]) -> list[dict]:
+        """Deltas of each opened call's ``whole`` arguments past what ``arguments`` already sent."""
+        out = []
+        for head, text, sent in zip(self.heads, whole, self.sent):
+            rest = text[len(sent):] if text.startswith(sent) else ""
+            self.sent[head["index"]] = sent + rest
+            if rest:
+                out.append({"index": head["index"], "function": {"arguments": rest}})
+        return out
+
+
+_NUMBER_CHARS = frozenset("-+.0123456789eE")
+
+
+def _canonical(text: str) -> str | None:
+    """``text`` (JSON) as the parsed call writes it (json.dumps with the grammar's separators)."""
+    try:
+        return json.dumps(json.loads(text), ensure_ascii=False)
+    except ValueError:
+        return None
+
+
+def _stable_json(raw: str) -> tuple[int, bool]:
+    """(how much of ``raw``, a JSON value as the model writes it under a call grammar (separators
+    ``, `` and ``: ``, no other whitespace), is sure to read the same once parsed and written again,
+    whether the value ends there). A number is unsure until it ends, an escape until it is whole;
+    one that json.dumps writes otherwise (``1.50``, ``\\u00e9``) ends the sure part for good."""
+    if not raw.startswith(("{", "[")):
+        return 0, False
+    depth, i, n = 0, 0, len(raw)
+    while i < n:
+        c, after_separator = raw[i], i > 0 and raw[i - 1] in ",:"
+        if (c.isspace() or after_separator) and not (c == " " and after_separator):
+            return i, False
+        if c == '"':
+            j = i + 1
+            while j < n and raw[j] != '"':
+                if raw[j] != "\\":
+                    j += 1
+                    continue
+                end = j + (6 if raw[j + 1:j + 2] == "u" else 2)
+                if end > n or _canonical(f'"{raw[j:end]}"') != f'"{raw[j:end]}"':
+                    return j, False
+                j = end
+            if j >= n:
+                return n, False
+            i = j + 1
+        elif c in "-0123456789":
+            j = i
+            while j < n and raw[j] in _NUMBER_CHARS:
+                j += 1
+            if j >= n or _canonical(raw[i:j]) != raw[i:j]:
+                return i, False
+            i = j
+        else:
+            depth += (c in "{[") - (c in "}]")
+            i += 1
+            if depth == 0 and c in "}]":
+                return i, True
+    return n, False

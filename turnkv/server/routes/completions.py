@@ -24,8 +24,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         req = parse(ChatCompletionRequest, await read_json(request, config.max_body_bytes, config.body_timeout_s))
         gen = await chat_generation(ctx, who, req)
         return await generate(ctx, request, CHAT, gen, req.stream, wants_usage(req),
-                              chat_extras.tool_format(engine, req), chat_extras.forces_call(req),
-                              chat_extras.forced_name(req))
+                              chat_extras.tool_format(engine, req), chat_extras.forced_names(req))
 
     @app.post(COMPLETIONS)
     async def completions(request: Request):

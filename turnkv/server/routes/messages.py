@@ -32,7 +32,8 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         rid = schemas.new_id("msg").replace("-", "_")
         job = submit(ctx, gen, api.MESSAGES, chat.stream)
         if chat.stream:
-            return event_stream(api.stream_message(job, rid, engine.name, tool_format, config.request_timeout_s))
+            forced = chat_extras.forced_names(chat)
+            return event_stream(api.stream_message(job, rid, engine.name, tool_format, forced, config.request_timeout_s))
         end = await ended(ctx, request, job, api.error_json)
         if isinstance(end, Response):
             return end

@@ -48,7 +48,8 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         with named_for_responses():
             gen = await chat_generation(ctx, who, chat)
         turn = Turn(new_id("resp"), now(), engine.name, req, gen.params, chat_extras.tool_format(engine, chat),
-                    conversation, store if req.store else None, who.tenant, config.request_timeout_s)
+                    chat_extras.forced_names(chat), conversation, store if req.store else None, who.tenant,
+                    config.request_timeout_s)
         with named_for_responses():
             job = submit(ctx, gen, RESPONSES, req.stream)
         if req.stream:
