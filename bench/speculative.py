@@ -21,8 +21,9 @@ Each (model, workload) runs ``--rounds`` rounds, off and on alternating in order
 off, ...), each run on a fresh engine (the model loaded once), so runs see the same prefill.
 Every run uses ``--threads`` compute threads (default 1: the machine is shared; a descheduled
 partner thread costs more than the second core gives). Prints the median decode tok/s of each,
-the speedup (median of the rounds' on/off ratios), the acceptance rate and the tokens per
-forward pass; exits non-zero if any on run's tokens differ.
+the speedup (median of the rounds' on/off ratios), the acceptance rate, the tokens per
+forward pass and the step costs the last on run's engine measured (``StepCosts``, what its draft
+lengths went by); exits non-zero if any on run's tokens differ.
 
 ``--llama-server``: for each of ``--llama-types`` (``none`` and llama.cpp's n-gram types, each
 at its defaults) a fresh server (``-t``/``-tb`` ``--threads``, one slot) gets the same prompt
@@ -122,7 +123,8 @@ class Bench:
             drafted += result.stats.drafted
             accepted += result.stats.accepted
         return {"ids": ids, "tok_s": decoded / decode_s if decode_s else 0.0, "drafted": drafted,
-                "accepted": accepted, "tokens": sum(len(i) for i in ids), "prompts": prompts}
+                "accepted": accepted, "tokens": sum(len(i) for i in ids), "prompts": prompts,
+                "costs": engine.spec.costs.as_dict()}
 
 
 def bench_workload(bench: Bench, name: str, messages, rounds: int) -> dict:
@@ -147,6 +149,8 @@ def bench_workload(bench: Bench, name: str, messages, rounds: int) -> dict:
     print(f"  {name:<11} {row['tokens']:>4} tok  off {row['off']:6.1f} tok/s  ngram {row['ngram']:6.1f} tok/s  "
           f"speedup {row['speedup']:.2f}x  accepted {row['acceptance']:.0%} of drafts  {row['per_pass']:.2f} tok/pass  "
           f"{'same tokens' if same else 'TOKENS DIFFER'}  (load {os.getloadavg()[0]:.1f})", flush=True)
+    costs = "  ".join(f"{m} rows {c:.2f}" for m, c in got["ngram"]["costs"].items())
+    print(f"  {'':<11} step costs at the end of the last on run (one row = 1): {costs}", flush=True)
     return row
 
 

@@ -19,7 +19,7 @@ from turnkv.cache import specs as cache_specs
 from turnkv.engine.engine import Engine
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.sequence import GenerationRequest
-from turnkv.engine.speculative import (CHUNK_COST, MAX_PAUSE, NGRAM, DraftLogits, NgramDrafter, Speculation,
+from turnkv.engine.speculative import (CHUNK_COST, NGRAM, DraftLogits, NgramDrafter, Speculation,
                                       StepCosts, head_blocks)
 from turnkv.loading.model import load_model
 from turnkv.models.batch import ALL, Batch
@@ -339,26 +339,33 @@ def test_server_request_field_stats_and_metrics(loaded):
 
 
 def test_drafting_backs_off_when_drafts_fail_and_recovers():
+    """Drafts that fail back drafting off to none at all; backed off, the drafter's guess is
+    checked against the token plain decoding takes (nothing verified), and drafting resumes once
+    the guesses come right. Then a draft taken whole climbs a rung, and a rejection comes down."""
     class Always:
         def draft(self, history, k):
             return [0] * k
 
     spec = Speculation(NGRAM, 8, Always())
-    drafted_steps = 0
+    history, drafted_steps = [5], 0
     for _ in range(200):
-        draft = spec.propose([1, 2, 3], 8)
+        draft = spec.propose(history, 8)
         drafted_steps += bool(draft)
         if draft:
             spec.record(len(draft), 0)
-    assert drafted_steps < 200 / MAX_PAUSE + 10 and spec.length == 0      # backed off: one-token probes
-    while not spec.propose([1], 8):        # the pause ends; a probe taken whole climbs a rung (1 -> 3)
-        pass
-    spec.record(1, 1)
-    assert spec.pause == 0 and spec.length == 3 and spec.propose([1], 8) == [0, 0, 0]
+        history.append(1)                  # what plain decoding takes: never the guess
+    assert drafted_steps <= 4 and spec.length == 0 and spec.shadow == 0
+    waited = 0
+    while not (draft := spec.propose(history, 8)):
+        history.append(0)                  # now the guess is right
+        waited += 1
+    assert waited <= 3 and draft == [0] and spec.drafted < 12
+    spec.record(1, 1)                      # taken whole: a rung up (1 -> 3)
+    assert spec.length == 3 and spec.propose(history, 8) == [0, 0, 0]
     spec.record(3, 3)
     assert spec.length == 7
     spec.record(7, 7)          # at draft_max 8 no climb: 9 rows cost a 16-row step (CHUNK_COST), 8 an 8-row one
-    assert spec.length == 7 and len(spec.propose([1], 8)) == 7
+    assert spec.length == 7 and len(spec.propose(history, 8)) == 7
     spec.record(7, 0)                      # rejected whole: down to the rung below half
     assert spec.length == 3
 

@@ -23,7 +23,6 @@ MODES = (OFF, NGRAM)
 DEFAULT_DRAFT_MAX = 7
 MAX_DRAFT = 64
 NGRAM_MAX, NGRAM_MIN = 4, 2      # suffix lengths prompt lookup tries, longest first
-MAX_PAUSE = 16                   # steps between probes while backed off, at most
 # A draft is proposed only when its expected tokens per unit of step time beat plain decoding's
 # by this much: below it what a draft could win is within the error of the acceptance estimate
 # (which never falls below 1/7) and of the measured costs, and a draft that does not win loses.
@@ -164,24 +163,38 @@ class Speculation:
     length: int = 0
     drafted: int = 0
     accepted: int = 0
-    pause: int = 0         # steps between probes while backed off, doubling to MAX_PAUSE
-    skip: int = 0          # steps left before the next probe
     recent_accepted: float = 0.0   # draft tokens accepted, recent drafts weighing more
     recent_rejected: float = 0.0   # drafts that ended in a rejected token, likewise
+    shadow: int | None = None      # backed off: the drafter's guess for the token at ``shadow_at``
+    shadow_at: int = 0
 
     def __post_init__(self):
         self.length = self.best_length()
 
     def propose(self, history: list[int], room: int) -> list[int]:
-        """A draft of at most ``min(length, room)`` tokens to follow ``history``; backed off
-        (length 0), none but a one-token probe once the pause is over."""
-        if self.skip > 0:
-            self.skip -= 1
+        """A draft of at most ``min(length, room)`` tokens to follow ``history``; none while
+        backed off (length 0: ``watch``)."""
+        if not self.length and not self.watch(history):
             return []
         if self.costs.plain_step_due():
             return []
-        k = min(self.length or 1, room)
+        k = min(self.length, room)
         return self.drafter.draft(history, k) if k > 0 else []
+
+    def watch(self, history: list[int]) -> int:
+        """Backed off, the drafter still guesses the next token at every step (a lookup, no
+        forward) and the guess is checked against the token plain decoding takes there, which
+        is what verifying it would have found: the acceptance stays current for free, and
+        drafting resumes once it pays again. Returns the length then chosen."""
+        if self.shadow is not None and len(history) > self.shadow_at:
+            hit = int(history[self.shadow_at] == self.shadow)
+            self.recent_accepted = RECENT * self.recent_accepted + hit
+            self.recent_rejected = RECENT * self.recent_rejected + 1 - hit
+            self.length, self.shadow = self.best_length(), None
+        if not self.length:
+            guess = self.drafter.draft(history, 1)
+            self.shadow, self.shadow_at = (guess[0], len(history)) if guess else (None, 0)
+        return self.length
 
     def token_acceptance(self) -> float:
         """The chance that a draft token is accepted given the one before it was, from recent
@@ -191,9 +204,7 @@ class Speculation:
 
     def record(self, drafted: int, accepted: int) -> None:
         """Counts, and the next draft's length: ``best_length`` for the recent acceptance, and
-        after a draft taken whole at least ``climb``'s (copying runs long). Backed off (no
-        length pays), the next probe comes after 1, 2, 4 .. ``MAX_PAUSE`` steps, so prose that
-        never repeats decodes plainly but for a two-row step now and then."""
+        after a draft taken whole at least ``climb``'s (copying runs long); 0 backs off."""
         self.drafted += drafted
         self.accepted += accepted
         self.recent_accepted = RECENT * self.recent_accepted + accepted
@@ -201,11 +212,6 @@ class Speculation:
         self.length = self.best_length()
         if accepted == drafted:
             self.length = max(self.length, self.climb(drafted))
-        if self.length:
-            self.pause = 0
-        else:
-            self.pause = min(MAX_PAUSE, max(1, self.pause * 2))
-            self.skip = self.pause
 
     def climb(self, drafted: int) -> int:
         """After a draft of ``drafted`` taken whole: the next rung up (copies run long) if, taken
