@@ -260,14 +260,15 @@ class Engine:
             for w in work:
                 self._fail(w.seq, err)
             return True
-        for w, out in zip(work, self._logits_of(work, logits)):
+        outs = self._logits_of(work, logits)
+        model_s = time.perf_counter() - t0
+        for w, out in zip(work, outs):
             try:
                 self._advance(w, out)
             except Exception as err:  # noqa: BLE001
                 log.exception("a sequence failed after its step")
                 self._fail(w.seq, err)
-        if not any(w.prefill for w in work):    # a decode step: what drafts cost here (docs/speculative.md)
-            self.spec.costs.observe(sum(len(w.tokens) for w in work), time.perf_counter() - t0)
+        self.spec.costs.observe_step(work, outs, model_s)      # what drafts cost here (docs/speculative.md)
         return True
 
     def _admit_waiting(self) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import random
 import statistics
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -47,12 +48,12 @@ RECALIBRATE = 64                 # multi-row steps in a row before one draft is 
 
 class StepCosts:
     """What a decode step of 2, 4, 8 or 16 rows costs over a one-row step, measured from the
-    engine's own steps (``observe``: every step without a prefill chunk, under the smallest of
-    these row counts that holds its rows, as ``cost`` prices it) as the median of each row
-    count's latest ``window`` step times; ``CHUNK_COST`` stands in for a row count with fewer
-    than ``COST_MIN_SAMPLES``. A multi-row step's relative cost moves with the CPU and its load
-    (8 rows 2.3x one row's time on a quiet Zen 4 core, 2.75x at load 12): priced too low, drafts
-    run too long to pay. ``window=0``: the prior only."""
+    engine's own steps (``observe_step``: the model time of each step without a prefill chunk,
+    filed under the smallest of these row counts that holds its rows, as ``cost`` prices it) as
+    the median of each row count's latest ``window`` step times; ``CHUNK_COST`` stands in for a
+    row count with fewer than ``COST_MIN_SAMPLES``. A multi-row step's relative cost moves with
+    the CPU and its load (8 rows 2.3x one row's time on a quiet Zen 4 core, 2.75x at load 12):
+    priced too low, drafts run too long to pay. ``window=0``: the prior only."""
 
     def __init__(self, window: int = COST_WINDOW):
         self.times = {m: deque(maxlen=window) for m in (1, *CHUNK_COST)}
@@ -64,6 +65,16 @@ class StepCosts:
         if fit is not None:
             self.times[fit].append(seconds)
         self.since_one = 0 if rows == 1 else self.since_one + 1
+
+    def observe_step(self, work: list, outs: list, seconds: float) -> None:
+        """A step's model time, ``seconds`` (its forward and head) plus the head blocks its
+        drafts' verification computed (``DraftLogits``), under its row count; a step with a
+        prefill chunk is not a decode step and is left out. Sampling, grammar masks, events and
+        snapshots are per token or per request, not per row: left out too (the end of a request
+        stores its state, which would price the last step's rows far above their forward)."""
+        if not any(w.prefill for w in work):
+            seconds += sum(o.seconds for o in outs if isinstance(o, DraftLogits))
+            self.observe(sum(len(w.tokens) for w in work), seconds)
 
     def plain_step_due(self) -> bool:
         """True once ``RECALIBRATE`` multi-row steps ran since the last one-row step: a sequence
@@ -288,6 +299,7 @@ class DraftLogits:
         self.head, self.hidden = head, hidden
         self.blocks = head_blocks(len(hidden), round(spec.token_acceptance(), 2))
         self.rows: list[torch.Tensor] = []
+        self.seconds = 0.0     # spent in the head (the step's costs: ``StepCosts.observe_step``)
 
     def __len__(self) -> int:
         return len(self.hidden)
@@ -296,8 +308,10 @@ class DraftLogits:
         while i >= len(self.rows):
             start = len(self.rows)
             n = self.blocks.get(start, len(self.hidden) - start)
+            t0 = time.perf_counter()
             with torch.inference_mode():
                 self.rows.extend(self.head(self.hidden[start:start + n]))
+            self.seconds += time.perf_counter() - t0
         return self.rows[i]
 
 
