@@ -631,8 +631,6 @@ def test_warm_up_does_the_vocabulary_scan_before_any_request():
     from types import SimpleNamespace
 
     from turnkv.loading import load_tokenizer
-    from turnkv.engine.grammar import ll_tokenizer
-    from turnkv.loading import shipped_template
     from turnkv.server.requests import RequestError, check_text_size, warm_up
 
     if not find_bundled("smollm2-135m")[0]:
@@ -645,8 +643,39 @@ def test_warm_up_does_the_vocabulary_scan_before_any_request():
     check_text_size(engine, 64 * longest, "messages")
     with pytest.raises(RequestError):
         check_text_size(engine, 64 * longest + 1, "messages")
-    # the grammar engine's vocabulary is built only for a template that renders tools (forced calls)
-    assert getattr(tokenizer, "_llguidance", None) is None
+    assert getattr(tokenizer, "_llguidance", None) is None     # the grammar view is not on this path
+
+
+def test_grammar_view_is_built_once_the_server_answers_and_only_for_a_tools_template():
+    """The grammar engine's vocabulary view (forced tool calls compile against it) is built on
+    a thread of its own after the server answers, not before: the thread waits for
+    ``answering()``, and a stop before that ends it without building."""
+    import threading
+    from types import SimpleNamespace
+
+    from turnkv.engine.grammar import ll_tokenizer
+    from turnkv.loading import load_tokenizer, shipped_template
+    from turnkv.server.requests import grammar_warm_up_thread
+
+    if not find_bundled("smollm2-135m")[0]:
+        pytest.skip("the bundled SmolLM2 is not installed")
+    tokenizer = load_tokenizer("smollm2-135m")
+    plain = grammar_warm_up_thread(SimpleNamespace(tokenizer=tokenizer), lambda: True, threading.Event())
+    plain.join(30)
+    assert getattr(tokenizer, "_llguidance", None) is None     # no tools in the template: stays lazy
+
     tools = tokenizer.with_template(shipped_template("chatml-tools"))
-    warm_up(SimpleNamespace(tokenizer=tools, max_context=64))
-    assert tools._llguidance is ll_tokenizer(tools)
+    answering, stop = threading.Event(), threading.Event()
+    thread = grammar_warm_up_thread(SimpleNamespace(tokenizer=tools), answering.is_set, stop)
+    thread.join(0.2)
+    assert thread.is_alive() and getattr(tools, "_llguidance", None) is None
+    answering.set()
+    thread.join(30)
+    assert not thread.is_alive() and tools._llguidance is ll_tokenizer(tools)
+
+    stopped = tokenizer.with_template(shipped_template("chatml-tools"))
+    stop = threading.Event()
+    thread = grammar_warm_up_thread(SimpleNamespace(tokenizer=stopped), lambda: False, stop)
+    stop.set()
+    thread.join(5)
+    assert not thread.is_alive() and getattr(stopped, "_llguidance", None) is None

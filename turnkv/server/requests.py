@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import threading
 from dataclasses import replace
 
 from fastapi import Request
@@ -20,6 +22,8 @@ from .context import BODY_TIMEOUT_S, DEFAULT_MAX_MESSAGES, DEFAULT_MAX_N
 from .schemas import ChatCompletionRequest, CompletionRequest, RequestError, content_chars
 from .tenants import tenant_key
 from .tools import template_format
+
+log = logging.getLogger("turnkv.server")
 
 PARSE_INLINE_BYTES = 64 * 1024    # bodies above this are parsed on a worker thread, not the event loop
 
@@ -80,21 +84,46 @@ def warm_up(engine) -> None:
     the vocabulary scan of ``max_token_chars`` (~0.5 s for Gemma 3's 262k entries) and the import
     of anyio's thread-pool backend (starlette runs sync endpoints through it). Measured on the
     Zen 3 VM: Gemma 3's first request took 640 ms more than its prefill, later ones ~60 ms.
-
-    When the chat template renders tools, also the grammar engine's view of the vocabulary, which
-    every forced tool call (and structured output) compiles against: 6-11 s for Gemma 3's 262k
-    entries on a busy 2-core Zen 4, ~0.3 s for SmolLM2's 49k, paid by the first such request
-    otherwise. Without tools it stays lazy: a server that never sees a grammar never pays it."""
+    The grammar engine's view of the vocabulary comes later: ``warm_up_grammar``."""
     import importlib
 
     max_token_chars(engine)
-    tok = engine.tokenizer
-    if tok is not None and template_format(tok.chat_template) is not None:
-        ll_tokenizer(tok)
     try:     # a private module: only a head start, so a renamed one must not stop the server
         importlib.import_module("anyio._backends._asyncio")
     except ImportError:
         pass
+
+
+def warm_up_grammar(engine) -> None:
+    """When the chat template renders tools, the grammar engine's view of the vocabulary, which
+    every forced tool call (and structured output) compiles against: 6-11 s for Gemma 3's 262k
+    entries on a busy 2-core Zen 4, 0.3-0.8 s for Llama 3's 128k, paid by the first such request
+    otherwise. Without tools it stays lazy: a server that never sees a grammar never pays it.
+    ``serve`` calls it on a thread of its own once the server answers (``grammar_warm_up_thread``):
+    a grammar request that comes first waits in ``ll_tokenizer`` for the one build, under its lock,
+    and no request sees a view before it is complete."""
+    tok = engine.tokenizer
+    if tok is not None and template_format(tok.chat_template) is not None:
+        ll_tokenizer(tok)
+
+
+def grammar_warm_up_thread(engine, answering, stop: threading.Event) -> threading.Thread:
+    """A started daemon thread that waits until ``answering()`` (the HTTP server accepts
+    requests) and then runs ``warm_up_grammar``; ``stop`` set first ends it without building.
+    A daemon: a server told to stop mid-build exits without waiting for it."""
+
+    def build() -> None:
+        while not answering():
+            if stop.wait(0.02):
+                return
+        try:
+            warm_up_grammar(engine)
+        except Exception as err:     # only a head start: the first grammar request builds it again and says why
+            log.warning("turnkv: the grammar engine's vocabulary view failed (%s); grammar requests will retry", err)
+
+    thread = threading.Thread(target=build, name="turnkv-grammar-warm-up", daemon=True)
+    thread.start()
+    return thread
 
 
 def check_text_size(engine, chars: int, param: str) -> None:
