@@ -87,7 +87,7 @@ class MoE(nn.Module):
     def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
         super().__init__()
         self.top_k, self.scaling = a.num_experts_per_tok, a.route_scale
-        self.w_router = param(take(t, f"{p}.router.gate.weight"), dtype)
+        self.w_router = param(take(t, f"{p}.router.gate.weight"), torch.float32)   # float32 once, as rowwise_linear runs
         self.expert_bias = param(take(t, f"{p}.expert_bias"), torch.float32)   # float32 in transformers too
         self.experts = RoutedExperts.gated(*expert_stacks(t, p, a.num_experts), dtype)
         self.shared = GatedMLP.named(t, f"{p}.shared_experts", dtype)

@@ -299,7 +299,7 @@ def rowwise_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = No
     not), so a float matrix whose output picks something discrete (every MoE router's top-k) or
     feeds a recurrence goes through here: its rows are the same bits whatever the chunk, the batch
     or the restored prefix. Register tiles, no cache blocking: for small matrices (routers,
-    low-rank projections)."""
+    low-rank projections), which families keep in float32 so that ``w.float()`` copies nothing."""
     rows = x.reshape(-1, x.shape[-1]).float()
     wf = w.float()
     if _native_row_linear is not None and rows.is_cpu and wf.is_cpu:

@@ -195,7 +195,7 @@ class MoE(nn.Module):
     def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
         super().__init__()
         self.top_k, self.eps, self.H = a.top_k_experts, a.rms_norm_eps, a.hidden_size
-        self.w_router = param(take(t, f"{p}.router.proj.weight"), dtype)
+        self.w_router = param(take(t, f"{p}.router.proj.weight"), torch.float32)   # float32 once, as rowwise_linear runs
         self.router_scale = param(take(t, f"{p}.router.scale"), dtype)
         self.per_expert_scale = param(take(t, f"{p}.router.per_expert_scale"), dtype)
         # float copies even from a GGUF's blocks, for now: on the Q8_0 fixture the exact Q8_0 weights

@@ -133,7 +133,7 @@ class MoE(nn.Module):
     def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
         super().__init__()
         self.top_k = a.num_experts_per_tok
-        self.w_router = param(take(t, f"{p}.router.weight"), dtype)
+        self.w_router = param(take(t, f"{p}.router.weight"), torch.float32)   # float32 once, as rowwise_linear runs
         self.b_router = param(take(t, f"{p}.router.bias"), dtype)
         gate_up, down = expert_rows(t, f"{p}.experts")
         gate_up_b = take(t, f"{p}.experts.gate_up_proj_bias")           # [E, 2I]

@@ -118,7 +118,8 @@ class MoE(nn.Module):
     def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
         super().__init__()
         self.top_k = a.num_experts_per_tok
-        self.router = param(_take_either(t, f"{p}.router.weight", f"{p}.router.layer.weight"), dtype)
+        # float32 once, as rowwise_linear runs
+        self.router = param(_take_either(t, f"{p}.router.weight", f"{p}.router.layer.weight"), torch.float32)
         self.experts = RoutedExperts.gated(_take_either(t, f"{p}.experts.gate_up_proj", f"{p}.input_linear.weight"),
                                            _take_either(t, f"{p}.experts.down_proj", f"{p}.output_linear.weight"),
                                            dtype)

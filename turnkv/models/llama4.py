@@ -125,7 +125,7 @@ class MoE(nn.Module):
     def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
         super().__init__()
         self.top_k = a.num_experts_per_tok
-        self.router = param(take(t, f"{p}.router.weight"), dtype)
+        self.router = param(take(t, f"{p}.router.weight"), torch.float32)   # float32 once, as rowwise_linear runs
         # stored [E, H, 2I] / [E, I, H] for bmm; F.linear wants [out, in]
         gu, down = (take(t, f"{p}.experts.{n}").transpose(1, 2) for n in ("gate_up_proj", "down_proj"))
         self.experts = RoutedExperts.gated(gu, down, dtype)

@@ -176,10 +176,10 @@ class SparseMoE(nn.Module):
     def __init__(self, a: ModelArgs, t: dict, p: str, dtype):
         super().__init__()
         self.top_k, self.norm_topk = a.num_experts_per_tok, a.norm_topk_prob
-        self.w_router = param(take(t, f"{p}.gate.weight"), dtype)
+        self.w_router = param(take(t, f"{p}.gate.weight"), torch.float32)   # float32 once, as rowwise_linear runs
         self.experts = RoutedExperts.gated(*expert_stacks(t, p, a.num_experts), dtype)
         self.shared = GatedMLP.named(t, f"{p}.shared_expert", dtype)
-        self.w_shared_gate = param(take(t, f"{p}.shared_expert_gate.weight"), dtype)
+        self.w_shared_gate = param(take(t, f"{p}.shared_expert_gate.weight"), torch.float32)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, experts [T, k])."""
