@@ -11,10 +11,11 @@ order (kernels/row_linear.py: the native op, or its PyTorch reference), whatever
 from __future__ import annotations
 
 import native
+import pytest
 import torch
 
-from turnkv.kernels.row_linear import native_op, reference
-from turnkv.models.base import rowwise_linear
+from turnkv.kernels.row_linear import native_op, reference, sigmoid_op, sigmoid_reference
+from turnkv.models.base import rowwise_linear, sigmoid_each
 
 
 def test_a_rows_logits_are_the_same_bits_in_any_slice_of_the_chunk():
@@ -70,17 +71,59 @@ def _families(H: int = 2048, E: int = 128):
     }
 
 
-def test_every_moe_family_routes_a_row_the_same_in_any_chunk():
+@pytest.mark.parametrize("experts", [128, 40])
+def test_every_moe_family_routes_a_row_the_same_in_any_chunk(experts):
     """(weights, experts) of each row alone == that row's in a 48-row chunk and in a slice of it,
-    for every family's router (bailing_hybrid routes with kimi_linear's, qwen3_5 with qwen3_next's)."""
+    for every family's router (bailing_hybrid routes with kimi_linear's, qwen3_5 with qwen3_next's).
+    40 experts: a lone row's scores end in a scalar tail of ATen's loop where the chunk's are all
+    vector steps, which moved the sigmoid-scored routers (glm4_moe, kimi_linear, afmoe) before
+    their sigmoid went through ``sigmoid_each``."""
     x = torch.randn(48, 2048, generator=torch.Generator().manual_seed(4))
-    for name, moe in _families().items():
+    for name, moe in _families(E=experts).items():
         weights, chosen = moe.route(x)
         sw, sc = moe.route(x[7:30])
         assert torch.equal(sw, weights[7:30]) and torch.equal(sc, chosen[7:30]), name
         for i in range(x.shape[0]):
             w1, c1 = moe.route(x[i:i + 1])
             assert torch.equal(c1, chosen[i:i + 1]) and torch.equal(w1, weights[i:i + 1]), (name, i)
+
+
+def _gate_values(n: int, seed: int) -> torch.Tensor:
+    """Logits over the sigmoid's whole range, with its edges (signed zeros, infinities, saturation,
+    subnormals) and a NaN."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 6
+    edges = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 88.0, -88.0, 104.0, -104.0, 1e-40, float("nan")])
+    x[:min(n, len(edges))] = edges[:n]
+    return x
+
+
+def test_sigmoid_each_gives_an_element_its_bits_alone_at_any_length():
+    """Each element of ``sigmoid_each`` is ``torch.sigmoid`` of that element alone, whatever the
+    tensor's length (vector steps and tails of 8, 16 or 32 floats, and a split over threads past
+    ATen's 32768-element grain), and close to ``torch.sigmoid`` of the whole."""
+    for n in (1, 7, 8, 16, 33, 1000):
+        x = _gate_values(n, n)
+        got = sigmoid_each(x)
+        alone = torch.cat([torch.sigmoid(x[i:i + 1]) for i in range(n)])
+        assert torch.equal(got.view(torch.int32), alone.view(torch.int32)), n     # NaN included
+        assert torch.allclose(got, torch.sigmoid(x), rtol=1e-6, atol=0, equal_nan=True)
+        assert torch.equal(sigmoid_each(x.view(1, n, 1)).view(n).view(torch.int32), got.view(torch.int32))
+    x = _gate_values(70001, 9)
+    whole = sigmoid_each(x)
+    assert torch.equal(torch.cat([sigmoid_each(p) for p in x.split([1, 7, 8, 16, 33, 1000, 68936])]).view(torch.int32),
+                       whole.view(torch.int32))
+    for dtype in (torch.bfloat16, torch.float16):     # computed in float32 as ATen does, then rounded
+        h = _gate_values(1000, 10).to(dtype)
+        assert torch.equal(sigmoid_each(h).float().nan_to_num(7.0),
+                           torch.cat([torch.sigmoid(h[i:i + 1]) for i in range(1000)]).float().nan_to_num(7.0))
+
+
+@native.needs(sigmoid_op() is not None, "the native sigmoid_each op")
+def test_the_native_sigmoid_is_the_references_bits():
+    x = _gate_values(17 * 241, 11).view(17, 241)
+    assert torch.equal(sigmoid_op()(x).view(torch.int32), sigmoid_reference(x).view(torch.int32))
+    assert torch.equal(sigmoid_op()(x.t()).view(torch.int32), sigmoid_reference(x.t()).view(torch.int32))
+    assert sigmoid_op()(x[:0]).shape == (0, 241)
 
 
 def test_qwen3_next_shared_expert_gate_is_per_row():

@@ -6,6 +6,9 @@ the output by far more than rounding. Here every output is 16 lane sums over k (
 increasing k, a multiply then an add), then the fixed tree (l + 8), (l + 4), (l + 2), (l + 1):
 the same bits for any number of rows, on the native op (``torch.ops.turnkv_ops.row_linear``,
 one call, register tiles) and in ``reference`` (PyTorch ops, the fallback and the tests' oracle).
+
+``sigmoid_each`` is the elementwise companion for what such a product feeds (a gate per row, router
+scores): every element's sigmoid computed on its own, never by its position in the tensor.
 """
 
 from __future__ import annotations
@@ -26,6 +29,27 @@ def native_op():
         return torch.ops.turnkv_ops.row_linear
     except (AttributeError, RuntimeError):
         return None
+
+
+def sigmoid_op():
+    """``torch.ops.turnkv_ops.sigmoid_each``, or None (no build, or a build from before it)."""
+    if not native_available():
+        return None
+    try:
+        return torch.ops.turnkv_ops.sigmoid_each
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def sigmoid_reference(x: torch.Tensor) -> torch.Tensor:
+    """``torch.sigmoid`` of each element of x as a tensor of its own: one element never
+    reaches ATen's vector steps (their exp rounds otherwise), so it takes the scalar formula the
+    native op runs. One call an element: the fallback without a build, and the tests' oracle."""
+    flat = x.reshape(-1)
+    out = torch.empty_like(flat)
+    for i, v in enumerate(flat.split(1)):
+        out[i:i + 1] = torch.sigmoid(v)
+    return out.view(x.shape)
 
 
 def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

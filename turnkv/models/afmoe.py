@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import apply_rope, attention_spans, embedding, linear, rms_norm, rowwise_linear
+from .base import apply_rope, attention_spans, embedding, linear, rms_norm, rowwise_linear, sigmoid_each
 from .batch import Batch
 from .decoder import FULL, SLIDING, DecoderArgs, DecoderModel, GatedMLP, float32_norm, out_weights
 from .experts import RoutedExperts, expert_stacks
@@ -94,7 +94,7 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] float32, experts [N, k]) exactly as transformers' AfmoeTokenChoiceRouter."""
-        scores = torch.sigmoid(rowwise_linear(x, self.w_router).float())
+        scores = sigmoid_each(rowwise_linear(x, self.w_router).float())
         chosen = torch.topk(scores + self.expert_bias, k=self.top_k, dim=1)[1]
         weights = scores.gather(1, chosen)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

@@ -25,12 +25,14 @@ from ..kernels.attention import native_ok as native_attention_ok
 from ..kernels.norm import native_rms_norm
 from ..kernels.row_linear import native_op as native_row_linear
 from ..kernels.row_linear import reference as row_linear_reference
+from ..kernels.row_linear import sigmoid_op, sigmoid_reference
 from ..loading.errors import ModelLoadError
 from .batch import Batch, Span, select_rows
 from .packed import PackedWeight
 
 _native_norm = native_rms_norm()
 _native_row_linear = native_row_linear()
+_native_sigmoid = sigmoid_op()
 
 
 class UnsupportedConfig(ModelLoadError, ValueError):
@@ -311,13 +313,14 @@ def rowwise_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = No
 
 
 def sigmoid_each(x: torch.Tensor) -> torch.Tensor:
-    """``torch.sigmoid`` of a small tensor (a gate per row, the chosen router logits) with every
-    element on ATen's scalar loop. ATen runs an elementwise op in vector steps (16 or 32 floats)
-    and the tail one at a time, and its vector exp rounds otherwise, so in a [rows, 1] tensor a
-    row's gate would change bits with the number of rows; pieces of 7 elements, under one step
-    on any ISA, all take the scalar loop."""
-    flat = x.reshape(-1)
-    return torch.cat([torch.sigmoid(p) for p in flat.split(7)]).view(x.shape) if flat.numel() else torch.sigmoid(x)
+    """``torch.sigmoid`` of every element on its own, in x's dtype. ATen's loop takes most
+    elements in vector steps (whose exp rounds otherwise) and the tail one at a time, so there a
+    row's gate or router scores would change bits with the number of rows beside it or the
+    threads' split; here each element is the bits it has alone (kernels/row_linear.py). bf16 and
+    float16 go through float32 as ATen computes them."""
+    if _native_sigmoid is not None and x.is_cpu and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return _native_sigmoid(x.float()).to(x.dtype)
+    return sigmoid_reference(x)
 
 
 def embedding(tokens: torch.Tensor, w: torch.Tensor | PackedWeight, dtype: torch.dtype) -> torch.Tensor:

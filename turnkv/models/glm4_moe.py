@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import attention_spans, linear, rms_norm, rowwise_linear
+from .base import attention_spans, linear, rms_norm, rowwise_linear, sigmoid_each
 from .batch import Batch
 from .decoder import DecoderArgs, DecoderModel, GatedMLP, PreNormBlock, apply_partial_rope, qkv_weights, rope_for
 from .experts import RoutedExperts, expert_stacks
@@ -84,7 +84,7 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] float32, experts [N, k]) exactly as transformers' Glm4MoeTopkRouter."""
-        scores = rowwise_linear(x.float(), self.w_router).sigmoid()
+        scores = sigmoid_each(rowwise_linear(x.float(), self.w_router))
         choice = scores + self.score_bias
         N, G = x.shape[0], self.n_group
         group_scores = choice.view(N, G, -1).topk(2, dim=-1)[0].sum(dim=-1)           # [N, G]

@@ -32,7 +32,7 @@ from torch import nn
 
 from ..cache import specs
 from ..cache.kv import KVView
-from .base import Model, attention, embedding, linear, rms_norm, rowwise_linear
+from .base import Model, attention, embedding, linear, rms_norm, rowwise_linear, sigmoid_each
 from .batch import Batch, Span, spans_apply
 from .decoder import DecoderArgs, GatedMLP, HybridBlock, decoder_weights
 from .experts import RoutedExperts, expert_stacks
@@ -327,7 +327,7 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] float32, experts [N, k])."""
-        scores = rowwise_linear(x.float(), self.w_router).sigmoid()             # [N, E]
+        scores = sigmoid_each(rowwise_linear(x.float(), self.w_router))         # [N, E]
         choice = scores + self.score_bias
         if self.groups > 1:
             per = self.E // self.groups
