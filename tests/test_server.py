@@ -679,3 +679,29 @@ def test_grammar_view_is_built_once_the_server_answers_and_only_for_a_tools_temp
     stop.set()
     thread.join(5)
     assert not thread.is_alive() and getattr(stopped, "_llguidance", None) is None
+
+
+def test_the_model_load_imports_none_of_the_modules_serve_imports_beside_it():
+    """``serve`` imports the HTTP side's modules on a thread while the main thread loads the model
+    (server/serve.py): every name it lists exists (the thread drops a failed import silently), and
+    the load itself imports none of them, so neither thread waits on the other's module locks."""
+    import importlib
+
+    from turnkv.server.serve import HTTP_MODULES
+
+    if not find_bundled("smollm2-135m")[0]:
+        pytest.skip("the bundled SmolLM2 is not installed")
+    for name in HTTP_MODULES:
+        importlib.import_module(name)
+    probe = ("import sys\n"
+             "import turnkv.engine.engine as e\n"
+             "before = set(sys.modules)\n"
+             "e.Engine.load('smollm2-135m', progress=False)\n"
+             "print(' '.join(sorted(set(sys.modules) - before)))\n")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    loaded = out.stdout.split()
+    assert "turnkv.models.llama" in loaded        # the probe saw the load's own imports
+    packages = {"turnkv.server"} | {name.split(".")[0] for name in HTTP_MODULES if not name.startswith("turnkv.")} \
+        | {"fastapi", "starlette", "pydantic"}
+    assert not [m for m in loaded if any(m == p or m.startswith(p + ".") for p in packages)]

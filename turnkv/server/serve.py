@@ -1,19 +1,28 @@
 """``turnkv serve``: the listening socket (bound before the model loads), the engine loop on the
-main thread and uvicorn on a thread of its own, until SIGINT / SIGTERM."""
+main thread and uvicorn on a thread of its own, until SIGINT / SIGTERM.
+
+The HTTP side's modules (FastAPI, pydantic, uvicorn and this package's own, ~0.6 s of imports on
+a quiet 2-core Zen 4) are imported on a thread of their own while the main thread loads the
+model: the load's native tile repack leaves the GIL free for them, so that part of the import
+costs no time. The main thread has imported torch and the engine first, and the load imports
+none of these modules (the GGUF reader, tokenizers, jinja2 are its own), so the two threads do
+not wait on each other's module locks."""
 
 from __future__ import annotations
 
+import importlib
 import signal
 import socket
 import sys
 import threading
 
-from .app import create_app
-from .context import ServerConfig
-from .requests import grammar_warm_up_thread, warm_up
-from .slow_client_guard import GuardedH11
 from .tenants import KeyRing
 from .tools import chatml_tools_for
+
+# what ``serve`` needs once the model is loaded, uvicorn's own start-up imports included
+HTTP_MODULES = ("turnkv.server.app", "turnkv.server.context", "turnkv.server.requests",
+                "turnkv.server.slow_client_guard", "uvicorn", "uvicorn.config", "uvicorn.server",
+                "uvicorn.lifespan.on", "uvicorn.protocols.http.h11_impl")
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -48,9 +57,24 @@ def check_limits(args) -> None:
             raise ValueError(f"{name} must be {'>= 0' if low < 0 else '> 0'}, got {value}")
 
 
-def serve(args) -> int:
-    import uvicorn
+def import_in_background(names: tuple[str, ...]) -> threading.Thread:
+    """A started thread importing ``names``; a failure is left for the main thread's own import of
+    the module to raise."""
 
+    def run() -> None:
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except Exception:    # noqa: BLE001  (the main thread's import says why)
+                return
+
+    thread = threading.Thread(target=run, name="turnkv-imports", daemon=True)
+    thread.start()
+    return thread
+
+
+def serve(args) -> int:
+    from ..engine.engine import Engine  # noqa: F401  (torch and the engine: before the HTTP imports' thread)
     from ..launch import engine_from, print_banner, sampling_from
 
     defaults = sampling_from(args)
@@ -63,7 +87,15 @@ def serve(args) -> int:
     check_limits(args)
     with sock:
         keys = KeyRing(args.api_key, args.api_keys, args.admin_key)    # a bad key file fails before the load
+        imports = import_in_background(HTTP_MODULES)
         engine = engine_from(args)
+        imports.join()
+        import uvicorn
+
+        from .app import create_app
+        from .context import ServerConfig
+        from .requests import warm_up
+        from .slow_client_guard import GuardedH11
         if not args.chat_template:   # a ChatML template without tools: the shipped one that renders alike
             engine.tokenizer = chatml_tools_for(engine.tokenizer) or engine.tokenizer
         print_banner(engine, args.cache_budget_mb, args.prompt_cache)
@@ -75,8 +107,10 @@ def serve(args) -> int:
         url = address(sock)
         print(f"turnkv: serving {engine.name} at {url} (OpenAI base URL {url}/v1"
               f"{', API key required' if keys.configured else ''})", file=sys.stderr, flush=True)
+        # ws="none": no endpoint takes WebSockets, and uvicorn then does not import a WebSocket library
         server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5, http=protocol,
-                                               limit_concurrency=args.max_connections, timeout_keep_alive=5))
+                                               ws="none", limit_concurrency=args.max_connections,
+                                               timeout_keep_alive=5))
         run(app, server, sock, keys)
     return 0
 
@@ -88,6 +122,8 @@ def run(app, server, sock: socket.socket, keys: KeyRing) -> None:
     futex wake-up): measured 2x slower decode. HTTP runs on its own thread, and so does the
     grammar engine's vocabulary view, built once the server answers (it holds the GIL for
     0.3-0.8 s on a 128k vocabulary, which the first answer need not wait for)."""
+    from .requests import grammar_warm_up_thread
+
     stop = threading.Event()
 
     def http() -> None:
