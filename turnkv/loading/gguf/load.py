@@ -14,7 +14,7 @@ from ..errors import ModelLoadError
 from .architecture import GLOBAL_TENSORS, GGUFArchitecture
 from .archs import SUPPORTED_GGUF_ARCHITECTURES
 from .dequant import dequantize, expert_stack, keeps_blocks, raw_rows
-from .reader import GGUFHeader, TensorInfo, open_mmap, parse_header, release
+from .reader import GGUFHeader, TensorInfo, open_mmap, parse_header, parse_header_once, release
 
 
 def tensor_name_map(h: GGUFHeader, arch: GGUFArchitecture, config: dict) -> dict[str, str]:
@@ -70,7 +70,7 @@ def load_gguf(
     path = Path(path)
     buf, size = open_mmap(path)
     try:
-        header = parse_header(path, buf, size)
+        header = parse_header_once(path, lambda: parse_header(path, buf, size))
         arch = architecture_of(header)
         config = arch.build_config(header)
         names = tensor_name_map(header, arch, config)
