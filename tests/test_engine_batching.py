@@ -151,6 +151,36 @@ def test_cancel_mid_prefill_takes_effect_within_one_step(models):
     assert_same(again, alone(model, long))
 
 
+def prefill_steps(eng, seq) -> list[int]:
+    """The tokens of ``seq``'s prompt each step computed, stepping until its prompt is done."""
+    out, pos = [], 0
+    while seq.pos < len(seq.prompt) and not seq.done:
+        eng.step()
+        out.append(seq.pos - pos)
+        pos = seq.pos
+    return out
+
+
+def test_a_prompt_no_stream_waits_on_takes_whole_prefill_chunks(models):
+    """A step that decodes nothing holds up no stream: its prompt chunk takes --prefill-chunk tokens
+    even past --max-batch-tokens (the same tokens in fewer forwards); beside a decoding sequence the
+    step keeps under --max-batch-tokens."""
+    model, rng = models["llama"], random.Random(8)
+    long = request([rand_tokens(rng, 150)], 3)
+    eng = engine(model, budget=0, max_seqs=2, max_batch_tokens=16, chunk=64)
+    sink = Collector()
+    assert prefill_steps(eng, eng.submit(long, sink)) == [64, 64, 22]
+    while sink.result is None:
+        eng.step()
+    assert_same(sink.result, engine(model, budget=0, max_seqs=2, max_batch_tokens=16, chunk=16).generate(long))
+    eng = engine(model, budget=0, max_seqs=2, max_batch_tokens=16, chunk=64)
+    talker = eng.submit(request([rand_tokens(rng, 5)], 200), Collector())
+    while talker.pos < len(talker.prompt):
+        eng.step()
+    steps = prefill_steps(eng, eng.submit(long, Collector()))
+    assert sum(steps) == 150 and max(steps) <= 15 and not talker.done
+
+
 def test_cancelled_sequence_does_not_disturb_the_others(models):
     model, rng = models["gemma3"], random.Random(6)
     reqs = [request([rand_tokens(rng, 40)], 20), request([rand_tokens(rng, 25)], 20),

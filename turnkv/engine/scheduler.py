@@ -2,8 +2,9 @@
 
 Every step takes each decoding sequence's next token first (a stream never waits for someone
 else's prompt), then prefill chunks of the admitted sequences still prefilling, oldest first,
-under ``max_batch_tokens``. A chunk never crosses the sequence's next checkpoint, so the engine
-can snapshot at message boundaries between steps. At most ``max_seqs`` sequences hold a state
+under ``max_batch_tokens`` (under ``prefill_chunk`` when it is larger and no sequence decodes).
+A chunk never crosses the sequence's next checkpoint, so the engine can snapshot at message
+boundaries between steps. At most ``max_seqs`` sequences hold a state
 slot at a time; the rest wait, at most ``max_queue`` of them.
 """
 
@@ -71,6 +72,10 @@ class Scheduler:
         work: list[Work] = []
         budget = self.max_batch_tokens
         decoding = [s for s in self.running if s.status == DECODE and s.next_token is not None]
+        if not decoding:
+            # no stream waits on this step: a prompt's chunk may take the whole prefill chunk
+            # (the same bits in fewer, larger forwards)
+            budget = max(budget, self.prefill_chunk)
         # drafts take what the decode tokens leave, less room for a prefill chunk
         prefilling = any(s.status == PREFILL and s.plan.follow is None for s in self.running)
         spare = budget - len(decoding) - (min(self.prefill_chunk, budget // 2) if prefilling else 0)

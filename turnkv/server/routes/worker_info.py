@@ -41,7 +41,7 @@ def server_info(ctx: ServerContext) -> dict:
         "max_running_requests": scheduler.max_seqs,
         "max_num_reqs": scheduler.max_seqs,
         "max_queued_requests": scheduler.max_queue,
-        "max_prefill_tokens": scheduler.max_batch_tokens,
+        "max_prefill_tokens": max(scheduler.max_batch_tokens, engine.prefill_chunk),   # no stream decoding
         "chunked_prefill_size": engine.prefill_chunk,
         "prompt_cache_enabled": ctx.cache_enabled,
         "kv_cache_mode": engine.kv_mode,
