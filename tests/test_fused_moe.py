@@ -2,8 +2,9 @@
 moe_experts.inc ``fused_out_moe``): under the gguf weights at float32 every block of the Q8_0
 fixture runs fused, a decode step's layers in one native call, and every logit is the same bits
 as the Python path's (router in Python, the experts' own native call or the grouped path): whole
-prompts, chunks of at most and of more than the experts' native row limit, decode steps, the
-three-call layer, and several sequences in one batch."""
+prompts, chunks of at most and of more than the experts' row-by-row limit (longer chunks go
+grouped per expert natively), decode steps, the three-call layer, and several sequences in one
+batch."""
 
 from __future__ import annotations
 
@@ -41,8 +42,9 @@ def test_every_moe_block_runs_fused(model):
     blocks = fused_blocks(model)
     assert len(blocks) == model.args.num_hidden_layers
     assert all(b.fused.moe is not None and b.fused.native is not None for b in blocks)
-    assert all(b.fused.takes(torch.zeros(RoutedExperts.FUSED_MAX_ROWS, model.args.hidden_size)) for b in blocks)
-    assert not any(b.fused.takes(torch.zeros(RoutedExperts.FUSED_MAX_ROWS + 1, model.args.hidden_size)) for b in blocks)
+    # decode steps and prefill chunks alike: the native experts go grouped per expert past 8 rows
+    for rows in (1, 8, 9, 512):
+        assert all(b.fused.takes(torch.zeros(rows, model.args.hidden_size)) for b in blocks), rows
 
 
 def count_calls(monkeypatch, name: str) -> list[int]:
@@ -59,14 +61,14 @@ def count_calls(monkeypatch, name: str) -> list[int]:
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["experts-native", "experts-grouped"])
 def test_same_bits_as_the_python_path(model, monkeypatch, grouped):
-    """Fused (one call a step for decode and chunks of <= 8 rows) against the blocks' Python path,
-    with the experts' own native call or, ``grouped``, the grouped per-expert path."""
+    """Fused (one call a step for decode and for every prefill chunk) against the blocks' Python
+    path, with the experts' own native call or, ``grouped``, the grouped per-expert path."""
     ids = prompt(40, 3, model.vocab_size)
     stack_calls = count_calls(monkeypatch, "fused_layers")
     with torch.inference_mode():
         fused, chunked, small = run(model, ids, None, 6), run(model, ids, 16, 6), run(model, ids, 5, 6)
-    # through the stack: decode steps, 5-row chunks and the last 8 rows of 16-row chunks (16, 16, 8)
-    assert stack_calls[0] == 6 + (1 + 6) + (8 + 6), stack_calls[0]
+    # through the stack: every chunk (the whole 40-row prompt; 16, 16, 8; eight of 5) and decode step
+    assert stack_calls[0] == (1 + 6) + (3 + 6) + (8 + 6), stack_calls[0]
     switch, kept = Switch(model), [(e, e.native) for e in experts(model)]
     switch(False)
     if grouped:

@@ -39,10 +39,10 @@ def expert_stacks(t: dict[str, Stored], p: str, n: int, names: tuple[str, str, s
 
 class RoutedExperts(nn.ModuleList):
     """One module per expert (``experts[e].forward(x)``), and their weighted sum per token. After
-    ``fuse``, a call of at most ``FUSED_MAX_ROWS`` rows (decode) runs as one native call that
-    does the same operations row by row (csrc/moe_experts.inc): the same bits."""
+    ``fuse``, a call runs as one native call that does the same operations (csrc/moe_experts.inc:
+    row by row for a decode step's few rows, grouped per expert for a prefill chunk): the same
+    bits."""
 
-    FUSED_MAX_ROWS = 8
     native = None       # the kernels' MoEExperts, once ``fuse`` made it
     isa = 0
 
@@ -53,7 +53,7 @@ class RoutedExperts(nn.ModuleList):
         return cls(GatedMLP([gate_up[e]], down[e], dtype, act) for e in range(len(gate_up)))
 
     def fuse(self) -> bool:
-        """Let few-row calls run as one native call, when every expert is a bias-free, unclipped ``GatedMLP``
+        """Let calls run as one native call, when every expert is a bias-free, unclipped ``GatedMLP``
         on GGUF blocks (int8 kernels) with one activation and the build has the call
         (``TURNKV_FUSED_MOE=0`` keeps the grouped path: A/B, tests)."""
         from .. import kernels
@@ -79,7 +79,7 @@ class RoutedExperts(nn.ModuleList):
         product is taken in the promoted dtype of the expert output and ``weights``, then cast to
         ``out``'s. ``scale_input``: the weight scales the expert's input instead (Llama 4)."""
         out = torch.zeros_like(x) if out is None else out
-        if (self.native is not None and not scale_input and x.shape[0] <= self.FUSED_MAX_ROWS
+        if (self.native is not None and not scale_input
                 and x.dtype == weights.dtype == out.dtype == torch.float32 and x.is_contiguous() and out.is_contiguous()):
             from .. import kernels
 

@@ -9,8 +9,8 @@ runs the same operations in the same order with the same roundings in two calls:
 - ``out_mlp(x, a)``: the o projection of the attention output ``a``, the optional post-attention
   norm, the residual add, the MLP (pre-norm, gate/up, silu or gelu-tanh, down, optional post norm)
   and its residual add, in place on the residual ``x``. A MoE layer's MLP (``moe``: Qwen 3 MoE's
-  softmax router, top-k, routed experts) runs there as models/qwen3_moe.py computes it, for at
-  most ``RoutedExperts.FUSED_MAX_ROWS`` rows (decode); longer chunks run the family's Python path.
+  softmax router, top-k, routed experts) runs there as models/qwen3_moe.py computes it, decode
+  steps and prefill chunks alike.
 
 The attention between them runs per sequence over its own cache (models/base.py). ``layer(x,
 rope, batch, i, scale)`` runs the whole layer as one native call (``fused_layer``: the two calls
@@ -106,9 +106,8 @@ class FusedBlock:
         self.wqkv, self.wo, self.wgu, self.wdown = (_qlinear(w) for w in (wqkv, wo, wgu, wdown))
         self.act = ACTS[act]
         self.isa = kernels._isa_index(None)
-        # moe: (router, RoutedExperts, top_k, norm_topk) in place of wgu / wdown; rows per call at most
+        # moe: (router, RoutedExperts, top_k, norm_topk) in place of wgu / wdown
         self.moe = _moe_layer(*moe) if moe is not None else None
-        self.max_rows = moe[1].FUSED_MAX_ROWS if moe is not None else None
         self.complete = None not in (self.wqkv, self.wo) and (self.moe is not None or None not in (self.wgu, self.wdown))
         self.native = None      # the whole layer as one call (``layer``), where the build has it
         if hasattr(kernels._ext, "fused_layer") and head_dim <= 1024 and self.complete:   # write_attend's head_dim limit
@@ -129,8 +128,7 @@ class FusedBlock:
         return f if f.complete else None
 
     def takes(self, x: torch.Tensor) -> bool:
-        return (x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() and x.dim() == 2
-                and (self.max_rows is None or x.shape[0] <= self.max_rows))
+        return x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() and x.dim() == 2
 
     def qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """(q and k after norm and RoPE [hq + hk, T, D], v [hk, T, D]) for the rows ``x`` [T, H]."""
@@ -197,8 +195,6 @@ class FusedStack:
     def __init__(self, fused: list[FusedBlock], scales: list[float], softcaps: list[float | None],
                  rope_of: list[int]):
         self.first = fused[0]
-        rows = [f.max_rows for f in fused if f.max_rows is not None]
-        self.max_rows = min(rows) if rows else None     # a MoE layer's native experts take few rows
         self.natives = [f.native for f in fused]
         self.scales = [float(x) for x in scales]
         self.softcaps = [float(x) if x else 0.0 for x in softcaps]
@@ -219,7 +215,7 @@ class FusedStack:
     def run(self, x: torch.Tensor, batch, ropes: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Every layer on the rows ``x`` in place, the RoPE tables ``ropes[rope_of[i]]`` for layer
         ``i``; False, with nothing done, when ``x`` or some layer's caches do not take it."""
-        if not self.first.takes(x) or (self.max_rows is not None and x.shape[0] > self.max_rows):
+        if not self.first.takes(x):
             return False
         spans = batch.spans
         plan = self._writes.plan([s.caches for s in spans], [s.length for s in spans], len(self.natives))

@@ -249,13 +249,16 @@ static int64_t set_pair(int64_t on) {
 constexpr int MAX_PARTS = 8;
 
 // One weight of a stacked matmul: W [N, K] in GGUF blocks (tiles of 8 rows), its output columns
-// Y[:, 0:N] (row stride ldy of run_parts).
+// Y[:, 0:N] (row stride ldy of run_parts). `a`: this part's own activations (the same M as
+// run_parts' own) where they differ from the call's: a MoE row's down projections, one
+// activation row an expert, in one region.
 struct Part {
     const uint8_t* W;
     int64_t row_bytes;
     int qt;
     int64_t N;
     float* Y;
+    const Act* a = nullptr;
 };
 
 // Y = the quantized activations a times every part, in one parallel region: the parts' output
@@ -282,7 +285,8 @@ static void run_parts(const Act& a, const Part* parts, int np, int isa, int64_t 
         g[i].K = a.K;
         g[i].M = (int)M;
         g[i].qt = parts[i].qt;
-        g[i].a = &a;
+        g[i].a = parts[i].a ? parts[i].a : &a;
+        TORCH_CHECK(g[i].a->M == M && g[i].a->K == a.K, "run_parts: a part's own activations must have the call's shape");
         g[i].Y = parts[i].Y;
         g[i].ldy = ldy;
         ntiles[i] = (parts[i].N + tile - 1) / tile;
