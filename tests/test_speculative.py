@@ -372,8 +372,9 @@ def test_drafting_backs_off_when_drafts_fail_and_recovers():
 
 def test_drafts_shorten_when_multi_row_steps_cost_more(loaded, monkeypatch):
     """Draft lengths follow the step costs the engine measures on its own steps: with the
-    forward made slower by 5 ms a row past the first (a real delay inside the steps the engine
-    times), a multi-row step measures many one-row steps' time, so drafts get shorter than the
+    forward made slower by 20 ms a row past the first (a real delay inside the steps the engine
+    times; 20 ms, not less, so that a one-row step slowed by a busy machine still measures far
+    below a two-row one), a multi-row step measures many one-row steps' time, so drafts get shorter than the
     prior costs make them and drafting backs off to probes; the tokens stay the plain ones."""
     import time
 
@@ -392,7 +393,7 @@ def test_drafts_shorten_when_multi_row_steps_cost_more(loaded, monkeypatch):
     forward = model.net.forward
 
     def slow_forward(batch):
-        time.sleep(0.005 * (batch.tokens.shape[0] - 1))
+        time.sleep(0.02 * (batch.tokens.shape[0] - 1))
         return forward(batch)
 
     monkeypatch.setattr(model.net, "forward", slow_forward)
