@@ -259,9 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-seqs", type=int, default=DEFAULT_MAX_SEQS,
                    help=f"sequences generating at once, decoded in one batch (default {DEFAULT_MAX_SEQS})")
     b.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS,
-                   help="tokens per engine step: every running sequence's next token plus prefill chunks "
-                        f"(default {DEFAULT_MAX_BATCH_TOKENS}); a step that decodes nothing takes up to "
-                        "--prefill-chunk tokens of prompt")
+                   help=f"tokens per engine step: every running sequence's next token plus prefill chunks (default "
+                        f"{DEFAULT_MAX_BATCH_TOKENS}); a step that decodes nothing takes up to --prefill-chunk of prompt")
     b.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help=f"requests waiting for a slot before the server answers 429 (default {DEFAULT_MAX_QUEUE})")
     p.add_argument("--kv-events", default=None, metavar="ENDPOINT", help="publish what the prompt cache can "

@@ -119,6 +119,30 @@ def gelu_tanh_(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten.gelu_(x, approximate="tanh")
 
 
+# an elementwise call of at most this many values runs on one thread: ATen's GRAIN_SIZE is
+# 32768, but its GeLU splits any call past 16384 values across the threads
+ACT_GRAIN = 16384
+
+
+def act_rows(act, g: torch.Tensor) -> torch.Tensor:
+    """``act`` over ``g`` [..., I] in place, at most ``ACT_GRAIN`` values a call: blocks of whole
+    rows, or ``ACT_GRAIN``-column pieces of longer rows. ATen splits a larger call across threads,
+    and where a split falls inside a row, the values before it end in ATen's scalar tail, whose
+    exp / tanh differ from the vector ones in the last bit for a few percent of inputs: a row's
+    bits would depend on the rows computed with it and on the thread count (e.g. 2 threads, 1376
+    columns, 47 rows). Each call here is one thread's loop over whole rows, as a row alone gets;
+    the native layers (kernels/csrc/fused_layer.inc, ``act_rows``) cut the same blocks."""
+    cols = g.shape[-1]
+    if g.numel() <= ACT_GRAIN:
+        return act(g)
+    for block in g.view(-1, cols).split(max(1, ACT_GRAIN // cols)):
+        for piece in block.split(ACT_GRAIN, dim=-1):
+            out = act(piece)
+            if out.data_ptr() != piece.data_ptr():
+                piece.copy_(out)
+    return g
+
+
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` with gate and up as one fused weight ``wgu`` (the names
     models/fused.py and the weight formats read). ``act`` runs in place on the fresh gate half: no
@@ -145,7 +169,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u = linear(x, self.wgu, self.bgu).chunk(2, dim=-1)
-        g = self.act(g)
+        g = act_rows(self.act, g)
         if self.limit is not None:
             g, u = g.clamp_(max=self.limit), u.clamp(-self.limit, self.limit)
         return linear(g.mul_(u), self.wdown, self.bdown)
