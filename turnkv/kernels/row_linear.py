@@ -21,24 +21,24 @@ from . import native_available
 LANES = 16
 
 
-def native_op():
-    """The op, or None (no build, or a build from before it)."""
+def _op(name: str):
+    """``torch.ops.turnkv_ops.<name>``, or None (no build, or a build from before it)."""
     if not native_available():
         return None
     try:
-        return torch.ops.turnkv_ops.row_linear
+        return getattr(torch.ops.turnkv_ops, name)
     except (AttributeError, RuntimeError):
         return None
+
+
+def native_op():
+    """The row_linear op, or None."""
+    return _op("row_linear")
 
 
 def sigmoid_op():
-    """``torch.ops.turnkv_ops.sigmoid_each``, or None (no build, or a build from before it)."""
-    if not native_available():
-        return None
-    try:
-        return torch.ops.turnkv_ops.sigmoid_each
-    except (AttributeError, RuntimeError):
-        return None
+    """``torch.ops.turnkv_ops.sigmoid_each``, or None."""
+    return _op("sigmoid_each")
 
 
 def sigmoid_reference(x: torch.Tensor) -> torch.Tensor:

@@ -326,9 +326,10 @@ class StreamParser:
         self.done.append(False)
         return head
 
-    def _written(self) -> list[str]:
-        """Per opened call, its arguments text as written so far (from the value's first character)."""
-        segments = self.held.split(_HERMES_OPEN)[1:] if self.fmt == HERMES else [self.held]
+    def _written(self, held: str) -> list[str]:
+        """Per opened call, its arguments text as written so far in ``held`` (from the value's first
+        character)."""
+        segments = held.split(_HERMES_OPEN)[1:] if self.fmt == HERMES else [held]
         out = []
         for seg in segments[:len(self.heads)]:
             m = _ARGS.search(seg)
@@ -340,7 +341,7 @@ class StreamParser:
         arguments written since the last look, as far as they are sure to read the same in the parsed
         call (forced only): what is sent is always a prefix of the final ``function.arguments``."""
         out = []
-        for i, raw in enumerate(self._written()):
+        for i, raw in enumerate(self._written(self.held)):
             if self.done[i]:
                 continue
             stable, whole = _stable_json(raw)
@@ -370,12 +371,7 @@ class StreamParser:
         """After opening deltas: those calls' arguments not sent yet (to the end, or as far as a reply
         cut short at ``max_tokens`` got), then any later call complete."""
         if not deltas:      # cut short: each opened call's arguments text as written so far
-            segments = held.split(_HERMES_OPEN)[1:] if self.fmt == HERMES else [held]
-            whole = []
-            for seg in segments[:len(self.heads)]:
-                m = _ARGS.search(seg)
-                whole.append(m.group(1).strip().removesuffix(_HERMES_CLOSE).rstrip() if m else "")
-            return self._remainders(whole)
+            return self._remainders([t.strip().removesuffix(_HERMES_CLOSE).rstrip() for t in self._written(held)])
         for head, call in zip(self.heads, self.calls):
             call["id"] = head["id"]
         whole = [c["function"]["arguments"] for c in self.calls[:len(self.heads)]]
