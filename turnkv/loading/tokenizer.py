@@ -189,6 +189,9 @@ class Tokenizer:
     ):
         self.backend = backend
         self.source = source
+        # the tokenizer.json ``backend`` was read from, unchanged (from_folder): the grammar engine
+        # keys its on-disk view of the vocabulary on this file's bytes (engine/grammar_view.py)
+        self.backend_file: Path | None = None
         self.special_tokens = dict(special_tokens or {})
         self.chat_template = chat_template
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
@@ -232,7 +235,7 @@ class Tokenizer:
             if isinstance(value, str):
                 special[key] = value
         template = chat_template or folder_chat_template(folder, config)
-        return cls(
+        tok = cls(
             backend,
             special_tokens=special,
             chat_template=template,
@@ -240,6 +243,8 @@ class Tokenizer:
             clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
             source=folder,
         )
+        tok.backend_file = path
+        return tok
 
     # -- basics
 
@@ -272,6 +277,7 @@ class Tokenizer:
                         extra_eos_ids=self.eos_token_ids, source=self.source,
                         clean_up_tokenization_spaces=self._clean_up)
         tok.template_note = note
+        tok.backend_file = self.backend_file
         return tok
 
     def render_text(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
