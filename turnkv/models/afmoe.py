@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import apply_rope, attention_spans, embedding, linear, rms_norm, rowwise_linear, sigmoid_each
+from .base import apply_rope, attention_spans, each_row, embedding, linear, rms_norm, rowwise_linear, sigmoid_each
 from .batch import Batch
 from .decoder import FULL, SLIDING, DecoderArgs, DecoderModel, GatedMLP, float32_norm, out_weights
 from .experts import RoutedExperts, expert_stacks
@@ -80,7 +80,7 @@ class Attention(nn.Module):
 
         # every sequence's rows over its own KV (one native call for the batch)
         out = attention_spans(batch, i, q, k, qkv[hq + hk:], self.scale)
-        return linear(out * torch.sigmoid(gate), self.wo, self.bo)
+        return linear(out * each_row(torch.sigmoid, gate), self.wo, self.bo)
 
 
 class MoE(nn.Module):

@@ -47,7 +47,7 @@ from torch import nn
 
 from ..cache import specs
 from ..cache.kv import KVView
-from .base import Model, apply_rope, attention, embedding, linear, rms_norm
+from .base import Model, apply_rope, attention, each_row, embedding, linear, rms_norm
 from .batch import Batch, Span, spans_apply
 from .decoder import GatedMLP, HybridBlock, rope_for
 from .kimi_linear import LATENT_NORM_EPS, LatentMoEArgs, MoE, first_set, kda_chunked, kda_step, l2norm
@@ -166,15 +166,15 @@ class DeltaAttention(nn.Module):
         N, H, D = x.shape[0], self.h, self.d
         qkv_all, f, b, gate = linear(x, self.w_in).split([3 * self.dim, self.dim, H, self.dim], dim=-1)
         f = f.float().view(N, H, D) + self.dt_bias
-        g = self.lower * torch.sigmoid(self.rate * f) if self.safe else -self.rate * F.softplus(f)
+        g = self.lower * each_row(torch.sigmoid, self.rate * f) if self.safe else -self.rate * each_row(F.softplus, f)
         g_all = g.to(x.dtype).float().transpose(0, 1)                          # [H, N, D], rounded as transformers
-        beta_all = torch.sigmoid(b).float().t()                                # [H, N]
+        beta_all = each_row(torch.sigmoid, b).float().t()                                # [H, N]
 
         def one(s: Span):   # conv window and delta rule: this sequence's rows over its own state
             cache, T = s.caches[i], s.length
             qkv, conv_state = causal_conv1d(qkv_all[s.rows].float(), cache.state["conv"], self.w_conv, None)
             cache.set("conv", conv_state)
-            q, k, v = F.silu(qkv).to(x.dtype).float().view(T, 3, H, D).permute(1, 2, 0, 3)   # each [H, T, D]
+            q, k, v = each_row(F.silu, qkv).to(x.dtype).float().view(T, 3, H, D).permute(1, 2, 0, 3)   # each [H, T, D]
             q, k = l2norm(q) * D ** -0.5, l2norm(k)
             gs, beta, state = g_all[:, s.rows], beta_all[:, s.rows], cache.state["recurrent"]
             if T == 1:
@@ -187,7 +187,7 @@ class DeltaAttention(nn.Module):
             return o.transpose(0, 1).to(x.dtype)                                  # [T, H, D]
         o = spans_apply(batch, one, i)
         # gated RMSNorm in float32: norm(o) * w * sigmoid(gate)
-        o = rms_norm(o.float(), self.w_norm.float(), self.eps) * torch.sigmoid(gate.float().view(N, H, D))
+        o = rms_norm(o.float(), self.w_norm.float(), self.eps) * each_row(torch.sigmoid, gate.float()).view(N, H, D)
         return linear(o.to(x.dtype).reshape(N, self.dim), self.w_out)
 
 
@@ -258,7 +258,7 @@ class LatentAttention(nn.Module):
                           view.needed_from_many)
             return attention(qs, full, self.scale).view(s.length, H, width)[..., :self.dv]
         o = spans_apply(batch, one)                                               # [N, H, dv]
-        gate = torch.sigmoid(linear(x, self.w_gate).float()).to(x.dtype)
+        gate = each_row(torch.sigmoid, linear(x, self.w_gate).float()).to(x.dtype)
         return linear((o * gate[..., None]).reshape(N, H * self.dv), self.wo, self.bo)
 
 

@@ -323,6 +323,38 @@ def sigmoid_each(x: torch.Tensor) -> torch.Tensor:
     return sigmoid_reference(x)
 
 
+# an elementwise ATen call of at most this many values runs on one thread: ATen's GRAIN_SIZE is
+# 32768, but its GeLU splits any call past 16384 values across the threads
+ROW_GRAIN = 16384
+# floats in whole unrolled vector steps of ATen's elementwise loop (2 x 16 on AVX-512, 2 x 8 on AVX2)
+VECTOR_ROW = 64
+
+
+def each_row(fn, x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for an elementwise ``fn`` (sigmoid, silu, softplus, gelu, exp, tanh, ...), every
+    row (x's last dim) the bits it gets alone, whatever the rows beside it and the thread count.
+    ATen splits a call of more than ``ROW_GRAIN`` values across threads wherever the split falls,
+    and runs the values short of a whole unrolled vector step one at a time (its scalar tail),
+    whose exp / tanh round otherwise than the vector ones for a few percent of inputs. So: blocks
+    of whole rows of at most ``ROW_GRAIN`` values (``ROW_GRAIN``-column pieces of a longer row),
+    each row its own inner loop (a width short of whole vector steps is read through a padded row
+    stride, so contiguous rows never run on as one loop), each token's values contiguous. The
+    result is contiguous in x's shape; ``models/decoder.py``'s ``act_rows`` is the in-place twin."""
+    width = x.shape[-1]
+    rows = x.reshape(-1, width)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if rows.shape[0] > 1 and width % VECTOR_ROW and rows.stride(0) == width:
+        rows = F.pad(rows, (0, VECTOR_ROW - width % VECTOR_ROW))[:, :width]
+    if rows.numel() <= ROW_GRAIN:
+        return fn(rows).reshape(x.shape)
+    blocks = []
+    for block in rows.split(max(1, ROW_GRAIN // width)):
+        pieces = [fn(p) for p in block.split(ROW_GRAIN, dim=-1)]
+        blocks.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1))
+    return torch.cat(blocks).reshape(x.shape)
+
+
 def embedding(tokens: torch.Tensor, w: torch.Tensor | PackedWeight, dtype: torch.dtype) -> torch.Tensor:
     """Row lookup in an embedding table that may be packed (the ``bf16`` weight format)."""
     if isinstance(w, PackedWeight):

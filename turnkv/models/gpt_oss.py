@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .batch import Batch
-from .base import BaseArgs, apply_rope, attention_spans, linear, rowwise_linear
+from .base import BaseArgs, apply_rope, attention_spans, each_row, linear, rowwise_linear
 from .decoder import FULL, SLIDING, DecoderModel, PreNormBlock, out_weights, qkv_weights, rope_for
 from .rope_config import rope_params
 from .experts import RoutedExperts
@@ -126,7 +126,7 @@ class Expert(nn.Module):
         gate, up = linear(x, self.wgu, self.bgu).chunk(2, dim=-1)
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
-        return linear((up + 1) * (gate * torch.sigmoid(gate * self.alpha)), self.wdown, self.bdown)
+        return linear((up + 1) * (gate * each_row(torch.sigmoid, gate * self.alpha)), self.wdown, self.bdown)
 
 
 class MoE(nn.Module):

@@ -32,7 +32,7 @@ from torch import nn
 
 from ..cache import specs
 from ..cache.kv import KVView
-from .base import Model, attention, embedding, linear, rms_norm, rowwise_linear, sigmoid_each
+from .base import Model, attention, each_row, embedding, linear, rms_norm, rowwise_linear, sigmoid_each
 from .batch import Batch, Span, spans_apply
 from .decoder import DecoderArgs, GatedMLP, HybridBlock, decoder_weights
 from .experts import RoutedExperts, expert_stacks
@@ -222,13 +222,13 @@ class DeltaAttention(nn.Module):
         f = (linear(f_a, self.w_f_b).float() + self.dt_bias).view(N, H, D)
         # softplus as transformers writes it (identity above 20), times -exp(A_log) per head
         g_all = (self.neg_A * torch.where(f > 20.0, f, torch.log(1.0 + torch.exp(f)))).transpose(0, 1)  # [H, N, D]
-        beta_all = torch.sigmoid(b.float()).t()                                                          # [H, N]
+        beta_all = each_row(torch.sigmoid, b.float()).t()                                                          # [H, N]
 
         def one(s: Span):   # conv window and delta rule: this sequence's rows over its own state
             cache, T = s.caches[i], s.length
             qkv, conv_state = causal_conv1d(qkv_all[s.rows], cache.state["conv"], self.w_conv, None)
             cache.set("conv", conv_state)
-            q, k, v = F.silu(qkv).float().view(T, 3, H, D).permute(1, 2, 0, 3)   # each [H, T, D]
+            q, k, v = each_row(F.silu, qkv).float().view(T, 3, H, D).permute(1, 2, 0, 3)   # each [H, T, D]
             q, k = l2norm(q) * D ** -0.5, l2norm(k)
             g, beta, state = g_all[:, s.rows], beta_all[:, s.rows], cache.state["recurrent"]
             if T == 1:
@@ -242,7 +242,7 @@ class DeltaAttention(nn.Module):
         o = spans_apply(batch, one, i)
         gate = linear(g_a, self.w_g_b).view(N, H, D)
         # gated RMSNorm in float32: norm(o) * w * sigmoid(gate)
-        o = rms_norm(o, self.w_norm.float(), self.eps) * torch.sigmoid(gate.float())
+        o = rms_norm(o, self.w_norm.float(), self.eps) * each_row(torch.sigmoid, gate.float())
         return linear(o.to(x.dtype).reshape(N, self.dim), self.w_out)
 
 

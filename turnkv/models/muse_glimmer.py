@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import BaseArgs, apply_rope, attention_spans, embedding, linear
+from .base import BaseArgs, apply_rope, attention_spans, each_row, embedding, linear
 from .decoder import FULL, SLIDING, DecoderModel, GatedMLP, float32_norm, gelu_tanh_, out_weights, silu_
 from .tensors import fused_weight, param, stored, take
 
@@ -127,7 +127,7 @@ class Attention(nn.Module):
         if self.rotate:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         o = attention_spans(batch, i, q, k, qkv[hq + hk:], self.scale)
-        return linear(o * torch.sigmoid(gate), self.wo, self.bo)
+        return linear(o * each_row(torch.sigmoid, gate), self.wo, self.bo)
 
 
 class Block(nn.Module):

@@ -13,7 +13,7 @@ from torch import nn
 from ..cache import specs
 from ..kernels import GGUFWeight
 from .batch import Batch, Span, spans_apply
-from .base import Model, attention_spans, embedding, linear, rms_norm, rowwise_linear, sigmoid_each
+from .base import Model, attention_spans, each_row, embedding, linear, rms_norm, rowwise_linear, sigmoid_each
 from .decoder import DecoderArgs, GatedMLP, HybridBlock, apply_partial_rope, norm_plus_one, out_weights, rope_for
 from .experts import RoutedExperts, expert_stacks
 from .rope_config import rope_params
@@ -105,16 +105,15 @@ class GatedDeltaNet(nn.Module):
             cache, T = s.caches[i], s.length
             qkv, conv_state = causal_conv1d(qkv_all[s.rows], cache.state["conv"], self.w_conv, None)
             cache.set("conv", conv_state)
-            q, k, v = F.silu(qkv).float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            q, k, v = each_row(F.silu, qkv).float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
             # one query/key head serves r value heads (consecutive, or every nk-th when tiled)
             q = self.repeat_heads(l2norm(q.view(T, self.nk, self.dk)), r).transpose(0, 1) * self.dk ** -0.5
             k = self.repeat_heads(l2norm(k.view(T, self.nk, self.dk)), r).transpose(0, 1)
             v = v.view(T, self.nv, self.dv).transpose(0, 1)
-            # per span: an elementwise op's last bits depend on where an element falls in its
-            # tensor (vector body or scalar tail), so one row of nv gates must see the shape a
-            # decode step gives it, whatever else runs in the step (docs/speculative.md)
-            beta = torch.sigmoid(b[s.rows].float()).t()                          # [nv, T]
-            g = (self.neg_A * F.softplus(a[s.rows].float() + self.dt_bias)).t()  # log decay, [nv, T]
+            # each_row: a gate's bits must not depend on the rows beside it (vector body or scalar
+            # tail, a thread split inside a row), so a decode step's one row gets them too
+            beta = each_row(torch.sigmoid, b[s.rows].float()).t()                          # [nv, T]
+            g = (self.neg_A * each_row(F.softplus, a[s.rows].float() + self.dt_bias)).t()  # log decay, [nv, T]
             state = cache.state["recurrent"]
             if T == 1:
                 o, state = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
@@ -127,7 +126,7 @@ class GatedDeltaNet(nn.Module):
             return o.transpose(0, 1).contiguous()
         # per-head RMSNorm first, then the SiLU(z) gate
         o = rms_norm(spans_apply(batch, one, i).to(x.dtype), self.w_norm, self.eps)
-        o = (o * F.silu(z.view(N, self.nv, self.dv).float())).to(x.dtype)
+        o = (o * each_row(F.silu, z.float()).view(N, self.nv, self.dv)).to(x.dtype)
         return linear(o.reshape(N, self.value_dim), self.w_out)
 
 
@@ -169,7 +168,7 @@ class Attention(nn.Module):
 
         # every sequence's rows over its own KV (one native call for the batch)
         out = attention_spans(batch, i, q, k, qkv[hq + hk:], self.scale)
-        return linear(out * torch.sigmoid(gate), self.wo, self.bo)
+        return linear(out * each_row(torch.sigmoid, gate), self.wo, self.bo)
 
 
 class SparseMoE(nn.Module):

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..cache import specs
 from .batch import Batch, Span, spans_apply
-from .base import BaseArgs, Model, attention_spans, gelu_tanh, linear, rms_norm
+from .base import BaseArgs, Model, attention_spans, each_row, gelu_tanh, linear, rms_norm
 from .decoder import GatedMLP, HybridBlock, apply_partial_rope, gelu_tanh_, norm_plus_one, qkv_weights, rope_for
 from .rope_config import rope_params
 from .ssm import causal_conv1d, linear_recurrence
@@ -67,7 +67,7 @@ class RGLRU(nn.Module):
         N = x.shape[0]
         xh = x.view(N, self.heads, self.block).transpose(0, 1)                   # [heads, N, block]
         gates = torch.baddbmm(self.b_gates[:, None, :], xh, self.w_gates)       # [heads, N, 2 * block]
-        gates = torch.sigmoid(gates).transpose(0, 1).reshape(N, self.heads, 2, self.block)
+        gates = each_row(torch.sigmoid, gates).transpose(0, 1).reshape(N, self.heads, 2, self.block)
         input_gate = gates[:, :, 0].reshape(N, self.width)
         rec_gate = gates[:, :, 1].reshape(N, self.width)
         log_a = self.log_a_scale * rec_gate.float()
@@ -112,7 +112,7 @@ class RecurrentBlock(nn.Module):
         h_all = self.rg_lru.forward(spans_apply(batch, conv, i), batch, i)
         for s in batch.spans:
             s.caches[i].advance(s.length)
-        return linear(h_all.to(x.dtype) * gelu_tanh(y), self.w_out, self.b_out)
+        return linear(h_all.to(x.dtype) * each_row(gelu_tanh, y), self.w_out, self.b_out)
 
 
 class Attention(nn.Module):

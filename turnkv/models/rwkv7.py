@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
-from .base import BaseArgs, Model, embedding, linear, rowwise_linear
+from .base import BaseArgs, Model, each_row, embedding, linear, rowwise_linear
 from .batch import Batch, Span, spans_apply
 from .gguf_weights import GGUFPacked
 from .packed import PackedWeight
@@ -37,7 +37,6 @@ from .tensors import param, stored, take, weight
 
 DECAY_SCALE = math.exp(-0.5)      # w = exp(-e^-0.5 * sigmoid(w0 + lora)), as the reference writes it
 MIXES = "rwkvag"                  # the six token-shift interpolations of the time-mix, in this order
-VECTOR_ROW = 64                   # floats: whole unrolled vector loops of PyTorch on AVX-512 (2 x 16) and AVX2
 
 
 @dataclass
@@ -59,15 +58,6 @@ class ModelArgs(BaseArgs):
 
 def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float) -> torch.Tensor:
     return F.layer_norm(x, (x.shape[-1],), w, b, eps)
-
-
-def rowwise(fn, x: torch.Tensor) -> torch.Tensor:
-    """``fn`` (an elementwise transcendental: tanh, sigmoid, exp) of ``x`` [N, W], each row in
-    PyTorch's vector loop. Its scalar tail (the last values of a tensor short of a whole unrolled
-    vector) rounds differently, so a row of a narrow low-rank width would get other bits as a decode
-    step's only row than inside a chunk: rows padded to a multiple of VECTOR_ROW."""
-    pad = -x.shape[-1] % VECTOR_ROW
-    return fn(x) if not pad else fn(F.pad(x, (0, pad)))[..., :x.shape[-1]]
 
 
 def shifted(x: torch.Tensor, batch: Batch, i: int, name: str) -> torch.Tensor:
@@ -142,16 +132,16 @@ class TimeMix(nn.Module):
         delta = shifted(x, batch, i, "att_shift") - x
         xr, xw, xk, xv, xa, xg = (x + delta * m for m in self.mix)
         r, k, v = linear(xr, self.wr), linear(xk, self.wk), linear(xv, self.wv)
-        raw = linear(rowwise(torch.tanh, linear(xw, self.w1)), self.w2)
-        w = rowwise(torch.exp, -DECAY_SCALE * rowwise(torch.sigmoid, raw.float() + self.w0))
-        iclr = rowwise(torch.sigmoid, linear(linear(xa, self.a1), self.a2, self.a0))
-        g = linear(rowwise(torch.sigmoid, linear(xg, self.g1)), self.g2)
+        raw = linear(each_row(torch.tanh, linear(xw, self.w1)), self.w2)
+        w = each_row(torch.exp, -DECAY_SCALE * each_row(torch.sigmoid, raw.float() + self.w0))
+        iclr = each_row(torch.sigmoid, linear(linear(xa, self.a1), self.a2, self.a0))
+        g = linear(each_row(torch.sigmoid, linear(xg, self.g1)), self.g2)
         kk = F.normalize((k * self.k_k).view(N, H, D), dim=-1)
         k = k * (1 + (iclr - 1) * self.k_a)
         if self.first:
             v_first = v
         else:
-            v = v + (v_first - v) * rowwise(torch.sigmoid, linear(linear(xv, self.v1), self.v2, self.v0))
+            v = v + (v_first - v) * each_row(torch.sigmoid, linear(linear(xv, self.v1), self.v2, self.v0))
         heads = [t.view(N, H, D) for t in (r, w, k, v)]
         b = kk * iclr.view(N, H, D)
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import linear
+from .base import each_row, linear
 from .batch import Batch, Span, spans_apply
 from .tensors import param, take
 
@@ -104,7 +104,7 @@ def gated_group_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tens
                          eps: float) -> torch.Tensor:
     """Mamba 2's gated RMSNorm (gate first, then normalise within groups): x, gate [T, D]."""
     dtype = x.dtype
-    h = x.float() * F.silu(gate.float())
+    h = x.float() * each_row(F.silu, gate.float())
     T, D = h.shape
     h = h.view(T, D // group_size, group_size)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -180,13 +180,13 @@ class Mamba2Mixer(nn.Module):
         d = self.d
         I, GN = d.intermediate_size, d.n_groups * d.state_size
         gate, xbc, dt = linear(x, self.w_in, self.b_in).split([I, d.conv_dim, d.num_heads], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias).clamp(*d.time_step_limit)
+        dt = each_row(F.softplus, dt.float() + self.dt_bias).clamp(*d.time_step_limit)
 
         def one(s: Span):   # conv window and scan: this sequence's rows over its own state
             cache, T = s.caches[i], s.length
             conv, conv_state = causal_conv1d(xbc[s.rows], cache.state["conv"], self.w_conv, self.b_conv)
             cache.set("conv", conv_state)
-            xs, B, C = F.silu(conv).split([I, GN, GN], dim=-1)
+            xs, B, C = each_row(F.silu, conv).split([I, GN, GN], dim=-1)
             xs = xs.reshape(T, d.num_heads, d.head_dim)
             B, C = B.reshape(T, d.n_groups, d.state_size), C.reshape(T, d.n_groups, d.state_size)
             if T == 1:
