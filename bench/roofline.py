@@ -6,15 +6,15 @@ Builds bench/roofline.cpp with g++ (a few seconds) and runs it: per core, with 1
 accumulators in registers, 256-bit FMAs per ns and vpmaddubsw + vpaddw pairs per ns (the int8 dot
 step of the GGUF kernels without VNNI); where the CPU has AVX-512, the same two 512 bits wide and
 vpdpbusd per ns (AVX-512 VNNI); and the cost of an OpenMP parallel region and of a barrier. Then
-times, per thread count, compute-bound kernel calls of the bundled models' shapes (GGUF matmuls
-with 512 activation rows, and the attention of a 72-token prefill chunk over 1100 keys of float16
-K/V) and prints each in multiply-adds per ns and as a share of the rate of the instruction the
-dispatched path uses: the matmul's against vpdpbusd zmm (avx512vnni, 64 each), vpmaddubsw zmm
-(avx512, 64) or vpmaddubsw ymm (avx2, 32); the attention's (q.k and p.v per head, query and
-visible key, d each) against the FMA rate at its path's width (avx512: 16 lanes, avx2: 8). A share
-far below 1 means the kernel's own instructions (loads, conversions, stores, spills), not the CPU,
-set its speed. Timings are the best of repeated calls (this shared VM's noise is large). See
-docs/kernels.md.
+times, per thread count, compute-bound kernel calls of the bundled models' shapes (GGUF matmuls with
+512 activation rows, and the attention of a 72-token prefill chunk over 1100 keys of float16 K/V and
+of a 256-token chunk over 9496 keys, an agent step's global layer) and prints each in multiply-adds
+per ns and as a share of the rate of the instruction the dispatched path uses: the matmul's against
+vpdpbusd zmm (avx512vnni, 64 each), vpmaddubsw zmm (avx512, 64) or vpmaddubsw ymm (avx2, 32); the
+attention's (q.k and p.v per head, query and visible key, d each) against the FMA rate at its path's
+width (avx512: 16 lanes, avx2: 8). A share far below 1 means the kernel's own instructions (loads,
+conversions, stores, spills), not the CPU, set its speed. Timings are the best of repeated calls
+(this shared VM's noise is large). See docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -98,13 +98,15 @@ def kernel_rows(threads: int, peak: dict[str, float]) -> list[tuple[str, float, 
         s = best_time(lambda: ext.gguf_matmul(x, w.raw, int(w.qtype), n, k, isa), budget=1.0)
         rate = 512 * n * k / s / 1e9
         rows.append((f"matmul {name}, M=512 (against {mm_ins})", rate, rate / mm_peak))
-    for name, hq, hk, d in (("SmolLM2 9q/3kv x 64", 9, 3, 64), ("Gemma 3 4q/1kv x 256", 4, 1, 256)):
-        t, keys = 72, 1100
+    # the last: one global layer of an agent step's prefill (bench/step_ttft.py: a 256-row chunk at ~9.5k)
+    for name, hq, hk, d, t, keys in (("SmolLM2 9q/3kv x 64", 9, 3, 64, 72, 1100),
+                                     ("Gemma 3 4q/1kv x 256", 4, 1, 256, 72, 1100),
+                                     ("Gemma 3 4q/1kv x 256", 4, 1, 256, 256, 9496)):
         q, kk, v = torch.randn(hq, t, d), torch.randn(hk, keys, d).half(), torch.randn(hk, keys, d).half()
         s = best_time(lambda: A.attend_native(q, kk, v, keys - t, 0, "full", 0, 0.125, None), budget=1.0)
         visible = sum(keys - t + i + 1 for i in range(t))
         rate = 2 * hq * visible * d / s / 1e9
-        rows.append((f"attention {name}, 72 q / 1100 keys (against {at_ins})", rate, rate / at_peak))
+        rows.append((f"attention {name}, {t} q / {keys} keys (against {at_ins})", rate, rate / at_peak))
     return rows
 
 
