@@ -23,6 +23,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from .call_args import StableJson, canonical
+
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -30,6 +32,9 @@ _PYTHON_TAG = "<|python_tag|>"
 # a call's name, complete (its closing quote generated): Hermes, each <tool_call>; Llama 3, the first call
 _HERMES_NAME = re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _LLAMA_NAME = re.compile(r'\s*(?:<\|python_tag\|>)?\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+# the text from a <tool_call> to the end that may still become a _HERMES_NAME match
+_HERMES_NAME_SO_FAR = re.compile(
+    r'<tool_call>\s*(?:\{\s*(?:"(?:n(?:a(?:m(?:e(?:"\s*(?::\s*(?:"(?:[^"\\]|\\.)*\\?)?)?)?)?)?)?)?)?)?\Z')
 _ARGS = re.compile(r'"(?:arguments|parameters)"\s*:\s*(.*)', re.DOTALL)
 
 
@@ -262,7 +267,17 @@ class StreamParser:
     calls: list[dict] = field(default_factory=list)
     heads: list[dict] = field(default_factory=list)     # opening deltas sent (forced)
     sent: list[str] = field(default_factory=list)       # per opened call: its arguments text sent so far
+    sent_n: list[int] = field(default_factory=list)     # its length (``sent`` itself kept up once whole, or in finish)
     done: list[bool] = field(default_factory=list)      # per opened call: its arguments all sent
+    # what opened / arguments found so far in ``held`` (append-only once in a call), so each look
+    # reads only the text pushed since the last: <tool_call> positions, names matched, each
+    # opened call's arguments start (None: not yet) and scan
+    opens: list[int] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    scanned: int = 0                                    # <tool_call> searched for up to here
+    named: int = 0                                      # names searched for from here
+    args_at: list[int | None] = field(default_factory=list)
+    scans: list[StableJson] = field(default_factory=list)
 
     def __post_init__(self):
         if self.known_name is not None:      # the grammar leaves no room for content: all of it is calls
@@ -308,7 +323,7 @@ class StreamParser:
             return []
         out = [self._open(self.known_name)] if self.known_name is not None and not self.heads else []
         if self.fmt == HERMES:
-            names = [m.group(1) for m in _HERMES_NAME.finditer(self.held)]
+            names = self._hermes_names()
         else:
             m = _LLAMA_NAME.match(self.held) if not self.heads else None
             names = [m.group(1)] if m else []
@@ -323,8 +338,35 @@ class StreamParser:
         head = {"index": len(self.heads), **_call(name, "")}
         self.heads.append(head)
         self.sent.append("")
+        self.sent_n.append(0)
         self.done.append(False)
+        self.args_at.append(None)
+        self.scans.append(StableJson())
         return head
+
+    def _find_opens(self) -> None:
+        """``opens`` extended with the <tool_call> positions in the text pushed since the last look."""
+        while (at := self.held.find(_HERMES_OPEN, self.scanned)) >= 0:
+            self.opens.append(at)
+            self.scanned = at + len(_HERMES_OPEN)
+        self.scanned = max(self.scanned, len(self.held) - len(_HERMES_OPEN) + 1)
+
+    def _hermes_names(self) -> list[str]:
+        """The names of the calls written so far (what _HERMES_NAME.finditer over ``held`` finds),
+        searched for only from the first <tool_call> that is not a match or a non-match yet."""
+        self._find_opens()
+        for at in self.opens:
+            if at < self.named:
+                continue
+            m = _HERMES_NAME.match(self.held, at)
+            if m:
+                self.names.append(m.group(1))
+                self.named = m.end()
+            elif _HERMES_NAME_SO_FAR.match(self.held, at):
+                return self.names        # this call's name is still being written
+            else:
+                self.named = at + 1
+        return self.names
 
     def _written(self, held: str) -> list[str]:
         """Per opened call, its arguments text as written so far in ``held`` (from the value's first
@@ -339,22 +381,52 @@ class StreamParser:
     def arguments(self) -> list[tuple[int, str, bool]]:
         """(index, arguments text, whether that call's arguments are now whole) of the opened calls'
         arguments written since the last look, as far as they are sure to read the same in the parsed
-        call (forced only): what is sent is always a prefix of the final ``function.arguments``."""
+        call (forced only): what is sent is always a prefix of the final ``function.arguments``.
+        Each look reads only the text pushed since the last (see ``_args_span``)."""
         out = []
-        for i, raw in enumerate(self._written(self.held)):
-            if self.done[i]:
+        for i in range(len(self.heads)):
+            if self.done[i] or (span := self._args_span(i)) is None:
                 continue
-            stable, whole = _stable_json(raw)
-            text = _canonical(raw[:stable]) if whole else raw[:stable]
-            piece = text[len(self.sent[i]):] if text is not None and text.startswith(self.sent[i]) else ""
-            self.sent[i] += piece
-            self.done[i] = whole and text is not None
+            start, end = span
+            scan = self.scans[i]
+            fed = start + scan.n
+            stable, whole = scan.feed(self.held[fed:end] if fed < end else "")
+            n = self.sent_n[i]
+            if whole:
+                sent, text = self.held[start:start + n], canonical(self.held[start:start + stable])
+                piece = text[n:] if text is not None and text.startswith(sent) else ""
+                self.sent[i], self.done[i] = sent + piece, text is not None
+            else:       # the sure part only grows and what was sent is its start: ``sent`` catches up in finish
+                piece = self.held[start + n:start + stable] if stable > n else ""
+            self.sent_n[i] = n + len(piece)
             if piece or self.done[i]:
                 out.append((i, piece, self.done[i]))
         return out
 
+    def _args_span(self, i: int) -> tuple[int, int] | None:
+        """Where the opened call ``i``'s arguments value starts in ``held`` and where its text ends
+        (the next <tool_call>, or the end), as ``_written`` splits it; None before the value's first
+        character. The start is looked for only until found."""
+        if self.fmt == HERMES:
+            self._find_opens()
+            if i >= len(self.opens):
+                return None
+            seg = self.opens[i] + len(_HERMES_OPEN)
+            end = self.opens[i + 1] if i + 1 < len(self.opens) else len(self.held)
+        else:
+            seg, end = 0, len(self.held)
+        if self.args_at[i] is None:
+            m = _ARGS.search(self.held, seg, end)
+            if m is None or m.start(1) >= end:      # not yet: more whitespace may come before the value
+                return None
+            self.args_at[i] = m.start(1)
+        return self.args_at[i], end
+
     def finish(self) -> tuple[str, list[dict]]:
         """(content still to send, tool-call deltas) at the end of the reply."""
+        for i, n in enumerate(self.sent_n):
+            if len(self.sent[i]) != n:      # streamed, not whole: what was sent is the start of the value
+                self.sent[i] = self.held[self.args_at[i]:self.args_at[i] + n]
         held, self.held = self.held, ""
         if not self.in_call:
             return held, []
@@ -386,54 +458,3 @@ class StreamParser:
             if rest:
                 out.append({"index": head["index"], "function": {"arguments": rest}})
         return out
-
-
-_NUMBER_CHARS = frozenset("-+.0123456789eE")
-
-
-def _canonical(text: str) -> str | None:
-    """``text`` (JSON) as the parsed call writes it (json.dumps with the grammar's separators)."""
-    try:
-        return json.dumps(json.loads(text), ensure_ascii=False)
-    except ValueError:
-        return None
-
-
-def _stable_json(raw: str) -> tuple[int, bool]:
-    """(how much of ``raw``, a JSON value as the model writes it under a call grammar (separators
-    ``, `` and ``: ``, no other whitespace), is sure to read the same once parsed and written again,
-    whether the value ends there). A number is unsure until it ends, an escape until it is whole;
-    one that json.dumps writes otherwise (``1.50``, ``\\u00e9``) ends the sure part for good."""
-    if not raw.startswith(("{", "[")):
-        return 0, False
-    depth, i, n = 0, 0, len(raw)
-    while i < n:
-        c, after_separator = raw[i], i > 0 and raw[i - 1] in ",:"
-        if (c.isspace() or after_separator) and not (c == " " and after_separator):
-            return i, False
-        if c == '"':
-            j = i + 1
-            while j < n and raw[j] != '"':
-                if raw[j] != "\\":
-                    j += 1
-                    continue
-                end = j + (6 if raw[j + 1:j + 2] == "u" else 2)
-                if end > n or _canonical(f'"{raw[j:end]}"') != f'"{raw[j:end]}"':
-                    return j, False
-                j = end
-            if j >= n:
-                return n, False
-            i = j + 1
-        elif c in "-0123456789":
-            j = i
-            while j < n and raw[j] in _NUMBER_CHARS:
-                j += 1
-            if j >= n or _canonical(raw[i:j]) != raw[i:j]:
-                return i, False
-            i = j
-        else:
-            depth += (c in "{[") - (c in "}]")
-            i += 1
-            if depth == 0 and c in "}]":
-                return i, True
-    return n, False
