@@ -1,5 +1,6 @@
 """turnkv.launch's huge-page heap: when the tunable applies, and that a process started through
-``ensure_hugepages`` really gets its malloc'd memory on transparent huge pages."""
+``ensure_hugepages`` really gets its malloc'd memory on transparent huge pages; and when `serve`
+moves the GGUF weights to huge pages (once it answers)."""
 
 from __future__ import annotations
 
@@ -65,3 +66,39 @@ def test_a_launched_process_gets_its_heap_on_huge_pages():
         tunables, huge_kb = run_child(TURNKV_HUGEPAGES="0")
         assert ON not in tunables.split(":") and huge_kb < 4 << 10
         assert launch.hugepages_state({"TURNKV_HUGEPAGES": "0"}) == "4 KiB pages (TURNKV_HUGEPAGES=0)"
+
+
+def test_serve_moves_the_weights_to_huge_pages_only_once_it_answers():
+    """``serve`` plans the GGUF weights' move to huge pages at the load (the banner says it) and
+    starts it on a thread that waits for ``answering()``; a stop before that ends the thread
+    without the move, and an engine whose banner plans none gets no thread."""
+    import threading
+    from types import SimpleNamespace
+
+    from turnkv import launch
+    from turnkv.kernels.weight_memory import collapse
+    from turnkv.server.serve import huge_pages, once_answering
+
+    engine = SimpleNamespace(weights="gguf")
+    before = {t.name for t in threading.enumerate()}
+    words = launch.weights_to_huge_pages(engine, environ={}, start=False)
+    assert "turnkv-weights-to-huge-pages" not in {t.name for t in threading.enumerate()} - before
+    if launch.thp_mode() in ("always", "madvise"):
+        assert words.startswith("moving to 2 MiB pages")
+    assert launch.weights_to_huge_pages(engine, environ={"TURNKV_HUGEPAGES": "0"}, start=False) == ""
+    assert huge_pages(SimpleNamespace(weight_pages="")) is None
+    assert huge_pages(SimpleNamespace(weight_pages="moving")) is collapse
+    assert once_answering(lambda: True, threading.Event(), None, name="none") is None
+
+    ran, answering, stop = [], threading.Event(), threading.Event()
+    thread = once_answering(answering.is_set, stop, lambda: ran.append(1), name="job")
+    thread.join(0.2)
+    assert thread.is_alive() and ran == []
+    answering.set()
+    thread.join(5)
+    assert not thread.is_alive() and ran == [1]
+    stop = threading.Event()
+    thread = once_answering(lambda: False, stop, lambda: ran.append(2), name="job")
+    stop.set()
+    thread.join(5)
+    assert not thread.is_alive() and ran == [1]

@@ -221,7 +221,9 @@ def tenant_budget_bytes(args) -> int | None:
     return None if mb is None else int(mb * 1024 * 1024)
 
 
-def engine_from(args, progress: bool = True):
+def engine_from(args, progress: bool = True, huge_pages_now: bool = True):
+    """``huge_pages_now`` False: the GGUF weights' move to huge pages is left for the caller to
+    start (``serve`` starts it once the server answers)."""
     import torch
 
     from .engine.engine import Engine
@@ -244,7 +246,7 @@ def engine_from(args, progress: bool = True):
                          speculative=args.speculative, draft_max=args.draft_max,
                          **{k: getattr(args, k) for k in ("max_seqs", "max_batch_tokens", "max_queue",
                                                           "max_image_pixels", "image_cache_mb") if hasattr(args, k)})
-    engine.weight_pages = weights_to_huge_pages(engine)
+    engine.weight_pages = weights_to_huge_pages(engine, start=huge_pages_now)
     if tiered:   # the lower tiers are named by the loaded model's fingerprint (prompt_cache/tiered.py)
         from .prompt_cache.tiered import build_tiers
         cache.attach(build_tiers(engine.fingerprint, args.cache_dir, args.disk_cache_mb, args.redis_url,
@@ -262,15 +264,17 @@ def engine_from(args, progress: bool = True):
     return engine
 
 
-def weights_to_huge_pages(engine, environ=None) -> str:
+def weights_to_huge_pages(engine, environ=None, start: bool = True) -> str:
     """GGUF weights move to transparent huge pages on a background thread once loaded
     (kernels/weight_memory.py), unless TURNKV_HUGEPAGES=0 or the kernel's THP is off; the
-    banner's words for it, "" when nothing moves."""
+    banner's words for it, "" when nothing moves. ``start`` False: the move is only planned, and
+    the caller starts ``collapse_in_background`` when the words are not ""."""
     environ = os.environ if environ is None else environ
     if engine.weights != "gguf" or _hugepages_refused(environ) or thp_mode() not in ("always", "madvise"):
         return ""
-    from .kernels.weight_memory import collapse_in_background
-    collapse_in_background()
+    if start:
+        from .kernels.weight_memory import collapse_in_background
+        collapse_in_background()
     return "moving to 2 MiB pages in the background (MADV_COLLAPSE, Linux 6.1+)"
 
 

@@ -88,7 +88,7 @@ def serve(args) -> int:
     with sock:
         keys = KeyRing(args.api_key, args.api_keys, args.admin_key)    # a bad key file fails before the load
         imports = import_in_background(HTTP_MODULES)
-        engine = engine_from(args)
+        engine = engine_from(args, huge_pages_now=False)     # the move starts once the server answers
         imports.join()
         import uvicorn
 
@@ -113,6 +113,33 @@ def serve(args) -> int:
                                                timeout_keep_alive=5))
         run(app, server, sock, keys)
     return 0
+
+
+def once_answering(answering, stop: threading.Event, job, name: str) -> threading.Thread | None:
+    """A started daemon thread that runs ``job`` once ``answering()``, or ends at ``stop``; None
+    for no ``job``."""
+    if job is None:
+        return None
+
+    def wait_then_run() -> None:
+        while not answering():
+            if stop.wait(0.02):
+                return
+        job()
+
+    thread = threading.Thread(target=wait_then_run, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def huge_pages(engine):
+    """The GGUF weights' move to huge pages (``collapse``) where the banner said it would happen,
+    else None: kernel work (it copies every 2 MiB of the weights) that the first answer need not
+    wait for, on a 2-core machine it took the core the start-up's last steps ran on."""
+    if not getattr(engine, "weight_pages", ""):
+        return None
+    from ..kernels.weight_memory import collapse
+    return collapse
 
 
 def run(app, server, sock: socket.socket, keys: KeyRing) -> None:
@@ -142,6 +169,7 @@ def run(app, server, sock: socket.socket, keys: KeyRing) -> None:
         signal.signal(sig, shut_down)
     thread = threading.Thread(target=http, name="turnkv-http")
     thread.start()
+    once_answering(lambda: server.started, stop, huge_pages(app.state.engine), name="turnkv-weights-to-huge-pages")
     grammar_warm_up_thread(app.state.engine, lambda: server.started, stop)
     app.state.worker.run(stop)
     server.should_exit = True
