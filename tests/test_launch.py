@@ -102,3 +102,19 @@ def test_serve_moves_the_weights_to_huge_pages_only_once_it_answers():
     stop.set()
     thread.join(5)
     assert not thread.is_alive() and ran == [1]
+
+
+def test_read_ahead_advises_a_gguf_file_and_leaves_names_and_folders(tmp_path):
+    """``read_ahead`` (the CLI calls it before the imports) starts a thread for a .gguf file that
+    ends once the kernel has the request, and starts nothing for a bundled model's name, a
+    folder, a missing file or a file of another kind."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(os.urandom(1 << 20))
+    thread = launch.read_ahead(str(model))
+    assert thread is not None
+    thread.join(10)
+    assert not thread.is_alive()
+    other = tmp_path / "m.bin"
+    other.write_bytes(b"x")
+    for name in ("smollm2-135m", str(tmp_path), str(tmp_path / "missing.gguf"), str(other), None):
+        assert launch.read_ahead(name) is None

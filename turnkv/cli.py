@@ -273,8 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if argv is None and args.func in (cmd_serve, cmd_chat, cmd_generate, cmd_perplexity):
-        from .launch import ensure_hugepages
+        from .launch import ensure_hugepages, read_ahead
         ensure_hugepages()   # a command that loads a model starts over once with glibc's huge-page heap
+        read_ahead(args.model)   # the model file's disk reads beside the imports
     from .errors import user_errors
     try:
         return int(args.func(args) or 0)
