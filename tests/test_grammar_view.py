@@ -96,7 +96,7 @@ def test_another_eos_set_is_another_cache_entry(tok, cache_dir):
     grammar_view.build_with_origin(llg, tok)
     other = Tokenizer(tok.backend, special_tokens=tok.special_tokens, chat_template=tok.chat_template,
                       extra_eos_ids=[0])
-    other.backend_file = tok.backend_file
+    other.backend_file, other.backend_stamp = tok.backend_file, tok.backend_stamp
     assert other.eos_token_ids != tok.eos_token_ids
     view, origin = grammar_view.build_with_origin(llg, other)
     assert origin == "file" and len(list(cache_dir.iterdir())) == 2
@@ -127,12 +127,20 @@ def test_an_unwritable_cache_dir_costs_only_the_full_build(tok, tmp_path, monkey
     assert view.eos_tokens == reference(tok).eos_tokens
 
 
-def test_a_tokenizer_json_gone_after_the_load_builds_from_the_backend(tok, cache_dir, tmp_path):
-    moved = tok.with_template(tok.chat_template)
-    moved.backend_file = tmp_path / "gone" / "tokenizer.json"
-    view, origin = grammar_view.build_with_origin(llg, moved)
-    assert origin == "backend" and not cache_dir.exists()
-    assert view.vocab_size == tok.vocab_size
+def test_a_tokenizer_json_gone_or_changed_after_the_load_builds_from_the_backend(tok, cache_dir, tmp_path):
+    import shutil
+
+    copy = tmp_path / "tok" / "tokenizer.json"
+    copy.parent.mkdir()
+    shutil.copy(tok.backend_file, copy)
+    loaded = Tokenizer.from_folder(copy.parent, chat_template=tok.chat_template)
+    assert grammar_view.build_with_origin(llg, loaded)[1] == "file"
+    copy.write_text(copy.read_text().replace('"<|im_end|>"', '"<|im_ended|>"'))   # another vocabulary now
+    view, origin = grammar_view.build_with_origin(llg, loaded)
+    assert origin == "backend" and view.vocab_size == tok.vocab_size
+    assert_same_view(view, reference(loaded), loaded)
+    copy.unlink()
+    assert grammar_view.build_with_origin(llg, loaded)[1] == "backend"
 
 
 def test_a_failed_build_publishes_nothing_and_the_next_grammar_builds_again(cache_dir):

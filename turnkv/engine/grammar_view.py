@@ -10,7 +10,8 @@ the EOS ids and llguidance's version; later builds hand those bytes to llguidanc
 ``TokenizerWrapper`` with the same tokenizer's encode, which builds the same trie and slices
 without the parse (~1.1 s for Gemma 3). A cache file that is missing, unreadable or fails its
 checksum is rebuilt from the tokenizer.json; a cache dir that cannot be written only costs the
-next start the full build.
+next start the full build. A tokenizer.json changed or gone since the load is not used: the view
+is then built from the backend in memory (its JSON), never cached.
 
 llguidance tokenizes (forced bytes only, which turnkv does not use) with the file's tokenizer
 after removing a ``Prepend`` normalizer and setting Metaspace's prepend scheme to never: a
@@ -62,10 +63,7 @@ def build_with_origin(llg, tokenizer):
     if hasattr(backend, "grammar_tokens"):      # RWKV's world trie: no tokenizer.json at all
         vocab = BytesVocab(backend.grammar_tokens(), backend.tokenize_bytes, min(eos), tokenizer.bos_token_id)
         return llg.LLTokenizer(llg.TokenizerWrapper(vocab), n_vocab=n, eos_token=eos), "backend"
-    try:
-        data = Path(tokenizer.backend_file).read_bytes() if tokenizer.backend_file is not None else None
-    except OSError:     # the file went away after the load: the backend in memory still says it all
-        data = None
+    data = _loaded_file(tokenizer)
     if data is None:
         return llg.LLTokenizer(backend.to_str(), n_vocab=n, eos_token=eos), "backend"
     if b'"Prepend"' in data or b'"Metaspace"' in data:    # llguidance tokenizes with a changed copy
@@ -79,6 +77,21 @@ def build_with_origin(llg, tokenizer):
     view = llg.LLTokenizer(data.decode("utf-8"), n_vocab=n, eos_token=eos)
     write_tokens(cache, *token_bytes(view, n))
     return view, "file"
+
+
+def _loaded_file(tokenizer) -> bytes | None:
+    """The tokenizer.json the backend was loaded from, or None when there is none or it is gone or
+    changed since (size or mtime): then the backend in memory is what to build from."""
+    path = tokenizer.backend_file
+    if path is None:
+        return None
+    try:
+        stat = Path(path).stat()
+        if (stat.st_size, stat.st_mtime_ns) != tokenizer.backend_stamp:
+            return None
+        return Path(path).read_bytes()
+    except OSError:
+        return None
 
 
 def _encoder(backend):

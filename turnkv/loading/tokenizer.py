@@ -189,9 +189,11 @@ class Tokenizer:
     ):
         self.backend = backend
         self.source = source
-        # the tokenizer.json ``backend`` was read from, unchanged (from_folder): the grammar engine
-        # keys its on-disk view of the vocabulary on this file's bytes (engine/grammar_view.py)
+        # the tokenizer.json ``backend`` was read from (from_folder) and its (size, mtime) then: the
+        # grammar engine keys its on-disk view of the vocabulary on this file's bytes while they
+        # are still the ones loaded (engine/grammar_view.py)
         self.backend_file: Path | None = None
+        self.backend_stamp: tuple[int, int] | None = None
         self.special_tokens = dict(special_tokens or {})
         self.chat_template = chat_template
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
@@ -226,6 +228,7 @@ class Tokenizer:
             backend = tokenizers.Tokenizer.from_file(str(path))
         except Exception as e:
             raise ModelLoadError(f"{path}: cannot load tokenizer ({e})") from None
+        stat = path.stat()
         config = read_json(folder / "tokenizer_config.json") or {}
         special = {}
         for key in _SPECIAL_TOKEN_KEYS:
@@ -243,7 +246,7 @@ class Tokenizer:
             clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
             source=folder,
         )
-        tok.backend_file = path
+        tok.backend_file, tok.backend_stamp = path, (stat.st_size, stat.st_mtime_ns)
         return tok
 
     # -- basics
@@ -277,7 +280,7 @@ class Tokenizer:
                         extra_eos_ids=self.eos_token_ids, source=self.source,
                         clean_up_tokenization_spaces=self._clean_up)
         tok.template_note = note
-        tok.backend_file = self.backend_file
+        tok.backend_file, tok.backend_stamp = self.backend_file, self.backend_stamp
         return tok
 
     def render_text(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
