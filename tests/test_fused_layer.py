@@ -341,3 +341,53 @@ def test_kept_plan_same_bits_as_a_plan_built_every_step(model, monkeypatch):
         assert torch.equal(a, b)
     assert built_fresh == steps + 4         # and the four prompts' steps
     assert built_kept < steps // 4, (built_kept, steps)
+
+
+def test_plans_kept_by_length_over_verified_drafts(model, monkeypatch):
+    """A speculating sequence's steps (docs/speculative.md): one-row decode steps, now and then a
+    verified draft of 2, 4 or 8 rows cut back after it to the tokens taken, over a block boundary
+    and, on Gemma 3, past its sliding window. The one-row plan is built once and brought up to date
+    by its own ``advance`` calls after each draft (cache/write.py ``KeptWrites``; a draft's plan
+    is built again unless its span moved on by whole drafts); every logit equals the run whose
+    plan is built at every step."""
+    from turnkv.cache.write import KeptWrites
+
+    real_plan = KeptWrites.plan
+
+    def built_every_step(self, seqs, lens, layers):
+        self._kept = None
+        return real_plan(self, seqs, lens, layers)
+
+    made = []
+    real_sp = kernels._ext.StackPlan
+    monkeypatch.setattr(kernels._ext, "StackPlan", lambda plans: made.append(1) or real_sp(plans))
+    # (draft rows, tokens kept) per step: 0 rows is a plain one-row step
+    pattern = [(0, 1), (0, 1), (4, 2), (0, 1), (2, 1), (0, 1), (0, 1), (8, 8), (0, 1), (4, 1), (2, 2), (0, 1)]
+
+    def drive() -> tuple[list[torch.Tensor], int, int]:
+        made.clear()
+        c = caches(model)
+        last = model.step(prompt(500, 7), c, logits="last")
+        logits, one_row = [], 0
+        for rows, keep in pattern * 6:
+            ids = torch.tensor([int(last.argmax())] + prompt(max(rows - 1, 0), len(logits)).tolist())
+            before = len(made)
+            out = model.step(ids, c, logits="all")
+            one_row += len(made) - before if not rows else 0
+            logits.append(out)
+            if rows:
+                for layer in c:
+                    layer.truncate(layer.offset - rows + keep)
+            last = out[keep - 1]
+        return logits, len(made), one_row
+
+    with torch.inference_mode():
+        kept, built_kept, one_row_kept = drive()
+        monkeypatch.setattr(KeptWrites, "plan", built_every_step)
+        fresh, built_fresh, one_row_fresh = drive()
+    for a, b in zip(kept, fresh):
+        assert torch.equal(a, b)
+    assert built_fresh == len(pattern) * 6 + 1 and one_row_fresh == 7 * 6
+    # the first one-row step's, and one where a block boundary or a sliding window's block moved
+    # the caches (a few over these 72 steps)
+    assert one_row_kept <= 5 and built_kept < built_fresh - 35, (one_row_kept, built_kept)

@@ -26,6 +26,12 @@ from .kv import KVCache
 
 _TABLES, _Q_POS, _K_POS, _KINDS, _SPANS, _K_SCALES = 3, 4, 5, 6, 7, 8     # a plan's fields
 _FULL, _SLIDING = KINDS["full"], KINDS["sliding"]
+# Plans kept by the spans' lengths (a decode step, a verified draft's 2, 4, 8 or 16 rows), and the
+# most ``advance`` calls that bring one up to date: a speculating sequence goes from a draft's
+# rows back to one row every few steps, and a plan built again each time costs about 5% of a
+# small model's one-row step (docs/speculative.md)
+KEPT_LENGTHS = 6
+MAX_MOVES = 64
 
 
 @functools.lru_cache(maxsize=None)
@@ -125,7 +131,7 @@ class _Kept:
     with the parts they had (a pool that grows gets new parts). It holds no cache, so it keeps no
     sequence's blocks alive."""
 
-    __slots__ = ("native", "lens", "tables", "rules", "rule_of", "int8", "stores")
+    __slots__ = ("native", "lens", "tables", "rules", "rule_of", "int8", "stores", "others")
 
     def __init__(self, native, lens: list[int], plans: list[tuple], rules: list[list], rule_of: list[int],
                  per_layer: list[tuple]):
@@ -134,18 +140,36 @@ class _Kept:
         self.int8 = [p[_K_SCALES] is not None for p in plans]
         stores = {id(c.store): c.store for caches in per_layer for c in caches}
         self.stores = [(st, st.parts) for st in stores.values()]
+        self.others: dict[tuple[int, ...], _Kept] = {}    # earlier steps' plans of other lengths
 
-    def expected(self) -> list[list[tuple[int, int]]]:
-        """Per rule, what each span's ``reserve`` returns this step if its cache only moved on:
-        the query position on by the span's length; the first position the same (full attention)
-        or ``max(first, query - window + 1)`` (sliding: the native plan's ``advance`` does the same)."""
+    def expected(self, moves: int = 1) -> list[list[tuple[int, int]]]:
+        """Per rule, what each span's ``reserve`` returns this step if its cache only moved on by
+        ``moves`` steps of this plan's lengths: the query position on by ``moves`` times the
+        span's length; the first position the same (full attention) or ``max(first, query -
+        window + 1)`` (sliding: the native plan's ``advance`` does the same at each move)."""
         out = []
         for kind, window, reserved in self.rules:
             if kind == _FULL:
-                out.append([(f, q + T) for (f, q), T in zip(reserved, self.lens)])
+                out.append([(f, q + moves * T) for (f, q), T in zip(reserved, self.lens)])
             else:
-                out.append([(max(f, q + T - window + 1), q + T) for (f, q), T in zip(reserved, self.lens)])
+                out.append([(max(f, q + moves * T - window + 1), q + moves * T)
+                            for (f, q), T in zip(reserved, self.lens)])
         return out
+
+    def moves_to(self, reserved: list[list[tuple[int, int]]]) -> int:
+        """How many of this plan's steps lie between its last step and the query positions the
+        caches reserved now (``reserved``, per layer): the same whole number for every span, or 0.
+        A plan kept from before a step of other lengths (a verified draft, cut back after it) is
+        that many ``advance`` calls from the step, when each span moved on by as many of its own
+        lengths."""
+        first = self.rules[self.rule_of[0]][2] if self.rule_of else []
+        moves = 0
+        for (_, q_then), (_, q_now), T in zip(first, reserved[0] if reserved else [], self.lens):
+            step, left = divmod(q_now - q_then, T) if T else (0, 1)
+            if left or step <= 0 or (moves and step != moves):
+                return 0
+            moves = step
+        return moves if moves <= MAX_MOVES else 0
 
     def moved_on(self, per_layer: list[tuple], reserved: list[list[tuple[int, int]]], expect: list) -> bool:
         """After every cache reserved this step's rows: whether each one returned what its rule
@@ -165,7 +189,10 @@ class KeptWrites:
     When a step's sequences are the last step's caches with the same lengths and every one of them
     only moved on inside blocks it owns (most decode steps; a sliding-window cache until a block
     leaves its window), the kept native plan advances and nothing else is built or converted
-    (``_Kept``); any other step builds and keeps a new one."""
+    (``_Kept``). Plans of other lengths are kept too (``KEPT_LENGTHS``): a step of a length seen
+    before (a decode step after a verified draft, the draft cut back) advances that plan by as
+    many of its steps as every span moved on (``_Kept.moves_to``). Any other step builds and keeps
+    a new one."""
 
     def __init__(self, build: Callable[[list[tuple]], object]):
         self.build = build
@@ -176,16 +203,21 @@ class KeptWrites:
         (``seqs[j]``, ``lens[j]`` new rows), every cache's rows reserved; None, with nothing
         reserved, when some layer's caches do not take ``write_attend``."""
         kept = self._kept
-        if kept is not None and kept.lens == lens:
+        if kept is not None and kept.lens != lens:      # a plan of these lengths from before
+            kept = kept.others.get(tuple(lens))
+        if kept is not None:
             per_layer = list(zip(*[c[:layers] for c in seqs]))
             if len(per_layer) == layers and all(map(_same_tables, per_layer, kept.tables)):
                 # the caches the kept plan was made for (their layouts took write_attend then)
-                expect = kept.expected()
                 reserved = [[c.reserve(T) for c, T in zip(caches, lens)] for caches in per_layer]
-                if kept.moved_on(per_layer, reserved, expect):
-                    kept.native.advance()
+                moves = kept.moves_to(reserved)
+                expect = kept.expected(moves) if moves else None
+                if moves and kept.moved_on(per_layer, reserved, expect):
+                    for _ in range(moves):
+                        kept.native.advance()
                     for rule, e in zip(kept.rules, expect):
                         rule[2] = e
+                    self._kept = kept
                     return kept.native
                 plans = [_plan_of(caches, lens, int8, r) for caches, int8, r in zip(per_layer, kept.int8, reserved)]
                 return self._keep(plans, lens, per_layer)
@@ -216,5 +248,15 @@ class KeptWrites:
                 keep = False
                 break
             rule_of.append(list(rules).index(rule))
-        self._kept = _Kept(native, lens, plans, list(rules.values()), rule_of, per_layer) if keep else None
+        if not keep:
+            self._kept = None
+            return native
+        made = _Kept(native, lens, plans, list(rules.values()), rule_of, per_layer)
+        if self._kept is not None:      # one table of plans by lengths, handed on to the newest
+            made.others = self._kept.others
+        made.others.pop(tuple(lens), None)
+        made.others[tuple(lens)] = made
+        while len(made.others) > KEPT_LENGTHS:
+            del made.others[next(iter(made.others))]
+        self._kept = made
         return native
