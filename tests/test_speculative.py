@@ -404,3 +404,34 @@ def test_drafts_shorten_when_multi_row_steps_cost_more(loaded, monkeypatch):
     assert costs.measured(1) is not None and costs.cost(2) > 2 * CHUNK_COST[2] and costs.cost(4) > 2 * CHUNK_COST[4]
     mean = {e: e.spec.drafted / e.spec.verify_steps for e in (prior, slowed)}
     assert mean[slowed] < mean[prior] and slowed.spec.drafted < prior.spec.drafted / 2, (prior.spec, slowed.spec)
+
+
+def test_a_lucky_guess_in_prose_does_not_pay_for_a_draft():
+    """Prose (docs/speculative.md, "Back-off"): the drafter's guesses almost never come true.
+    Backed off, the acceptance estimate follows the checked guesses down past the 1/7 floor the
+    old estimate kept, so one lucky guess among misses leaves drafting off (a two-row step at
+    the engine's measured costs would not pay at the estimate it gives), while guesses that
+    keep coming true (a copy starting) bring drafts back within two steps."""
+    costs = StepCosts()
+    for rows, ms in ((1, 6.0), (2, 6.6), (4, 8.4), (8, 13.8)):     # SmolLM2 at 1 thread, quiet
+        for _ in range(5):
+            costs.observe(rows, ms / 1000)
+
+    class Echo:     # guesses the token before the last again: right only where the text repeats
+        def draft(self, history, k):
+            return history[-2:-1] * k
+
+    spec = Speculation(NGRAM, 7, Echo(), costs)
+    history = [1, 2]
+    drafts = 0
+    for t in range(3, 200):
+        drafts += bool(spec.propose(history, 7))
+        history.append(t if t % 50 else history[-2])      # a guess comes true every 50 tokens
+        if spec.length:
+            spec.record(1, 0)
+    assert spec.token_acceptance() < 1 / 7 and drafts <= 3, (spec.token_acceptance(), drafts)
+    for _ in range(3):                                      # a copy: every guess right
+        if spec.propose(history, 7):
+            break
+        history.append(history[-2])
+    assert spec.length >= 1

@@ -174,8 +174,10 @@ class Speculation:
     length: int = 0
     drafted: int = 0
     accepted: int = 0
-    recent_accepted: float = 0.0   # draft tokens accepted, recent drafts weighing more
-    recent_rejected: float = 0.0   # drafts that ended in a rejected token, likewise
+    # draft tokens accepted and drafts that ended in a rejected token, recent ones weighing more;
+    # they start at one of each (a guess to be proven), which weighs less at every draft too
+    recent_accepted: float = 1.0
+    recent_rejected: float = 1.0
     shadow: int | None = None      # backed off: the drafter's guess for the token at ``shadow_at``
     shadow_at: int = 0
 
@@ -210,8 +212,10 @@ class Speculation:
     def token_acceptance(self) -> float:
         """The chance that a draft token is accepted given the one before it was, from recent
         drafts (a draft's accepted run is geometric: accepted tokens over accepted tokens plus
-        rejections), with one of each assumed before any draft."""
-        return (self.recent_accepted + 1) / (self.recent_accepted + self.recent_rejected + 2)
+        rejections). The one of each assumed before any draft fades like any count, so a run of
+        failed guesses takes the estimate towards 0 (a floor kept the old estimate above 1/7, and
+        a single lucky guess in prose then paid for a draft by the prior's costs)."""
+        return self.recent_accepted / (self.recent_accepted + self.recent_rejected)
 
     def record(self, drafted: int, accepted: int) -> None:
         """Counts, and the next draft's length: ``best_length`` for the recent acceptance, and
