@@ -149,8 +149,11 @@ def bench_workload(bench: Bench, name: str, messages, rounds: int) -> dict:
     print(f"  {name:<11} {row['tokens']:>4} tok  off {row['off']:6.1f} tok/s  ngram {row['ngram']:6.1f} tok/s  "
           f"speedup {row['speedup']:.2f}x  accepted {row['acceptance']:.0%} of drafts  {row['per_pass']:.2f} tok/pass  "
           f"{'same tokens' if same else 'TOKENS DIFFER'}  (load {os.getloadavg()[0]:.1f})", flush=True)
-    costs = "  ".join(f"{m} rows {c:.2f}" for m, c in got["ngram"]["costs"].items())
-    print(f"  {'':<11} step costs at the end of the last on run (one row = 1): {costs}", flush=True)
+    measured = dict(got["ngram"]["costs"])
+    head = "  ".join(f"{m} {c:.2f}" for m, c in measured.pop("head").items())
+    costs = "  ".join(f"{m} rows {c:.2f}" for m, c in measured.items())
+    print(f"  {'':<11} step costs at the end of the last on run (one row = 1): {costs}; head calls: {head}",
+          flush=True)
     return row
 
 

@@ -7,6 +7,7 @@ besides the real ngram drafter."""
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -435,3 +436,32 @@ def test_a_lucky_guess_in_prose_does_not_pay_for_a_draft():
             break
         history.append(history[-2])
     assert spec.length >= 1
+
+
+def test_head_blocks_follow_the_measured_head_calls(loaded):
+    """Verification's head calls are timed (``DraftLogits``) and the blocks it cuts follow what
+    they cost (``StepCosts.head_costs``) once each size has a few calls, not the prior table:
+    where a block of 4 rows measures 4 one-row calls' time, a draft that is likely taken whole
+    runs its head in blocks of 2 or 1 instead of one 4-row call; the rows are the same bits."""
+    net = loaded["full"].net
+    chunk = torch.tensor(tokens(14, 4))
+    caches = cache_specs.make_caches(net.cache_specs())
+    with torch.inference_mode():
+        hidden = net.forward(Batch.build([(chunk, caches, ALL)], head=False))
+        want = net.head(hidden)
+    costs = StepCosts()
+    spec = Speculation(NGRAM, 3, NgramDrafter(), costs)
+    for _ in range(6):
+        spec.record(3, 3)
+    assert DraftLogits(net.head, hidden, spec).blocks == {0: 4}       # the prior: 4 rows ~ one row
+    def slow_four(x):
+        time.sleep(0.02 * (len(x) == 4))
+        return net.head(x)
+    for _ in range(5):      # real head calls, timed; a 4-row call made slow as on a busy core
+        for n in (1, 2, 4):
+            rows = DraftLogits(slow_four, hidden[:n], spec)
+            assert torch.equal(torch.stack([rows[i] for i in range(n)]), want[:n])
+    measured = dict(costs.head_costs())
+    assert measured[4] > 3 and costs.as_dict()["head"]["4"] == measured[4], costs.head_times
+    rows = DraftLogits(net.head, hidden, spec)
+    assert 4 not in rows.blocks.values() and all(torch.equal(rows[i], want[i]) for i in range(4))

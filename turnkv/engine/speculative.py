@@ -32,6 +32,7 @@ MIN_GAIN = 1.15
 # uses (1 thread, Zen 4; the mean of Gemma 3 270M's 262k x 640 and SmolLM2's 49k x 576 Q8_0
 # heads): up to 4 rows cost about one row's (the weights stream once for paired rows). Odd
 # sizes past 1 are left out: an unpaired row costs an extra pass (SmolLM2: 3 rows 1.6-2.8x one).
+# Only the prior of ``StepCosts.head_costs``, which measures the head calls of verification.
 HEAD_COST = {1: 1.0, 2: 1.0, 4: 1.06, 8: 1.55, 16: 3.7}
 RECENT = 0.8                     # weight of the acceptance counts kept at each verified draft
 # Draft lengths are 2^j - 1, so a verified chunk (the next token and the draft) is 2, 4, 8 or 16
@@ -57,8 +58,30 @@ class StepCosts:
 
     def __init__(self, window: int = COST_WINDOW):
         self.times = {m: deque(maxlen=window) for m in (1, *CHUNK_COST)}
+        self.head_times = {m: deque(maxlen=window) for m in HEAD_COST}    # verification's head calls
         self.window = window
         self.since_one = 0     # multi-row decode steps since the last one-row step
+
+    def observe_head(self, rows: int, seconds: float) -> None:
+        """A head call of ``rows`` rows that verification made (``DraftLogits``)."""
+        if rows in self.head_times:
+            self.head_times[rows].append(seconds)
+
+    def head_costs(self) -> tuple[tuple[int, float], ...]:
+        """What a head call of each block size costs over a one-row call, as ``head_blocks``
+        takes it: measured (the median of a size's latest calls over the one-row calls') where
+        both have ``COST_MIN_SAMPLES`` calls, else ``HEAD_COST``; rounded to 0.05, so that the
+        blocks chosen are looked up, not worked out again, while the costs hold still. The head
+        of Gemma 3 (262k rows) is half a one-row step and pairs rows; SmolLM2's is a fifth, and
+        odd-sized or 8-row calls cost it more than the prior says."""
+        got = self.head_times[1]
+        one = statistics.median(got) if len(got) >= COST_MIN_SAMPLES else None
+        out = []
+        for m, prior in HEAD_COST.items():
+            times = self.head_times[m]
+            cost = prior if one is None or len(times) < COST_MIN_SAMPLES else statistics.median(times) / one
+            out.append((m, round(max(cost, 0.05) * 20) / 20))
+        return tuple(out)
 
     def observe(self, rows: int, seconds: float) -> None:
         fit = next((m for m in self.times if m >= rows), None)
@@ -107,7 +130,8 @@ class StepCosts:
         return got / one
 
     def as_dict(self) -> dict:
-        return {str(m): round(self.cost(m), 3) for m in CHUNK_COST}
+        return {**{str(m): round(self.cost(m), 3) for m in CHUNK_COST},
+                "head": {str(m): c for m, c in self.head_costs()}}
 
 
 def rung(draft_max: int, length: int) -> int:
@@ -277,13 +301,14 @@ class SpecCounters:
 
 
 @functools.lru_cache(maxsize=4096)
-def head_blocks(rows: int, p: float) -> dict[int, int]:
+def head_blocks(rows: int, p: float, costs: tuple[tuple[int, float], ...] = tuple(HEAD_COST.items())) -> dict[int, int]:
     """How to cut a verified chunk of ``rows`` logit rows into head calls, {first row: rows}, for
     the least expected head time when each draft token is accepted with chance ``p`` (row i + 1
-    is needed only if row i's token was accepted): the first block's rows are always needed."""
+    is needed only if row i's token was accepted) and a call of b rows costs ``costs``' figure
+    for b (``StepCosts.head_costs``): the first block's rows are always needed."""
     best, size = [0.0] * (rows + 1), [0] * (rows + 1)
     for i in range(rows - 1, -1, -1):
-        best[i], size[i] = min((cost + p ** b * best[i + b], b) for b, cost in HEAD_COST.items() if b <= rows - i)
+        best[i], size[i] = min((cost + p ** b * best[i + b], b) for b, cost in costs if b <= rows - i)
     out, i = {}, 0
     while i < rows:
         out[i] = size[i]
@@ -300,8 +325,8 @@ class DraftLogits:
     token. Blocks follow ``head_blocks`` for the sequence's recent acceptance."""
 
     def __init__(self, head, hidden: torch.Tensor, spec: "Speculation"):
-        self.head, self.hidden = head, hidden
-        self.blocks = head_blocks(len(hidden), round(spec.token_acceptance(), 2))
+        self.head, self.hidden, self.costs = head, hidden, spec.costs
+        self.blocks = head_blocks(len(hidden), round(spec.token_acceptance(), 2), spec.costs.head_costs())
         self.rows: list[torch.Tensor] = []
         self.seconds = 0.0     # spent in the head (the step's costs: ``StepCosts.observe_step``)
 
@@ -315,7 +340,9 @@ class DraftLogits:
             t0 = time.perf_counter()
             with torch.inference_mode():
                 self.rows.extend(self.head(self.hidden[start:start + n]))
-            self.seconds += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            self.seconds += took
+            self.costs.observe_head(n, took)
         return self.rows[i]
 
 
