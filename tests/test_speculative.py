@@ -412,7 +412,8 @@ def test_a_lucky_guess_in_prose_does_not_pay_for_a_draft():
     Backed off, the acceptance estimate follows the checked guesses down past the 1/7 floor the
     old estimate kept, so one lucky guess among misses leaves drafting off (a two-row step at
     the engine's measured costs would not pay at the estimate it gives), while guesses that
-    keep coming true (a copy starting) bring drafts back within two steps."""
+    keep coming true (a copy starting) bring drafts back within two steps. A row count not yet
+    measured is priced by its prior scaled as the measured smaller one stands to its own."""
     costs = StepCosts()
     for rows, ms in ((1, 6.0), (2, 6.6), (4, 8.4), (8, 13.8)):     # SmolLM2 at 1 thread, quiet
         for _ in range(5):
@@ -431,6 +432,10 @@ def test_a_lucky_guess_in_prose_does_not_pay_for_a_draft():
         if spec.length:
             spec.record(1, 0)
     assert spec.token_acceptance() < 1 / 7 and drafts <= 3, (spec.token_acceptance(), drafts)
+    busy = StepCosts()          # only one-row and two-row steps measured yet, on a busy core
+    for rows, ms in ((1, 6.0), (2, 8.6)) * 3:
+        busy.observe(rows, ms / 1000)
+    assert busy.cost(4) == pytest.approx(CHUNK_COST[4] * busy.cost(2) / CHUNK_COST[2]) and busy.cost(4) > busy.cost(2)
     for _ in range(3):                                      # a copy: every guess right
         if spec.propose(history, 7):
             break
