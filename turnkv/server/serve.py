@@ -148,7 +148,8 @@ def run(app, server, sock: socket.socket, keys: KeyRing) -> None:
     than cores libgomp stops spinning between parallel regions (each kernel call then waits on a
     futex wake-up): measured 2x slower decode. HTTP runs on its own thread, and so does the
     grammar engine's vocabulary view, built once the server answers (it holds the GIL for
-    0.3-0.8 s on a 128k vocabulary, which the first answer need not wait for)."""
+    0.3-0.8 s on a 128k vocabulary, which the first answer need not wait for), and so does the
+    GGUF weights' move to huge pages (``huge_pages``)."""
     from .requests import grammar_warm_up_thread
 
     stop = threading.Event()
