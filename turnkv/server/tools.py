@@ -389,8 +389,8 @@ class StreamParser:
                 continue
             start, end = span
             scan = self.scans[i]
-            fed = start + scan.n
-            stable, whole = scan.feed(self.held[fed:end] if fed < end else "")
+            fed = start + scan.n      # nothing more once the scan is final (a value that reads otherwise)
+            stable, whole = scan.feed(self.held[fed:end] if fed < end and scan.result is None else "")
             n = self.sent_n[i]
             if whole:
                 sent, text = self.held[start:start + n], canonical(self.held[start:start + stable])
