@@ -27,8 +27,8 @@ from turnkv.engine.engine import Engine
 from turnkv.engine.sequence import GenerationRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.kernels.weight_memory import collapse
-# K/V in `turnkv serve`'s default mode ("auto": float16 under the GGUF weights), as llama.cpp's f16
-eng = Engine.load({path!r}, weights=None, progress=False, max_context={ctx}, kv_mode="auto")
+# K/V in `turnkv serve`'s default mode unless asked ("auto": float16 under the GGUF weights, as llama.cpp's f16)
+eng = Engine.load({path!r}, weights=None, progress=False, max_context={ctx}, kv_mode={kv_mode!r})
 collapse()
 vocab = eng.requests.model.vocab_size
 warm = GenerationRequest(list(range(1000, 1256)), SamplingParams(max_tokens={decode}, ignore_eos=True))
@@ -44,9 +44,9 @@ for n in {lengths!r}:
 '''
 
 
-def run_turnkv_long(path: Path, threads: int, lengths: list[int]) -> list[dict]:
+def run_turnkv_long(path: Path, threads: int, lengths: list[int], kv_mode: str = "auto") -> list[dict]:
     code = _TURNKV.format(path=str(path), threads=threads, ctx=max(lengths) + DECODE + 64,
-                          lengths=lengths, decode=DECODE)
+                          lengths=lengths, decode=DECODE, kv_mode=kv_mode)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     r = _locked([sys.executable, "-c", code], cwd=ROOT, env=env)
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]

@@ -114,8 +114,13 @@ class KVView:
     # int8 storage (``--kv-cache-mode int8``): ``stored`` holds the int8 values and ``scales`` their
     # float16 [heads, S, 1] row scales; the native kernel reads ``q * scale`` itself
     scales: tuple[torch.Tensor, torch.Tensor] | None = None
+    # int4 storage (``--kv-cache-mode int4``): ``stored`` holds the packed rows, ``scales`` their
+    # group scales, and ``unpack(i, stored, scale)`` widens keys (0) or values (1) for other readers
+    unpack: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def _widen(self, i: int) -> torch.Tensor:
+        if self.unpack is not None:
+            return self.unpack(i, self.stored[i], self.scales[i])
         if self.scales is not None:
             return dequantize_int8(self.stored[i], self.scales[i], self.dtype)
         return self.stored[i].to(self.dtype)
@@ -363,7 +368,8 @@ class KVCache(LayerCache):
         stored = self.store.stored_of(parts)
         if stored is not None:
             return KVView(None, None, first, q0, k.shape[1], self.kind, self.span, self.needed_from_many,
-                          stored=stored, dtype=self.dtype, scales=self.store.scales_of(parts))
+                          stored=stored, dtype=self.dtype, scales=self.store.scales_of(parts),
+                          unpack=self.store.decode_side)
         keys, values = self.store.decode(parts)
         return KVView(keys, values, first, q0, k.shape[1], self.kind, self.span, self.needed_from_many)
 

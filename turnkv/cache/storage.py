@@ -23,7 +23,7 @@ and the KV-read cost it would save is measured by bench/kv_modes.py.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
@@ -192,6 +192,10 @@ class KVStore:
     # "int8" (``Int8Store``: int8 values and float16 scales, computed as ``quantize_int8`` does), or
     # None (the store encodes in Python)
     native_layout: ClassVar[str | None] = "plain"
+    # ``decode_side(i, stored, scale)``: keys (0) or values (1) from the rows ``stored_of`` hands out
+    # and their ``scales_of``, for a view's readers other than the native kernel; None: the view
+    # widens them itself (float16 / bfloat16 / int8)
+    decode_side: ClassVar[Callable | None] = None
 
     def __init__(self, heads: int, head_dim: int, dtype: torch.dtype, device, mode: str = NATIVE, capacity: int = 0):
         self.heads, self.head_dim = heads, head_dim
@@ -356,6 +360,20 @@ class Int4Store(KVStore):
 
     def _decode(self, which, stored):
         return dequantize_int4(stored[0], stored[1], self.dtype, self.rotation[which])
+
+    def stored_of(self, parts):
+        """The packed rows as stored, for the native attention kernel, which widens them to exactly
+        what ``_decode`` computes (keys' rotation undone on the integers); float32 compute only."""
+        if self.dtype != torch.float32:
+            return None
+        return parts["k"], parts["v"]
+
+    def scales_of(self, parts):
+        return parts["k_scale"], parts["v_scale"]
+
+    def decode_side(self, i: int, stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Keys (``i`` 0) or values (1) from their stored rows and scales, as ``decode`` gives them."""
+        return self._decode("kv"[i], (stored, scale))
 
 
 def payload_len(payload: dict[str, torch.Tensor]) -> int:

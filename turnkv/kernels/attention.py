@@ -38,12 +38,13 @@ _default = -1
 _sinks = False     # the build takes ``sinks`` (a build from before them does not)
 _half_kv = False   # the build reads float16 / bfloat16 K/V
 _int8_kv = False   # the build reads int8 K/V with a float16 scale per row (--kv-cache-mode int8)
+_int4_kv = False   # the build reads packed int4 K/V with float16 group scales (--kv-cache-mode int4)
 _write = None      # the extension's write_attend: a batch's K/V cache writes and attention in one call
 _write_dtypes: frozenset = frozenset()   # cache buffer dtypes write_attend takes on the default path
 
 
 def _init() -> None:
-    global _op, _op_many, _best, _default, _sinks, _half_kv, _int8_kv, _write, _write_dtypes
+    global _op, _op_many, _best, _default, _sinks, _half_kv, _int8_kv, _int4_kv, _write, _write_dtypes
     if not native_available() or os.environ.get("TURNKV_ATTENTION", "").strip().lower() == "reference":
         return
     try:
@@ -61,6 +62,7 @@ def _init() -> None:
     _sinks = any(a.name == "sinks" for a in _op.default._schema.arguments)
     _half_kv = hasattr(torch.ops.turnkv_attn, "kv_dtypes")
     _int8_kv = _half_kv and int(torch.ops.turnkv_attn.kv_dtypes()) >= 4
+    _int4_kv = _half_kv and int(torch.ops.turnkv_attn.kv_dtypes()) >= 5
     want = os.environ.get("TURNKV_KERNEL_ISA", "").strip().lower()
     if want == "avx512vnni":
         want = "avx512"
@@ -151,16 +153,19 @@ def reference(q, k, v, q_pos0: int, k_pos0: int, kind: str = "full", window_or_c
 
 
 _HALF = (torch.float16, torch.bfloat16)
+_WIDENED = (*_HALF, torch.int8)   # K/V types widened here for the scalar path
 
 
 def native_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None,
               scaled: bool = False) -> bool:
     """Whether the native kernel takes these tensors (float32 q on CPU, K/V float32 or, on the
     avx2 / avx512 paths, both float16 or both bfloat16, widened exactly on load, or both int8 with
-    their float16 row scales (``scaled``); head_dim <= 1024; sinks float32 on CPU and a build that
-    has them)."""
+    their float16 row scales (``scaled``), or, on every path, both packed int4 (uint8, two channels
+    a byte, ``cache.storage.Int4Store``'s layout) with their float16 group scales (``scaled``);
+    head_dim <= 1024; sinks float32 on CPU and a build that has them)."""
     kv_ok = k.dtype == v.dtype and (k.dtype == torch.float32 or (k.dtype in _HALF and _half_kv and _default > 0)
-                                    or (k.dtype == torch.int8 and scaled and _int8_kv and _default > 0))
+                                    or (k.dtype == torch.int8 and scaled and _int8_kv and _default > 0)
+                                    or (k.dtype == torch.uint8 and scaled and _int4_kv))
     return (_op is not None and q.dtype == torch.float32 and kv_ok
             and q.device.type == "cpu" and k.device.type == "cpu" and v.device.type == "cpu"
             and q.shape[-1] <= 1024
@@ -181,7 +186,7 @@ def attend_native(q, k, v, q_pos0: int, k_pos0: int, kind: str, window_or_chunk:
     row scales): the kernel reads ``int8 * scale``, exactly the float32 values of a dequantized
     copy, so the result is the bits it would give on that copy."""
     i = _default if isa is None else ISAS.index(isa)
-    if i == 0 and k.dtype != torch.float32:    # the scalar path reads float32 K/V only
+    if i == 0 and k.dtype in _WIDENED:    # the scalar path reads float32 K/V only (int4 the kernel widens itself)
         k, v = _widen(k, scales[0] if scales else None), _widen(v, scales[1] if scales else None)
         scales = None
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -208,7 +213,7 @@ def attend_many_native(qs, ks, vs, q_pos0s, k_pos0s, kinds, spans, scale: float,
     ``attend_native`` on that span alone."""
     i = _default if isa is None else ISAS.index(isa)
     fix = (lambda t: t if t.stride(-1) == 1 else t.contiguous())
-    if i == 0:     # the scalar path reads float32 K/V only
+    if i == 0 and ks[0].dtype in _WIDENED:     # the scalar path reads float32 K/V only (int4: widened in the kernel)
         pairs = scales or [(None, None)] * len(ks)
         ks = [_widen(k, s[0]) for k, s in zip(ks, pairs)]
         vs = [_widen(v, s[1]) for v, s in zip(vs, pairs)]

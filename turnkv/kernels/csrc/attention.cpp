@@ -83,7 +83,7 @@ static int64_t set_spread(int64_t v) {
 
 enum Kind : int { FULL = 0, SLIDING = 1, CHUNKED = 2 };
 enum Isa : int { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
-enum KvType : int { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_I8 = 3 };
+enum KvType : int { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_I8 = 3, KV_I4 = 4 };
 
 struct Params {
     const float* q;
@@ -92,7 +92,11 @@ struct Params {
     int64_t ksh, kst;
     const void* v;
     int64_t vsh, vst;
-    int kv;            // KV_F32 / KV_F16 / KV_BF16 / KV_I8
+    int kv;            // KV_F32 / KV_F16 / KV_BF16 / KV_I8 / KV_I4 (widened to float32 before any unit reads it)
+    // KV_I4 (``--kv-cache-mode int4``): k / v hold D / 2 bytes a row (channel c in the low nibble of
+    // byte c, c + D / 2 in the high one), a float16 scale per gk (gv) channels at ksc (vsc) + head *
+    // kscsh + row * kscst + c / gk; keys rotated in blocks of rk channels (cache/storage.py Int4Store)
+    int gk, gv, rk;
     // KV_I8 (``--kv-cache-mode int8``): a float16 scale per (head, row) of K and of V, element
     // (h, s) at ksc[h * kscsh + s * kscst]; a value is int8 * scale, exact in float32
     const uint16_t* ksc;
