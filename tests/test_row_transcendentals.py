@@ -17,15 +17,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import native
 from test_gguf_families import FIXTURES, build
 from tiny import prompt
 from turnkv.cache.specs import make_caches
-from turnkv.models.base import each_row
+from turnkv.models import base
+from turnkv.models.base import each_row, gelu_tanh
 from turnkv.models.batch import Batch
 from turnkv.models.weights import native_kernels_built
 
-FNS = {"sigmoid": torch.sigmoid, "silu": F.silu, "softplus": F.softplus,
-       "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+FNS = {"sigmoid": torch.sigmoid, "silu": F.silu, "softplus": F.softplus, "gelu_tanh": gelu_tanh}
 
 
 @pytest.fixture
@@ -72,6 +73,21 @@ def test_a_row_longer_than_the_grain_is_cut_the_same_alone(threads):
         for fn in FNS.values():
             got = each_row(fn, x)
             assert all(torch.equal(got[r], each_row(fn, x[r:r + 1])[0]) for r in range(3))
+
+
+@native.needs(base._native_each_row is not None, "the native each_row op")
+def test_the_native_blocks_are_the_python_blocks(threads, monkeypatch):
+    """The native op runs each_row's blocks on the threads: the bits of the Python blocks, at 1,
+    3 and 5 threads, every layout, a long row, every op it runs."""
+    g = torch.Generator().manual_seed(4)
+    cases = {**shapes(g), "long": torch.randn(3, 40000, generator=g) * 4}
+    for n in (1, 3, 5):
+        threads(n)
+        for fn in base._ROW_OPS:
+            native_bits = {k: each_row(fn, x) for k, x in cases.items()}
+            with monkeypatch.context() as m:
+                m.setattr(base, "_native_each_row", None)
+                assert all(torch.equal(each_row(fn, x), native_bits[k]) for k, x in cases.items()), (n, fn)
 
 
 def test_exp_tanh_log_round_the_same_in_the_scalar_tail():

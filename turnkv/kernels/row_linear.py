@@ -41,6 +41,11 @@ def sigmoid_op():
     return _op("sigmoid_each")
 
 
+def each_row_op():
+    """``torch.ops.turnkv_ops.each_row`` (models/base.py ``each_row``'s blocks on the threads), or None."""
+    return _op("each_row")
+
+
 def sigmoid_reference(x: torch.Tensor) -> torch.Tensor:
     """``torch.sigmoid`` of each element of x as a tensor of its own: one element never
     reaches ATen's vector steps (their exp rounds otherwise), so it takes the scalar formula the

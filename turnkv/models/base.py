@@ -25,7 +25,7 @@ from ..kernels.attention import native_ok as native_attention_ok
 from ..kernels.norm import native_rms_norm
 from ..kernels.row_linear import native_op as native_row_linear
 from ..kernels.row_linear import reference as row_linear_reference
-from ..kernels.row_linear import sigmoid_op, sigmoid_reference
+from ..kernels.row_linear import each_row_op, sigmoid_op, sigmoid_reference
 from ..loading.errors import ModelLoadError
 from .batch import Batch, Span, select_rows
 from .packed import PackedWeight
@@ -33,6 +33,7 @@ from .packed import PackedWeight
 _native_norm = native_rms_norm()
 _native_row_linear = native_row_linear()
 _native_sigmoid = sigmoid_op()
+_native_each_row = each_row_op()
 
 
 class UnsupportedConfig(ModelLoadError, ValueError):
@@ -339,7 +340,9 @@ def each_row(fn, x: torch.Tensor) -> torch.Tensor:
     of whole rows of at most ``ROW_GRAIN`` values (``ROW_GRAIN``-column pieces of a longer row),
     each row its own inner loop (a width short of whole vector steps is read through a padded row
     stride, so contiguous rows never run on as one loop), each token's values contiguous. The
-    result is contiguous in x's shape; ``models/decoder.py``'s ``act_rows`` is the in-place twin."""
+    native op runs the same blocks on the threads (float32; the same bits: one block's call is one
+    thread's loop either way). The result is contiguous in x's shape; ``models/decoder.py``'s
+    ``act_rows`` is the in-place twin."""
     width = x.shape[-1]
     rows = x.reshape(-1, width)
     if rows.stride(-1) != 1:
@@ -348,6 +351,9 @@ def each_row(fn, x: torch.Tensor) -> torch.Tensor:
         rows = F.pad(rows, (0, VECTOR_ROW - width % VECTOR_ROW))[:, :width]
     if rows.numel() <= ROW_GRAIN:
         return fn(rows).reshape(x.shape)
+    op = _ROW_OPS.get(fn)
+    if op is not None and _native_each_row is not None and rows.dtype == torch.float32 and rows.is_cpu:
+        return _native_each_row(rows, op).reshape(x.shape)
     blocks = []
     for block in rows.split(max(1, ROW_GRAIN // width)):
         pieces = [fn(p) for p in block.split(ROW_GRAIN, dim=-1)]
@@ -375,3 +381,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
+
+# the functions the native each_row runs, by its op number
+_ROW_OPS = {torch.sigmoid: 0, F.silu: 1, F.softplus: 2, gelu_tanh: 3, torch.exp: 4, torch.tanh: 5}

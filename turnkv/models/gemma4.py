@@ -20,13 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..cache import specs
 from ..cache.kv import KVView
 from .batch import LAST, Batch, Span
-from .base import BaseArgs, Model, Rope, apply_rope, attention, each_row, embedding, linear, rowwise_linear
+from .base import BaseArgs, Model, Rope, apply_rope, attention, each_row, embedding, gelu_tanh, linear, rowwise_linear
 from .decoder import FULL, SLIDING, GatedMLP, gelu_tanh_
 from .experts import RoutedExperts
 from .rope_config import inv_freq_for, rope_params
@@ -113,7 +112,7 @@ def norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tens
 
 
 def _gelu(x: torch.Tensor) -> torch.Tensor:
-    return each_row(lambda v: F.gelu(v, approximate="tanh"), x)
+    return each_row(gelu_tanh, x)
 
 
 def _narrow(view: KVView, q0: int, n: int) -> KVView:
