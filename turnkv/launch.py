@@ -185,12 +185,17 @@ def ensure_hugepages() -> None:
         reexec_with(env)
 
 
+READ_AHEAD_CHUNK = 1 << 20     # under the usual devices' read-ahead and request sizes
+
+
 def read_ahead(model) -> "threading.Thread | None":
     """A started daemon thread asking the kernel to read ``model`` (a .gguf file; None for a
     bundled name or a folder) into the page cache (posix_fadvise WILLNEED, without the GIL),
     so the disk reads of a file the page cache does not hold (the first start after a download
     or a reboot, or a file evicted since) overlap the ~1 s of imports before the load instead of
-    following them. Where the file is cached already it costs a walk over its cached pages."""
+    following them. Where the file is cached already it costs a walk over its cached pages.
+    One advice a ``READ_AHEAD_CHUNK``: the kernel reads at most the device's read-ahead size of
+    one (8 MiB of a 64 MiB file on the Zen 4 VM's disk)."""
     if not (isinstance(model, str) and model.endswith(".gguf") and hasattr(os, "posix_fadvise")
             and os.path.isfile(model)):
         return None
@@ -202,7 +207,8 @@ def read_ahead(model) -> "threading.Thread | None":
         except OSError:
             return                     # the load says why it cannot open the file
         try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            for offset in range(0, os.fstat(fd).st_size, READ_AHEAD_CHUNK):
+                os.posix_fadvise(fd, offset, READ_AHEAD_CHUNK, os.POSIX_FADV_WILLNEED)
         except OSError:
             pass
         finally:
