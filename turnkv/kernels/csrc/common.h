@@ -186,6 +186,9 @@ struct Args {
     const Act* a;
     float* Y;  // [M][ldy]: output n of row m at Y[m * ldy + n]
     int64_t ldy;
+    // where this thread's next range of weights starts (run_parts: its next part), or null: the
+    // k-quant decode kernels prefetch its start as they finish this range
+    const uint8_t* next = nullptr;
 };
 
 // Per-thread tile scratch: a tile's weights unpacked to one byte per value plus its scales.

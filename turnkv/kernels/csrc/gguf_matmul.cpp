@@ -296,16 +296,25 @@ static void run_parts(const Act& a, const Part* parts, int np, int isa, int64_t 
     const int64_t work = w0[np];
     const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(),
                                                                (work + g_par_bytes - 1) / std::max<int64_t>(1, g_par_bytes)));
-    // thread t's share: the tiles whose first work unit lies in [work * t / nth, work * (t + 1) / nth)
+    // thread t's share: the tiles whose first work unit lies in [work * t / nth, work * (t + 1) / nth);
+    // each range is told where the thread's next one starts (Args::next)
     auto share = [&](int64_t t) {
         const int64_t lo = work * t / nth, hi = work * (t + 1) / nth;
+        int64_t b[MAX_PARTS], e[MAX_PARTS];
         for (int i = 0; i < np; i++) {
             auto first_at = [&](int64_t w) {   // the first tile of part i starting at or after w
                 const int64_t off = w - w0[i];
                 return off <= 0 ? 0 : std::min<int64_t>(ntiles[i], (off + tw[i] - 1) / tw[i]);
             };
-            const int64_t b = first_at(lo), e = first_at(hi);
-            if (b < e) rf(g[i], b, e);
+            b[i] = first_at(lo);
+            e[i] = first_at(hi);
+        }
+        for (int i = 0, j; i < np; i = j) {
+            for (j = i + 1; j < np && b[j] >= e[j]; j++) {}
+            if (b[i] >= e[i]) continue;
+            Args gi = g[i];
+            gi.next = j < np ? g[j].W + b[j] * tile * g[j].row_bytes : nullptr;
+            rf(gi, b[i], e[i]);
         }
     };
     if (nth == 1) {
