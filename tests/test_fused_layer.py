@@ -14,6 +14,7 @@ import native
 import tiny
 from turnkv import kernels
 from turnkv.cache.specs import default_modes, make_caches
+from turnkv.cache.write import KeptWrites
 from turnkv.loading import load_checkpoint
 from turnkv.models import family_class
 from turnkv.models.batch import Batch
@@ -249,6 +250,21 @@ def test_off_for_other_formats_and_when_disabled(monkeypatch):
     assert fused_blocks(off) == []
 
 
+def count_plans(monkeypatch):
+    """The native stack plans built (a list that grows by one a ``StackPlan``), and a
+    ``KeptWrites.plan`` that drops its kept plan first: the run whose plan is built every step."""
+    real_plan = KeptWrites.plan
+
+    def built_every_step(self, seqs, lens, layers):
+        self._kept = None
+        return real_plan(self, seqs, lens, layers)
+
+    made = []
+    real_sp = kernels._ext.StackPlan
+    monkeypatch.setattr(kernels._ext, "StackPlan", lambda plans: made.append(1) or real_sp(plans))
+    return made, built_every_step
+
+
 def test_kept_plan_same_bits_as_a_plan_built_every_step(model, monkeypatch):
     """``FusedStack`` keeps its native plan from step to step (cache/write.py ``KeptWrites``): when a
     step's spans are the last step's caches and each only moved on inside blocks it owns, the
@@ -261,18 +277,7 @@ def test_kept_plan_same_bits_as_a_plan_built_every_step(model, monkeypatch):
     Every logit equals the run whose plan is built at every step; on both models most steps advance
     the kept plan, and its query and first key positions end equal to what the caches reserved.
     (Each of ``_Kept``'s three checks, dropped alone, fails this test.)"""
-    from turnkv import kernels
-    from turnkv.cache.write import KeptWrites
-
-    real_plan = KeptWrites.plan
-
-    def built_every_step(self, seqs, lens, layers):
-        self._kept = None
-        return real_plan(self, seqs, lens, layers)
-
-    made = []
-    real_sp = kernels._ext.StackPlan
-    monkeypatch.setattr(kernels._ext, "StackPlan", lambda plans: made.append(1) or real_sp(plans))
+    made, built_every_step = count_plans(monkeypatch)
 
     def drive() -> tuple[list[torch.Tensor], int, int]:
         made.clear()
@@ -350,17 +355,7 @@ def test_plans_kept_by_length_over_verified_drafts(model, monkeypatch):
     by its own ``advance`` calls after each draft (cache/write.py ``KeptWrites``; a draft's plan
     is built again unless its span moved on by whole drafts); every logit equals the run whose
     plan is built at every step."""
-    from turnkv.cache.write import KeptWrites
-
-    real_plan = KeptWrites.plan
-
-    def built_every_step(self, seqs, lens, layers):
-        self._kept = None
-        return real_plan(self, seqs, lens, layers)
-
-    made = []
-    real_sp = kernels._ext.StackPlan
-    monkeypatch.setattr(kernels._ext, "StackPlan", lambda plans: made.append(1) or real_sp(plans))
+    made, built_every_step = count_plans(monkeypatch)
     # (draft rows, tokens kept) per step: 0 rows is a plain one-row step
     pattern = [(0, 1), (0, 1), (4, 2), (0, 1), (2, 1), (0, 1), (0, 1), (8, 8), (0, 1), (4, 1), (2, 2), (0, 1)]
 
