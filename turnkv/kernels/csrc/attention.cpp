@@ -92,7 +92,7 @@ struct Params {
     int64_t ksh, kst;
     const void* v;
     int64_t vsh, vst;
-    int kv;            // KV_F32 / KV_F16 / KV_BF16 / KV_I8 / KV_I4 (widened to float32 before any unit reads it)
+    int kv;            // KV_F32 / KV_F16 / KV_BF16 / KV_I8 / KV_I4 (widened a key block at a time by the unit)
     // KV_I4 (``--kv-cache-mode int4``): k / v hold D / 2 bytes a row (channel c in the low nibble of
     // byte c, c + D / 2 in the high one), a float16 scale per gk (gv) channels at ksc (vsc) + head *
     // kscsh + row * kscst + c / gk; keys rotated in blocks of rk channels (cache/storage.py Int4Store)
@@ -161,6 +161,8 @@ static inline float out_scale(const Params& P, int h, float m, float l) {
     return alpha / (l * alpha + std::exp(sk - mn));
 }
 
+#include "attention_int4.inc"
+
 // ------------------------------------------------------------------ scalar (plain C++, W = 16 emulated)
 
 namespace scalar {
@@ -179,8 +181,10 @@ static inline float dot(const float* a, const float* b, int D) {
 static void unit(const Params& P, int h, int t) {
     const int D = P.D, rep = P.Hq / P.Hk, kh = h / rep;
     const float* qv = P.q + h * P.qsh + t * P.qst;
-    const float* K = (const float*)P.k + kh * P.ksh;   // the scalar path gets float32 K/V only
+    const float* K = (const float*)P.k + kh * P.ksh;   // float32 K/V, or int4 widened a row at a time
     const float* V = (const float*)P.v + kh * P.vsh;
+    const bool i4 = P.kv == KV_I4;
+    float row[MAXD];
     float* o = P.out + (int64_t)t * P.Hq * D + (int64_t)h * D;
     int64_t lo, hi;
     visible(P, P.q_pos0 + t, lo, hi);
@@ -192,7 +196,7 @@ static void unit(const Params& P, int h, int t) {
         const int64_t b0 = j * BLK, a = std::max(lo, b0), b = std::min(hi, b0 + BLK - 1);
         float mb = -std::numeric_limits<float>::infinity();
         for (int64_t pos = a; pos <= b; pos++) {
-            float s = dot(qv, K + row_of(P, pos) * P.kst, D) * P.scale;
+            float s = dot(qv, i4 ? widen4_row(P, 0, kh, row_of(P, pos), row) : K + row_of(P, pos) * P.kst, D) * P.scale;
             if (P.softcap > 0) s = cap(s, P.softcap);
             buf[pos - b0] = s;
             mb = std::max(mb, s);
@@ -210,7 +214,7 @@ static void unit(const Params& P, int h, int t) {
         for (int d = 0; d < D; d++) accb[d] = 0.f;
         for (int64_t pos = a; pos <= b; pos++) {
             const float e = buf[pos - b0];
-            const float* vr = V + row_of(P, pos) * P.vst;
+            const float* vr = i4 ? widen4_row(P, 1, kh, row_of(P, pos), row) : V + row_of(P, pos) * P.vst;
             for (int d = 0; d < D; d++) accb[d] = accb[d] + e * vr[d];
         }
         const float mn = std::max(m, mb);
