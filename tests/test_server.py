@@ -703,5 +703,5 @@ def test_the_model_load_imports_none_of_the_modules_serve_imports_beside_it():
     loaded = out.stdout.split()
     assert "turnkv.models.llama" in loaded        # the probe saw the load's own imports
     packages = {"turnkv.server"} | {name.split(".")[0] for name in HTTP_MODULES if not name.startswith("turnkv.")} \
-        | {"fastapi", "starlette", "pydantic"}
+        | {"starlette", "pydantic"}
     assert not [m for m in loaded if any(m == p or m.startswith(p + ".") for p in packages)]

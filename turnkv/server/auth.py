@@ -3,7 +3,7 @@ clients send), mapped to a tenant (tenants.py)."""
 
 from __future__ import annotations
 
-from fastapi import Request
+from starlette.requests import Request
 
 from .schemas import AUTHENTICATION, RequestError
 from .tenants import KeyRing, Principal

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.engine import ContextLengthError, GenerationRequest, QueueFull
 from . import chat_extras, schemas

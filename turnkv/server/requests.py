@@ -10,9 +10,9 @@ import logging
 import threading
 from dataclasses import replace
 
-from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
 
 from ..engine.engine import ContextLengthError, GenerationRequest
 from ..engine.grammar import ll_tokenizer

@@ -1,7 +1,7 @@
 """``turnkv serve``: the listening socket (bound before the model loads), the engine loop on the
 main thread and uvicorn on a thread of its own, until SIGINT / SIGTERM.
 
-The HTTP side's modules (FastAPI, pydantic, uvicorn and this package's own, ~0.6 s of imports on
+The HTTP side's modules (Starlette, pydantic, uvicorn and this package's own, ~0.5 s of imports on
 a quiet 2-core Zen 4) are imported on a thread of their own while the main thread loads the
 model: the load's native tile repack leaves the GIL free for them, so that part of the import
 costs no time. The main thread has imported torch and the engine first, and the load imports

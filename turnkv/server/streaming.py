@@ -8,7 +8,7 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from fastapi import Request
+from starlette.requests import Request
 
 from ..engine.engine import TokenEvent
 from . import chat_extras, schemas

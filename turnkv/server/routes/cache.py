@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
+from starlette.requests import Request
 
 from ..auth import authorize, require_admin
 from ..context import ServerContext
+from ..http_app import App
 from ..stats import cache_stats_json, store_stats
 
 
-def register(app: FastAPI, ctx: ServerContext) -> None:
+def register(app: App, ctx: ServerContext) -> None:
     engine, config, worker, cache_enabled = ctx.engine, ctx.config, ctx.worker, ctx.cache_enabled
 
     @app.get("/v1/cache/stats")

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
 
 from .. import chat_extras
 from ..auth import authorize
 from ..context import ServerContext
 from ..generation import generate, wants_usage
+from ..http_app import App
 from ..requests import build_completion_request, chat_generation, parse, read_json, sampling_params
 from ..schemas import ChatCompletionRequest, CompletionRequest
 from ..streaming import CHAT, COMPLETIONS
 from ..tenants import tenant_key
 
 
-def register(app: FastAPI, ctx: ServerContext) -> None:
+def register(app: App, ctx: ServerContext) -> None:
     engine, config = ctx.engine, ctx.config
 
     @app.post(CHAT)

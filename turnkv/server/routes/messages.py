@@ -3,19 +3,20 @@ and from the chat path is server/anthropic_api.py)."""
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from starlette.requests import Request
+from starlette.responses import Response
 
 from .. import anthropic_api as api
 from .. import chat_extras, schemas
 from ..auth import authorize
 from ..context import ServerContext
 from ..generation import ended, event_stream, submit
+from ..http_app import App
 from ..requests import chat_generation, parse, read_json
 from ..schemas import ChatCompletionRequest
 
 
-def register(app: FastAPI, ctx: ServerContext) -> None:
+def register(app: App, ctx: ServerContext) -> None:
     engine, config = ctx.engine, ctx.config
 
     async def chat_request(request: Request, model: type[api.CountTokensRequest]):

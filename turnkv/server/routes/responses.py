@@ -8,13 +8,14 @@ restores all of that instead of computing it again."""
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from .. import chat_extras
 from ..auth import authorize
 from ..context import ServerContext
 from ..generation import ended, event_stream, submit
+from ..http_app import App
 from ..requests import chat_generation, parse, read_json
 from ..response_store import ResponseStore
 from ..responses_input import ResponsesRequest, chat_request, input_messages, named_for_responses
@@ -28,7 +29,7 @@ def not_found(rid: str, param: str | None = None) -> RequestError:
                         code="previous_response_not_found" if param else "not_found")
 
 
-def register(app: FastAPI, ctx: ServerContext) -> None:
+def register(app: App, ctx: ServerContext) -> None:
     engine, config = ctx.engine, ctx.config
     store = ResponseStore()
 

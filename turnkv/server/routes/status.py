@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from ..auth import authorize, require_admin
 from ..context import ServerContext
+from ..http_app import App
 from ..metrics import CONTENT_TYPE_LATEST
 from ..schemas import SERVER_ERROR, error_body
 
 
-def register(app: FastAPI, ctx: ServerContext) -> None:
+def register(app: App, ctx: ServerContext) -> None:
     engine, config, worker, metrics, started = ctx.engine, ctx.config, ctx.worker, ctx.metrics, ctx.started
 
     @app.get("/v1/models")

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI, Request
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
 
 from .. import chat_extras
 from ..auth import authorize
 from ..context import ServerContext
+from ..http_app import App
 from ..requests import check_text_size, parse, read_json
 from ..schemas import ChatCompletionRequest, RequestError, _Strict, content_chars
 
@@ -67,7 +68,7 @@ def token_ids(engine, req: TokenizeRequest, max_messages: int) -> list[int]:
         raise RequestError(str(err), param="messages", code="invalid_value") from None
 
 
-def register(app: FastAPI, ctx: ServerContext) -> None:
+def register(app: App, ctx: ServerContext) -> None:
     engine, config = ctx.engine, ctx.config
 
     @app.post("/tokenize")

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from fastapi import FastAPI
-from fastapi.responses import Response
+from starlette.responses import Response
 
 from ... import web
 from ..context import ServerContext
+from ..http_app import App
 from ..schemas import NOT_FOUND, RequestError
 
 
-def register(app: FastAPI, ctx: ServerContext) -> None:
+def register(app: App, ctx: ServerContext) -> None:
     @app.get("/")
     async def web_page():
         return await web_asset("index.html")

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from fastapi import FastAPI, Request
+from starlette.requests import Request
 
 from ..auth import authorize
 from ..context import ServerContext
+from ..http_app import App
 
 
 def turnkv_version() -> str:
@@ -65,7 +66,7 @@ def model_info(ctx: ServerContext) -> dict:
     }
 
 
-def register(app: FastAPI, ctx: ServerContext) -> None:
+def register(app: App, ctx: ServerContext) -> None:
     keys = ctx.config.keys
 
     async def server(request: Request):
