@@ -63,7 +63,9 @@ def build_with_origin(llg, tokenizer):
     if hasattr(backend, "grammar_tokens"):      # RWKV's world trie: no tokenizer.json at all
         vocab = BytesVocab(backend.grammar_tokens(), backend.tokenize_bytes, min(eos), tokenizer.bos_token_id)
         return llg.LLTokenizer(llg.TokenizerWrapper(vocab), n_vocab=n, eos_token=eos), "backend"
-    data = _loaded_file(tokenizer)
+    from ..loading.tokenizer import loaded_json
+
+    data = loaded_json(tokenizer)
     if data is None:
         return llg.LLTokenizer(backend.to_str(), n_vocab=n, eos_token=eos), "backend"
     if b'"Prepend"' in data or b'"Metaspace"' in data:    # llguidance tokenizes with a changed copy
@@ -77,21 +79,6 @@ def build_with_origin(llg, tokenizer):
     view = llg.LLTokenizer(data.decode("utf-8"), n_vocab=n, eos_token=eos)
     write_tokens(cache, *token_bytes(view, n))
     return view, "file"
-
-
-def _loaded_file(tokenizer) -> bytes | None:
-    """The tokenizer.json the backend was loaded from, or None when there is none or it is gone or
-    changed since (size or mtime): then the backend in memory is what to build from."""
-    path = tokenizer.backend_file
-    if path is None:
-        return None
-    try:
-        stat = Path(path).stat()
-        if (stat.st_size, stat.st_mtime_ns) != tokenizer.backend_stamp:
-            return None
-        return Path(path).read_bytes()
-    except OSError:
-        return None
 
 
 def _encoder(backend):

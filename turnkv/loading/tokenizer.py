@@ -33,6 +33,23 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "turnkv"
 
 
+def loaded_json(tokenizer) -> bytes | None:
+    """The tokenizer.json ``tokenizer``'s backend was loaded from, or None when there is none or
+    it is gone or changed since (size or mtime): then only the backend in memory says what the
+    vocabulary is (the grammar view and the longest-token count cache what they derive from
+    these bytes, keyed by their SHA-256)."""
+    path = getattr(tokenizer, "backend_file", None)
+    if path is None:
+        return None
+    try:
+        stat = Path(path).stat()
+        if (stat.st_size, stat.st_mtime_ns) != tokenizer.backend_stamp:
+            return None
+        return Path(path).read_bytes()
+    except OSError:
+        return None
+
+
 def shipped_template(name: str) -> str:
     """A chat template shipped in turnkv/templates/<name>.jinja."""
     return (TEMPLATES_DIR / f"{name}.jinja").read_text(encoding="utf-8")

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from ..engine.engine import ContextLengthError, GenerationRequest
 from ..engine.grammar import ll_tokenizer
 from ..engine.sampling import ParamError, SamplingParams
+from ..loading.token_chars import longest_token_chars
 from . import chat_extras, schemas
 from .context import BODY_TIMEOUT_S, DEFAULT_MAX_MESSAGES, DEFAULT_MAX_N
 from .schemas import ChatCompletionRequest, CompletionRequest, RequestError, content_chars
@@ -70,18 +71,19 @@ def scoring(req: ChatCompletionRequest | CompletionRequest, max_n: int) -> dict:
 def max_token_chars(engine) -> int:
     """An upper bound on the characters one token stands for (the longest vocabulary entry), so
     a text longer than ``context x this`` cannot fit the context whatever its tokens: refused
-    before the template or the tokenizer spend time on it. Computed once per engine."""
+    before the template or the tokenizer spend time on it. Once per engine, from the cache dir
+    where an earlier start stored it (loading/token_chars.py)."""
     cached = getattr(engine, "_max_token_chars", None)
     if cached is None:
-        vocab = engine.tokenizer.backend.get_vocab() if engine.tokenizer is not None else {}
-        cached = max((len(t) for t in vocab), default=64)
+        cached = longest_token_chars(engine.tokenizer)[0]
         engine._max_token_chars = cached
     return cached
 
 
 def warm_up(engine) -> None:
     """What the first request would otherwise pay once, done before the server accepts one:
-    the vocabulary scan of ``max_token_chars`` (~0.5 s for Gemma 3's 262k entries) and the import
+    the vocabulary scan of ``max_token_chars`` (~0.2 s for Gemma 3's 262k entries, a read of the
+    cache dir once an earlier start stored its result) and the import
     of anyio's thread-pool backend (starlette runs sync endpoints through it). Measured on the
     Zen 3 VM: Gemma 3's first request took 640 ms more than its prefill, later ones ~60 ms.
     The grammar engine's view of the vocabulary comes later: ``warm_up_grammar``."""
