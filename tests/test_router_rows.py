@@ -159,3 +159,25 @@ def test_the_reference_is_the_same_bits_for_a_row_in_any_group():
     full = reference(x, w)
     assert all(torch.equal(reference(x[i:i + 1], w), full[i:i + 1]) for i in (0, 31, 32, 69))
     assert torch.allclose(full, x @ w.T, atol=1e-4)
+
+
+@native.needs(native_op() is not None, "the native row_linear op")
+def test_a_decode_steps_outputs_split_over_threads_are_the_references_bits():
+    """A decode step's few rows through a router of >= 512 KB split the outputs between the threads
+    (runs of 4, the last short when N is not a multiple of 4): each output the reference's bits,
+    at one thread and at two, on every path."""
+    import turnkv.kernels as tk
+
+    op = native_op()
+    g = torch.Generator().manual_seed(8)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for m, k, n in ((1, 2048, 128), (3, 2048, 130), (8, 2880, 61), (2, 1024, 7)):
+                x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * 0.02
+                ref = reference(x, w)
+                for isa in range(min(2, tk.ISAS.index(tk.best_isa())) + 1):
+                    assert torch.equal(op(x, w, isa), ref), (threads, m, k, n, isa)
+    finally:
+        torch.set_num_threads(before)

@@ -25,9 +25,10 @@ static inline float tree16(float* s) {
     return s[0];
 }
 
-static void rows_scalar(const float* X, int64_t K, const float* W, int64_t N, float* Y, int64_t m0, int64_t m1) {
+static void rows_scalar(const float* X, int64_t K, const float* W, int64_t N, float* Y, int64_t m0, int64_t m1,
+                        int64_t n0, int64_t n1) {
     for (int64_t m = m0; m < m1; m++)
-        for (int64_t n = 0; n < N; n++) {
+        for (int64_t n = n0; n < n1; n++) {
             const float *x = X + m * K, *w = W + n * K;
             float s[LANES] = {};
             for (int64_t k = 0; k < K; k += LANES)
@@ -112,7 +113,8 @@ TKV_RL_AVX2 static void tile256(const float* X, int64_t K, const float* W, int64
 // rows m0..m1 of Y: tiles of 4 rows x 4 outputs (AVX-512: 16 of the 32 registers accumulate) or
 // 1 x 4 (AVX2, 16 registers), then the edges
 template <bool WIDE>
-static void rows_simd(const float* X, int64_t K, const float* W, int64_t N, float* Y, int64_t m0, int64_t m1) {
+static void rows_simd(const float* X, int64_t K, const float* W, int64_t N, float* Y, int64_t m0, int64_t m1,
+                      int64_t n0, int64_t n1) {
     constexpr int MR = WIDE ? 4 : 1;
     auto tile = [&](auto mr, auto nr, int64_t m, int64_t n) {
         if constexpr (WIDE) tile512<decltype(mr)::value, decltype(nr)::value>(X, K, W, N, Y, m, n);
@@ -123,34 +125,45 @@ static void rows_simd(const float* X, int64_t K, const float* W, int64_t N, floa
     using mrc = std::integral_constant<int, MR>;
     int64_t m = m0;
     for (; m + MR <= m1; m += MR) {
-        int64_t n = 0;
-        for (; n + 4 <= N; n += 4) tile(mrc{}, four{}, m, n);
-        for (; n < N; n++) tile(mrc{}, one{}, m, n);
+        int64_t n = n0;
+        for (; n + 4 <= n1; n += 4) tile(mrc{}, four{}, m, n);
+        for (; n < n1; n++) tile(mrc{}, one{}, m, n);
     }
     for (; m < m1; m++) {
-        int64_t n = 0;
-        for (; n + 4 <= N; n += 4) tile(one{}, four{}, m, n);
-        for (; n < N; n++) tile(one{}, one{}, m, n);
+        int64_t n = n0;
+        for (; n + 4 <= n1; n += 4) tile(one{}, four{}, m, n);
+        for (; n < n1; n++) tile(one{}, one{}, m, n);
     }
 }
 
 // the widest path this CPU runs (the GGUF kernels' numbering, AVX-512 as 2)
 static inline int best_isa() { return __builtin_cpu_supports("avx512f") ? 2 : __builtin_cpu_supports("avx2") ? 1 : 0; }
 
-// isa as the GGUF kernels number it: 0 scalar, 1 AVX2, 2 and up AVX-512. Rows split over threads
-// once the call is larger than a decode step's (each output's order is the same either way).
+// isa as the GGUF kernels number it: 0 scalar, 1 AVX2, 2 and up AVX-512. A call larger than a
+// decode step's splits its rows over the threads; a decode step's few rows past ~512 KB of weights
+// (a MoE router: 1 MB of float32 for 128 experts x 2048) split their outputs instead, in runs of
+// 4, where the call ran on one thread while the others waited (docs/kernels.md). Each output's
+// order is the same whichever thread computes it, so the same bits either way.
 static void row_linear(const float* X, int64_t M, int64_t K, const float* W, int64_t N, float* Y, int isa) {
-    auto run = [&](int64_t m0, int64_t m1) {
-        if (isa >= 2) rows_simd<true>(X, K, W, N, Y, m0, m1);
-        else if (isa == 1) rows_simd<false>(X, K, W, N, Y, m0, m1);
-        else rows_scalar(X, K, W, N, Y, m0, m1);
+    auto run = [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+        if (isa >= 2) rows_simd<true>(X, K, W, N, Y, m0, m1, n0, n1);
+        else if (isa == 1) rows_simd<false>(X, K, W, N, Y, m0, m1, n0, n1);
+        else rows_scalar(X, K, W, N, Y, m0, m1, n0, n1);
     };
     if (M * N * K <= ((int64_t)1 << 21)) {
-        run(0, M);
+        const int64_t nth = std::min<int64_t>(at::get_num_threads(), (N + 3) / 4);
+        if (N * K < ((int64_t)1 << 17) || nth < 2 || at::in_parallel_region()) {
+            run(0, M, 0, N);
+            return;
+        }
+        const int64_t per = ((N + nth - 1) / nth + 3) / 4 * 4;
+        at::parallel_for(0, nth, 1, [&](int64_t b, int64_t e) {
+            for (int64_t t = b; t < e; t++) run(0, M, std::min(N, t * per), std::min(N, (t + 1) * per));
+        });
         return;
     }
     const int64_t grain = std::max<int64_t>(4, ((int64_t)1 << 20) / std::max<int64_t>(1, N * K) / 4 * 4);
-    at::parallel_for(0, M, grain, [&](int64_t b, int64_t e) { run(b, e); });
+    at::parallel_for(0, M, grain, [&](int64_t b, int64_t e) { run(b, e, 0, N); });
 }
 
 #undef TKV_RL_AVX2
