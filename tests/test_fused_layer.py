@@ -45,10 +45,13 @@ class Switch:
         self.blocks = fused_blocks(model)
         assert self.blocks, "no block runs fused: the comparisons below would compare nothing"
         self.fused = [b.fused for b in self.blocks]
+        self.model, self.head = model, getattr(model, "norm_head", None)
 
     def __call__(self, on: bool):
         for b, f in zip(self.blocks, self.fused):
             b.fused = f if on else None
+        if self.head is not None:       # the final norm and head's one call (models/fused.py NormHead)
+            self.model.norm_head = self.head if on else None
 
 
 def caches(model, kv="fp16"):
@@ -99,6 +102,34 @@ def test_switch_reaches_the_stack(model, monkeypatch):
             switch(True)
         run(model, prompt(20, 0), None, 1)
         assert calls
+
+
+def test_norm_head_same_bits_as_the_norm_op_and_the_heads_matmul(model, monkeypatch):
+    """Llama's final norm and lm_head run as one native call (``NormHead``), the bits of the norm
+    op then the head's GGUF matmul, and of the pure-PyTorch matmul on the same normalized rows;
+    a decode run goes through it (so the comparisons with the unfused path include it)."""
+    from turnkv.kernels import reference
+    from turnkv.models.base import Model, linear, rms_norm
+
+    if model.family != "llama":
+        assert getattr(model, "norm_head", None) is None     # Gemma 3's head is its own (a soft cap)
+        return
+    assert model.norm_head is not None
+    x = torch.randn(41, model.args.hidden_size, generator=torch.Generator().manual_seed(9))
+    h = rms_norm(x, model.norm, model.args.rms_norm_eps)
+    want = linear(h, model.lm_head)
+    w = model.lm_head.parts[0]
+    pure = reference.matmul(h, w.rows(), w.qtype, *w.shape)
+    for rows in (slice(0, 1), slice(3, 11), slice(0, 41), slice(40, 41)):
+        got = model.norm_head(x[rows])
+        assert torch.equal(got, want[rows]) and torch.equal(got, pure[rows]), rows
+        assert torch.equal(model.head(x[rows]), got) and torch.equal(Model.head(model, x[rows]), got)
+    calls = []
+    real = kernels._ext.norm_head
+    monkeypatch.setattr(kernels._ext, "norm_head", lambda *a: calls.append(1) or real(*a))
+    with torch.inference_mode():
+        run(model, prompt(20, 0), None, 2)
+    assert len(calls) == 3
 
 
 @pytest.mark.parametrize("kv", ["fp16", "native"])

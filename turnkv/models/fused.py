@@ -46,8 +46,10 @@ def fused_available() -> bool:
             and os.environ.get("TURNKV_FUSED", "1").strip() != "0")
 
 
-def _qlinear(w):
-    if not isinstance(w, GGUFPacked) or w.float_out:
+def _qlinear(w, head: bool = False):
+    """The native QLinear of a GGUFPacked weight, or None. ``head``: the lm_head's (``float_out``:
+    its logits float32 whatever the compute dtype, which the fused calls' float32 rows are)."""
+    if not isinstance(w, GGUFPacked) or (w.float_out and not head):
         return None
     parts = w.parts
     # F16 / BF16 parts run their own float matmul, not the int8 one the fused calls are made of
@@ -164,6 +166,35 @@ class FusedBlock:
         kernels._ext.fused_out_mlp(x, a.contiguous(), self.wo, self.post_attn, self.mlp_norm, self.eps, self.wgu,
                                    self.act, self.wdown, self.post_ff, self.isa)
         return x
+
+
+class NormHead:
+    """A decoder's final RMSNorm and its lm_head as one native call (``norm_head``,
+    kernels/csrc/norm_head.inc), where ``Model.head`` ran the norm op and four Python wrappers
+    around the matmul once per step, cold after the layers: the same row function and kernels, so
+    the same bits (tests/test_fused_layer.py). Off where the fused calls are (``fused_available``)."""
+
+    def __init__(self, norm, eps: float, w):
+        self.norm, self.eps, self.w, self.isa = norm, float(eps), w, kernels._isa_index(None)
+
+    @classmethod
+    def build(cls, norm, eps: float, lm_head) -> "NormHead | None":
+        """The call for this norm weight (float32, or None) and head, or None when the head is not
+        GGUF blocks the int8 kernels run, or the build lacks it."""
+        if not (fused_available() and hasattr(kernels._ext, "norm_head")):
+            return None
+        try:
+            norm = _vec(norm)
+        except TypeError:
+            return None
+        w = _qlinear(lm_head, head=True)
+        return None if w is None else cls(norm, eps, w)
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return x.dtype == torch.float32 and x.is_cpu and x.dim() == 2 and x.is_contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels._ext.norm_head(x, self.norm, self.eps, self.w, self.isa)
 
 
 def fuse_llama_block(block) -> "FusedBlock | None":

@@ -14,7 +14,7 @@ from .base import apply_rope, attention_spans, embedding, linear, rms_norm
 from .batch import Batch
 from .decoder import (FULL, SLIDING, DecoderArgs, DecoderModel, GatedMLP, PreNormBlock, out_weights, qk_norm_rows,
                       qkv_weights)
-from .fused import FusedSlot, fuse_llama_block, stack_for
+from .fused import FusedSlot, NormHead, fuse_llama_block, stack_for
 from .tensors import param
 
 
@@ -94,6 +94,17 @@ class LlamaModel(DecoderModel):
     family = "llama"
     Args = ModelArgs
     Block = Block
+    norm_head = None     # the final norm and lm_head as one native call (models/fused.py NormHead), or None
+
+    def enable_fused(self) -> int:
+        self.norm_head = NormHead.build(self.norm, self.args.rms_norm_eps, self.lm_head)
+        return super().enable_fused()
+
+    def head(self, x):
+        f = self.norm_head
+        if f is not None and f.takes(x):
+            return f(x)
+        return super().head(x)
 
     def forward(self, batch):
         return self.forward_embeds(embedding(batch.tokens, self.embed, self.dtype), batch)

@@ -358,6 +358,7 @@ static torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor w, int64_t qt, i
 
 #include "fused_layer.inc"
 #include "moe_experts.inc"
+#include "norm_head.inc"
 #include "tile_gather.inc"
 
 }  // namespace tkv
@@ -377,6 +378,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("parallel") = true, py::call_guard<py::gil_scoped_release>());
     tkv::register_fused(m);
     tkv::register_moe(m);
+    tkv::register_head(m);
     m.def("write_attend", &tkv_attn::write_attend,
           "one layer's K/V cache writes and attention for a batch of spans (csrc/attention.cpp)", py::arg("q"),
           py::arg("k"), py::arg("v"), py::arg("kbufs"), py::arg("vbufs"), py::arg("lens"), py::arg("tables"),
