@@ -7,7 +7,6 @@ besides the real ngram drafter."""
 from __future__ import annotations
 
 import random
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from turnkv.cache import specs as cache_specs
 from turnkv.engine.engine import Engine
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.sequence import GenerationRequest
-from turnkv.engine.speculative import (CHUNK_COST, NGRAM, DraftLogits, NgramDrafter, Speculation,
+from turnkv.engine.speculative import (CHUNK_COST, CLOCK, NGRAM, DraftLogits, NgramDrafter, Speculation,
                                       StepCosts, head_blocks)
 from turnkv.loading.model import load_model
 from turnkv.models.batch import ALL, Batch
@@ -101,6 +100,13 @@ class Oracle:
                 out = run[len(history):len(history) + k]
                 return [(t + 1) % VOCAB if self.rng.random() < self.wrong else t for t in out]
         return []
+
+
+def burn(seconds: float) -> None:
+    """Keep this thread busy for ``seconds`` of its CPU time (what the engine times steps by)."""
+    end = CLOCK() + seconds
+    while CLOCK() < end:
+        pass
 
 
 def plain_runs(model, reqs) -> list:
@@ -373,12 +379,9 @@ def test_drafting_backs_off_when_drafts_fail_and_recovers():
 
 def test_drafts_shorten_when_multi_row_steps_cost_more(loaded, monkeypatch):
     """Draft lengths follow the step costs the engine measures on its own steps: with the
-    forward made slower by 20 ms a row past the first (a real delay inside the steps the engine
-    times; 20 ms, not less, so that a one-row step slowed by a busy machine still measures far
-    below a two-row one), a multi-row step measures many one-row steps' time, so drafts get shorter than the
+    forward made slower by 20 ms of CPU time a row past the first (real work inside the steps the
+    engine times, by its thread's CPU time: a sleep would not count), a multi-row step measures many one-row steps' time, so drafts get shorter than the
     prior costs make them and drafting backs off to probes; the tokens stay the plain ones."""
-    import time
-
     model = loaded["full"]
     r = req(tokens(13, 20), 80)
     want = plain_runs(model, [r])[0]
@@ -394,7 +397,7 @@ def test_drafts_shorten_when_multi_row_steps_cost_more(loaded, monkeypatch):
     forward = model.net.forward
 
     def slow_forward(batch):
-        time.sleep(0.02 * (batch.tokens.shape[0] - 1))
+        burn(0.02 * (batch.tokens.shape[0] - 1))
         return forward(batch)
 
     monkeypatch.setattr(model.net, "forward", slow_forward)
@@ -460,9 +463,9 @@ def test_head_blocks_follow_the_measured_head_calls(loaded):
         spec.record(3, 3)
     assert DraftLogits(net.head, hidden, spec).blocks == {0: 4}       # the prior: 4 rows ~ one row
     def slow_four(x):
-        time.sleep(0.02 * (len(x) == 4))
+        burn(0.02 * (len(x) == 4))
         return net.head(x)
-    for _ in range(5):      # real head calls, timed; a 4-row call made slow as on a busy core
+    for _ in range(5):      # real head calls, timed; a 4-row call made slow (20 ms of CPU time)
         for n in (1, 2, 4):
             rows = DraftLogits(slow_four, hidden[:n], spec)
             assert torch.equal(torch.stack([rows[i] for i in range(n)]), want[:n])

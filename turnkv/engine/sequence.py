@@ -137,6 +137,7 @@ class Sequence:
         self.next_token: int | None = None    # sampled, not yet fed
         self.spec: Speculation | None = None   # drafts after next_token (engine.py _speculation)
         self.generated: list[int] = []
+        self.context: list[int] = []      # prompt + generated as of the last draft (``draft``)
         self.last_logits: torch.Tensor | None = None   # logits of the state's last token
         self.first_logits: torch.Tensor | None = None
         self.cancelled = threading.Event()
@@ -185,7 +186,10 @@ class Sequence:
         room = min(room, self.budget - len(self.generated) - 1)
         if self.spec is None or room <= 0:
             return []
-        return self.spec.propose(self.prompt + self.generated, room)
+        seen = self.context      # extended by the tokens taken since, not built again at every step
+        seen.extend(self.prompt if not seen else ())
+        seen.extend(self.generated[len(seen) - len(self.prompt):])
+        return self.spec.propose(seen, room)
 
     # --- sampling ------------------------------------------------------------------------------
     def take(self, logits: torch.Tensor) -> bool:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import random
-import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -42,30 +41,49 @@ RECENT = 0.8                     # weight of the acceptance counts kept at each 
 # (1 thread, Zen 4, 700 tokens of context: docs/measurements/2026-12-06-speculative.md): only the
 # prior of ``StepCosts``, which measures them as the engine runs.
 CHUNK_COST = {2: 1.09, 4: 1.30, 8: 2.06, 16: 4.17}
+FIT = {rows: next(m for m in CHUNK_COST if m >= rows) for rows in range(1, 17)}   # rows -> the count they are priced as
 COST_WINDOW = 15                 # a row count's latest step times ``StepCosts`` keeps
 COST_MIN_SAMPLES = 3             # ... and how many it needs before they replace the prior
 RECALIBRATE = 64                 # multi-row steps in a row before one draft is skipped to time one row
+# What steps and head calls are timed by: the engine thread's CPU time, not the wall clock. On a
+# loaded machine the wall time of a step is mostly the wait for a core (2-30x its CPU time at load
+# 8-10), which landed on whichever row count it hit: one run measured a 2-row step at 9.2 one-row
+# steps and stopped drafting. At more than one thread the other threads' time is not in it; the
+# calling thread runs its share of each parallel region and waits at its end, so its time still
+# follows the step's (docs/speculative.md, "Step costs").
+CLOCK = time.thread_time
+
+
+def median(got) -> float:
+    """``statistics.median`` of a few floats, without its checks (a step looks costs up)."""
+    s = sorted(got)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
 class StepCosts:
     """What a decode step of 2, 4, 8 or 16 rows costs over a one-row step, measured from the
-    engine's own steps (``observe_step``: the model time of each step without a prefill chunk,
-    filed under the smallest of these row counts that holds its rows, as ``cost`` prices it) as
-    the median of each row count's latest ``window`` step times; ``CHUNK_COST`` stands in for a
-    row count with fewer than ``COST_MIN_SAMPLES``. A multi-row step's relative cost moves with
-    the CPU and its load (8 rows 2.3x one row's time on a quiet Zen 4 core, 2.75x at load 12):
-    priced too low, drafts run too long to pay. ``window=0``: the prior only."""
+    engine's own steps (``observe_step``: the model CPU time of each step without a prefill
+    chunk, filed under the smallest of these row counts that holds its rows, as ``cost`` prices
+    it) as the median of each row count's latest ``window`` step times; ``CHUNK_COST`` stands in
+    for a row count with fewer than ``COST_MIN_SAMPLES``. A multi-row step's relative cost moves
+    with the CPU (8 rows 2.3x one row's time on a quiet Zen 4 core): priced too low, drafts run
+    too long to pay. The costs are worked out again only after a new time came in (a draft's
+    length is chosen at every step). ``window=0``: the prior only."""
 
     def __init__(self, window: int = COST_WINDOW):
         self.times = {m: deque(maxlen=window) for m in (1, *CHUNK_COST)}
         self.head_times = {m: deque(maxlen=window) for m in HEAD_COST}    # verification's head calls
         self.window = window
         self.since_one = 0     # multi-row decode steps since the last one-row step
+        self._chunks: dict[int, float] | None = None            # ``cost``'s table, None: out of date
+        self._heads: tuple[tuple[int, float], ...] | None = None  # ``head_costs``, None: out of date
 
     def observe_head(self, rows: int, seconds: float) -> None:
         """A head call of ``rows`` rows that verification made (``DraftLogits``)."""
         if rows in self.head_times:
             self.head_times[rows].append(seconds)
+            self._heads = None
 
     def head_costs(self) -> tuple[tuple[int, float], ...]:
         """What a head call of each block size costs over a one-row call, as ``head_blocks``
@@ -74,19 +92,22 @@ class StepCosts:
         blocks chosen are looked up, not worked out again, while the costs hold still. The head
         of Gemma 3 (262k rows) is half a one-row step and pairs rows; SmolLM2's is a fifth, and
         odd-sized or 8-row calls cost it more than the prior says."""
-        got = self.head_times[1]
-        one = statistics.median(got) if len(got) >= COST_MIN_SAMPLES else None
-        out = []
-        for m, prior in HEAD_COST.items():
-            times = self.head_times[m]
-            cost = prior if one is None or len(times) < COST_MIN_SAMPLES else statistics.median(times) / one
-            out.append((m, round(max(cost, 0.05) * 20) / 20))
-        return tuple(out)
+        if self._heads is None:
+            got = self.head_times[1]
+            one = median(got) if len(got) >= COST_MIN_SAMPLES else None
+            out = []
+            for m, prior in HEAD_COST.items():
+                times = self.head_times[m]
+                cost = prior if one is None or len(times) < COST_MIN_SAMPLES else median(times) / one
+                out.append((m, round(max(cost, 0.05) * 20) / 20))
+            self._heads = tuple(out)
+        return self._heads
 
     def observe(self, rows: int, seconds: float) -> None:
-        fit = next((m for m in self.times if m >= rows), None)
-        if fit is not None:
+        fit = 1 if rows == 1 else FIT.get(rows)
+        if fit is not None and self.window:
             self.times[fit].append(seconds)
+            self._chunks = None
         self.since_one = 0 if rows == 1 else self.since_one + 1
 
     def observe_step(self, work: list, outs: list, seconds: float) -> None:
@@ -110,31 +131,35 @@ class StepCosts:
 
     def measured(self, rows: int) -> float | None:
         got = self.times[rows]
-        return statistics.median(got) if len(got) >= COST_MIN_SAMPLES else None
+        return median(got) if len(got) >= COST_MIN_SAMPLES else None
 
     def cost(self, rows: int) -> float:
         """A step of ``rows`` rows over a one-row step's time, priced as the smallest row count
-        of ``CHUNK_COST`` that holds them (past 16 rows in proportion): measured over the
-        measured one-row time, or, before one-row steps are measured, over the smallest measured
-        row count's time at its prior cost."""
-        fit = next((m for m in CHUNK_COST if m >= rows), None)
-        if fit is None:
-            return self.cost(16) * rows / 16
-        got = self.measured(fit)
-        if got is None:
-            return self._prior(fit)
-        one = self.measured(1)
-        if one is None:
-            base = next(m for m in CHUNK_COST if self.measured(m) is not None)
-            one = self.measured(base) / CHUNK_COST[base]
-        return got / one
+        of ``CHUNK_COST`` that holds them (past 16 rows in proportion): ``chunk_costs``."""
+        if self._chunks is None:
+            self._chunks = self.chunk_costs()
+        fit = FIT.get(rows)
+        return self._chunks[fit] if fit is not None else self._chunks[16] * rows / 16
 
-    def _prior(self, rows: int) -> float:
-        """The prior of an unmeasured row count, scaled as the largest smaller measured row count
-        stands to its own prior: a 2-row step measured at 1.44 one-row steps (a busy core) puts
-        4 rows at 1.72, not below the 2 rows as the fixed 1.30 did (prose drafted 3 tokens on it)."""
-        below = [m for m in CHUNK_COST if m < rows and self.measured(m) is not None]
-        return CHUNK_COST[rows] * (self.cost(below[-1]) / CHUNK_COST[below[-1]] if below else 1.0)
+    def chunk_costs(self) -> dict[int, float]:
+        """Each row count's cost from the medians: measured over the measured one-row time (before
+        one-row steps are measured, over the smallest measured row count's at its prior cost); a
+        row count not yet measured at its prior, scaled as the largest smaller measured row count
+        stands to its own prior (a 2-row step measured at 1.44 one-row steps puts 4 rows at 1.72,
+        not below the 2 rows as the fixed 1.30 did: prose drafted 3 tokens on it)."""
+        got = {m: self.measured(m) for m in self.times}
+        one = got[1]
+        if one is None:
+            base = next((m for m in CHUNK_COST if got[m] is not None), None)
+            one = got[base] / CHUNK_COST[base] if base is not None else None
+        out, scale = {}, 1.0
+        for m, prior in CHUNK_COST.items():
+            if got[m] is None:
+                out[m] = prior * scale
+            else:
+                out[m] = got[m] / one
+                scale = out[m] / prior
+        return out
 
     def as_dict(self) -> dict:
         return {**{str(m): round(self.cost(m), 3) for m in CHUNK_COST},
@@ -229,12 +254,17 @@ class Speculation:
         """Backed off, the drafter still guesses the next token at every step (a lookup, no
         forward) and the guess is checked against the token plain decoding takes there, which
         is what verifying it would have found: the acceptance stays current for free, and
-        drafting resumes once it pays again. Returns the length then chosen."""
+        drafting resumes once it pays again. Returns the length then chosen. Only a guess that
+        came true can make a draft pay again (a miss lowers the acceptance, and a draft that did
+        not pay at a higher one does not at a lower), so a miss costs no ``best_length``: prose,
+        backed off, pays a lookup and a comparison a step."""
         if self.shadow is not None and len(history) > self.shadow_at:
             hit = int(history[self.shadow_at] == self.shadow)
             self.recent_accepted = RECENT * self.recent_accepted + hit
             self.recent_rejected = RECENT * self.recent_rejected + 1 - hit
-            self.length, self.shadow = self.best_length(), None
+            self.shadow = None
+            if hit:
+                self.length = self.best_length()
         if not self.length:
             guess = self.drafter.draft(history, 1)
             self.shadow, self.shadow_at = (guess[0], len(history)) if guess else (None, 0)
@@ -344,10 +374,10 @@ class DraftLogits:
         while i >= len(self.rows):
             start = len(self.rows)
             n = self.blocks.get(start, len(self.hidden) - start)
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             with torch.inference_mode():
                 self.rows.extend(self.head(self.hidden[start:start + n]))
-            took = time.perf_counter() - t0
+            took = CLOCK() - t0
             self.seconds += took
             self.costs.observe_head(n, took)
         return self.rows[i]
