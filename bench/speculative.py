@@ -20,7 +20,9 @@ Workloads (greedy, ``--max-tokens`` each):
 Each (model, workload) runs ``--rounds`` rounds, off and on alternating in order (off, on, on,
 off, ...), each run on a fresh engine (the model loaded once), so runs see the same prefill.
 Every run uses ``--threads`` compute threads (default 1: the machine is shared; a descheduled
-partner thread costs more than the second core gives). Prints the median decode tok/s of each,
+partner thread costs more than the second core gives). Prints the median decode tok/s of each
+by wall time and by the engine thread's CPU time (at one thread its compute, without the waits
+for a core that a loaded machine adds: the figure to go by at load),
 the speedup (median of the rounds' on/off ratios), the acceptance rate, the tokens per
 forward pass and the step costs the last on run's engine measured (``StepCosts``, what its draft
 lengths went by); exits non-zero if any on run's tokens differ.
@@ -28,8 +30,10 @@ lengths went by); exits non-zero if any on run's tokens differ.
 ``--llama-server``: for each of ``--llama-types`` (``none`` and llama.cpp's n-gram types, each
 at its defaults) a fresh server (``-t``/``-tb`` ``--threads``, one slot) gets the same prompt
 token ids as turnkv, once per workload (bench/speculative_peer.py); its decode tok/s
-(``timings.predicted_per_second``) and acceptance are printed beside turnkv's, and the ratio of
-turnkv's speculative speed to the best type's. Its replies may differ from turnkv's in length
+(``timings.predicted_per_second``; by CPU time, the server process's CPU time over each request,
+its decode's share taken as the server's own decode time's share of prompt + decode) and
+acceptance are printed beside turnkv's, and the ratio of turnkv's speculative speed to the best
+type's, by each clock. Its replies may differ from turnkv's in length
 (numerics, and the agent steps run without turnkv's tool-call grammar), so compare tok/s.
 """
 
@@ -40,6 +44,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,6 +73,20 @@ def agent_bodies(trace: Path, session: str | None) -> list[dict]:
     rows = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
     session = session or rows[0]["session"]
     return [r["body"] for r in sorted((r for r in rows if r["session"] == session), key=lambda r: r["step"])]
+
+
+def decode_cpu(engine, req) -> tuple:
+    """``engine.generate(req)`` and the thread CPU time from its first token to its end: at one
+    compute thread the engine computes on this thread, so this is its decode's work without the
+    waits for a core that a loaded machine adds to the wall time."""
+    gen = engine.stream(req)
+    t0 = None
+    try:
+        while True:
+            next(gen)
+            t0 = time.thread_time() if t0 is None else t0
+    except StopIteration as stop:
+        return stop.value, time.thread_time() - t0 if t0 is not None else 0.0
 
 
 class Bench:
@@ -111,44 +130,53 @@ class Bench:
         return out
 
     def run(self, name: str, messages: list[dict] | None, mode: str) -> dict:
-        """One run of a workload: its token ids, decode tok/s over all its requests, drafts."""
+        """One run of a workload: its token ids, decode tok/s over all its requests (wall and
+        CPU time), drafts."""
         engine = self.engine(mode, tools=name == "agent")
-        ids, decode_s, decoded, drafted, accepted, prompts = [], 0.0, 0, 0, 0, []
+        ids, decode_s, cpu_s, decoded, drafted, accepted, prompts = [], 0.0, 0.0, 0, 0, 0, []
         for req in self.requests(engine, name, messages):
             prompts.append((list(req.prompt_ids), req.params.max_tokens))
-            result = engine.generate(req)
+            result, cpu = decode_cpu(engine, req)
             ids.append(result.token_ids)
             decode_s += result.stats.decode_ms / 1000
+            cpu_s += cpu
             decoded += max(0, len(result.token_ids) - 1)
             drafted += result.stats.drafted
             accepted += result.stats.accepted
-        return {"ids": ids, "tok_s": decoded / decode_s if decode_s else 0.0, "drafted": drafted,
+        return {"ids": ids, "tok_s": decoded / decode_s if decode_s else 0.0, "cpu_tok_s": decoded / max(cpu_s, 1e-9),
+                "drafted": drafted,
                 "accepted": accepted, "tokens": sum(len(i) for i in ids), "prompts": prompts,
                 "costs": engine.spec.costs.as_dict()}
 
 
 def bench_workload(bench: Bench, name: str, messages, rounds: int) -> dict:
-    speeds = {"off": [], "ngram": []}
-    ratios, rate, per_pass, ids, same = [], [], [], {}, True
+    speeds = {(mode, clock): [] for mode in ("off", "ngram") for clock in ("tok_s", "cpu_tok_s")}
+    ratios, cpu_ratios, rate, per_pass, ids, same = [], [], [], [], {}, True
     for r in range(rounds):
         got = {}
         for mode in (("off", "ngram") if r % 2 == 0 else ("ngram", "off")):
             got[mode] = out = bench.run(name, messages, mode)
-            speeds[mode].append(out["tok_s"])
+            for clock in ("tok_s", "cpu_tok_s"):
+                speeds[mode, clock].append(out[clock])
             ids.setdefault(mode, out["ids"])
             same &= out["ids"] == ids[mode] == ids.get("off", out["ids"])
         on = got["ngram"]
         ratios.append(on["tok_s"] / max(got["off"]["tok_s"], 1e-9))
+        cpu_ratios.append(on["cpu_tok_s"] / max(got["off"]["cpu_tok_s"], 1e-9))
         rate.append(on["accepted"] / on["drafted"] if on["drafted"] else 0.0)
         per_pass.append(on["tokens"] / max(1, on["tokens"] - on["accepted"]))
     same &= ids["off"] == ids["ngram"]
-    row = {"tokens": sum(len(i) for i in ids["off"]), "off": statistics.median(speeds["off"]),
-           "ngram": statistics.median(speeds["ngram"]), "speedup": statistics.median(ratios),
+    med = {key: statistics.median(v) for key, v in speeds.items()}
+    row = {"tokens": sum(len(i) for i in ids["off"]), "off": med["off", "tok_s"], "ngram": med["ngram", "tok_s"],
+           "cpu_off": med["off", "cpu_tok_s"], "cpu_ngram": med["ngram", "cpu_tok_s"],
+           "speedup": statistics.median(ratios), "cpu_speedup": statistics.median(cpu_ratios),
            "acceptance": statistics.median(rate), "per_pass": statistics.median(per_pass), "same": same,
            "prompts": got["off"]["prompts"]}
     print(f"  {name:<11} {row['tokens']:>4} tok  off {row['off']:6.1f} tok/s  ngram {row['ngram']:6.1f} tok/s  "
           f"speedup {row['speedup']:.2f}x  accepted {row['acceptance']:.0%} of drafts  {row['per_pass']:.2f} tok/pass  "
           f"{'same tokens' if same else 'TOKENS DIFFER'}  (load {os.getloadavg()[0]:.1f})", flush=True)
+    print(f"  {'':<11} by CPU time: off {row['cpu_off']:6.1f}  ngram {row['cpu_ngram']:6.1f} tok/s  speedup "
+          f"{row['cpu_speedup']:.2f}x (rounds {', '.join(f'{x:.2f}' for x in cpu_ratios)})", flush=True)
     measured = dict(got["ngram"]["costs"])
     head = "  ".join(f"{m} {c:.2f}" for m, c in measured.pop("head").items())
     costs = "  ".join(f"{m} rows {c:.2f}" for m, c in measured.items())
