@@ -11,8 +11,9 @@ interleaved with the others' so a busy machine's drift falls on all alike.
 Each checkout's ``turnkv`` package is byte-compiled first (``compileall``, into its
 ``__pycache__``), as ``pip install`` leaves an installed package: this environment sets
 ``PYTHONDONTWRITEBYTECODE=1``, under which a source checkout compiles its ~125 modules again on
-every start (~0.1-0.2 s of the start on a 2-core Zen 4). ``--source`` skips that and times the
-source-only start (how runs before 2026-12-07 04:30 were made).
+every start (~0.1-0.2 s of the start on a 2-core Zen 4). ``--source`` deletes the checkouts'
+``turnkv`` byte code instead and times the source-only start (how runs before 2026-12-07 04:30
+were made).
 
 Both servers bind their port before loading and answer only once the model is loaded (turnkv
 accepts connections early and answers when uvicorn starts; llama-server answers 503 while
@@ -24,6 +25,7 @@ import argparse
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -66,7 +68,12 @@ def command(engine: str, model: Path, port: int, threads: int) -> list[str]:
     return [str(LLAMA_SERVER), "-m", str(model), "--port", str(port), "-t", str(threads), "-c", "4096"]
 
 
-def byte_compile(checkout: Path) -> None:
+def byte_compile(checkout: Path, source: bool = False) -> None:
+    """``source``: delete the package's byte code (what an earlier run compiled) instead."""
+    if source:
+        for cache in list((checkout / "turnkv").rglob("__pycache__")):
+            shutil.rmtree(cache)
+        return
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(checkout / "turnkv")], check=True)
 
 
@@ -101,16 +108,15 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--engines", default="turnkv,llama")
     p.add_argument("--before", type=Path, default=None, help="a checkout whose turnkv serve runs too")
-    p.add_argument("--source", action="store_true", help="do not byte-compile the checkouts' turnkv first")
+    p.add_argument("--source", action="store_true", help="delete the checkouts' turnkv byte code, do not compile it")
     args = p.parse_args()
     print(f"CPU: {cpu_model()}, {args.threads} threads; {args.model.name}; turnkv "
           f"{'from source' if args.source else 'byte-compiled'}; load average {os.getloadavg()[0]:.1f}", flush=True)
     engines = {e: ROOT for e in args.engines.split(",")}
     if args.before is not None:
         engines = {"turnkv-before": args.before.resolve(), **engines}
-    if not args.source:
-        for checkout in {cwd for engine, cwd in engines.items() if engine.startswith("turnkv")}:
-            byte_compile(checkout)
+    for checkout in {cwd for engine, cwd in engines.items() if engine.startswith("turnkv")}:
+        byte_compile(checkout, args.source)
     runs: dict[str, list[float]] = {e: [] for e in engines}
     for _ in range(args.runs):
         for engine, cwd in engines.items():
