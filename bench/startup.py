@@ -11,7 +11,7 @@ interleaved with the others' so a busy machine's drift falls on all alike.
 Each checkout's ``turnkv`` package is byte-compiled first (``compileall``, into its
 ``__pycache__``), as ``pip install`` leaves an installed package: this environment sets
 ``PYTHONDONTWRITEBYTECODE=1``, under which a source checkout compiles its ~125 modules again on
-every start (~0.1-0.2 s of the start on a 2-core Zen 4). ``--source`` deletes the checkouts'
+every start (~0.1-0.2 s of the start on a 2-core Zen 2). ``--source`` deletes the checkouts'
 ``turnkv`` byte code instead and times the source-only start (how runs before 2026-12-07 04:30
 were made).
 

@@ -3,7 +3,7 @@ which the server's prompt-size check multiplies by the context (server/requests.
 ``max_token_chars``).
 
 Scanning the vocabulary means building a dict of every entry (``get_vocab``), holding the GIL:
-~35 ms for SmolLM2's 49k entries on a 2-core Zen 4, ~0.2 s for Gemma 3's 262k, paid by every
+~35 ms for SmolLM2's 49k entries on a 2-core Zen 2, ~0.2 s for Gemma 3's 262k, paid by every
 start before the server answers (``warm_up``). The answer depends only on the tokenizer.json, so
 it is kept under the cache dir (``$TURNKV_CACHE_DIR``, default ~/.cache/turnkv) in
 ``token-chars/<key>.json``, keyed by that file's SHA-256, and the next start reads it instead of

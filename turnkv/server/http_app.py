@@ -5,7 +5,7 @@ Every endpoint is an ``async def`` that takes the ``Request`` (a parameter named
 and the path's parameters by name (``/web/{name}`` -> ``name: str``), parses its own body
 (server/requests.py) and returns a ``Response`` or a JSON-able body, sent as a 200
 ``JSONResponse``. That is all turnkv used of FastAPI, whose import (its OpenAPI models, ~0.1-0.15 s
-of pydantic class building on a 2-core Zen 4) and route analysis held the GIL during every
+of pydantic class building on a 2-core Zen 2) and route analysis held the GIL during every
 start-up for no use: the app has no OpenAPI schema, docs pages or typed parameters."""
 
 from __future__ import annotations
