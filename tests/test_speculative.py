@@ -385,9 +385,10 @@ def test_drafts_shorten_when_multi_row_steps_cost_more(loaded, monkeypatch, dela
     (real work inside the steps), a multi-row step measures many one-row steps' time, so drafts
     get shorter than the prior costs make them and drafting backs off to probes. The same 20 ms
     spent waiting (a sleep: what a busy core's wait for the CPU looks like to the wall clock) is
-    not a cost: by the wall clock a 2-row step of this tiny model (~0.3 ms of CPU a one-row step)
-    measures 6-60 one-row steps (by the load: a busy core stretches the one-row steps too) and a
-    4-row step 16-180, by CPU time they stay at a few. The tokens stay the plain ones."""
+    not a cost: every multi-row step's time leaves out the 20-60 ms it slept, where the wall clock
+    has all of it (a ratio of costs would not tell them apart on every machine: the tiny model's
+    one-row step is ~0.2 ms of CPU, and waking the kernel threads after a sleep costs a 2-row step
+    a few of those). The tokens stay the plain ones."""
     model = loaded["full"]
     r = req(tokens(13, 20), 80)
     want = plain_runs(model, [r])[0]
@@ -413,7 +414,8 @@ def test_drafts_shorten_when_multi_row_steps_cost_more(loaded, monkeypatch, dela
     costs = slowed.spec.costs
     assert costs.measured(1) is not None
     if delay == "wait":
-        assert costs.cost(2) < 5 and costs.cost(4) < 8, costs.times
+        slept = [t for rows, got in costs.times.items() if rows > 1 for t in got]
+        assert slept and max(slept) < 0.01, costs.times
         return
     assert costs.cost(2) > 2 * CHUNK_COST[2] and costs.cost(4) > 2 * CHUNK_COST[4]
     mean = {e: e.spec.drafted / e.spec.verify_steps for e in (prior, slowed)}
