@@ -1,6 +1,5 @@
 """A weight matmul's parallel region (kernels/csrc/gguf_matmul.cpp ``run_parts``) at any thread
-count, with the threads' static shares or with work stealing (``set_steal``: a thread that is
-done takes the others' last chunks), gives every output the pure-PyTorch reference's bits: parts
+count gives every output the pure-PyTorch reference's bits: parts
 of two quantization types side by side (a fused weight whose parts differ, a MoE row's experts),
 decode and prefill row counts. Run through ``norm_head`` (the final norm and the lm_head in one
 call, models/fused.py NormHead), whose weight is a QLinear of parts."""
@@ -15,8 +14,7 @@ from test_kernels import _x, random_weight
 
 import turnkv.kernels as tk
 
-pytestmark = native.needs(tk.native_available() and hasattr(tk._ext, "set_steal") and hasattr(tk._ext, "norm_head"),
-                          "run_parts' work stealing and norm_head")
+pytestmark = native.needs(tk.native_available() and hasattr(tk._ext, "norm_head"), "norm_head")
 
 
 @pytest.fixture(scope="module")
@@ -26,20 +24,17 @@ def parts():
 
 
 @pytest.mark.parametrize("m", [1, 3, 8, 40])
-def test_any_thread_count_and_stealing_give_the_references_bits(parts, m):
+def test_any_thread_count_gives_the_references_bits(parts, m):
     lin = tk._ext.QLinear([p.raw for p in parts], [int(p.qtype) for p in parts], [int(p.shape[0]) for p in parts], 2048)
     x = _x(m, 2048)
     norm = torch.rand(2048, generator=torch.Generator().manual_seed(3)) + 0.5
     h = torch.ops.turnkv_ops.rms_norm(x, norm, 1e-6)
     want = torch.cat([p.matmul(h, native=False) for p in parts], dim=1)
-    threads, steal = torch.get_num_threads(), tk._ext.set_steal(1)
+    threads = torch.get_num_threads()
     try:
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            for on in (0, 1):
-                tk._ext.set_steal(on)
-                got = tk._ext.norm_head(x, norm, 1e-6, lin, tk._isa_index(None))
-                assert torch.equal(got, want), (n, on)
+            got = tk._ext.norm_head(x, norm, 1e-6, lin, tk._isa_index(None))
+            assert torch.equal(got, want), n
     finally:
         torch.set_num_threads(threads)
-        tk._ext.set_steal(steal)

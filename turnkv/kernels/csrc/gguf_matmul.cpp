@@ -6,7 +6,6 @@
 // exact int32 block dot products, one fixed float32 formula per block, blocks added in
 // order into one accumulator per output. Threads split N (8- or 16-row tiles) only, never K.
 
-#include <atomic>
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -263,9 +262,9 @@ struct Part {
 };
 
 // A region's parts laid out by work (a tile's weight bytes times 1 + M/4 for the dot products):
-// part i's tiles start at work w0[i], each tw[i] long; `run(lo, hi, next)` computes the tiles whose
-// first work unit lies in [lo, hi) (the parts side by side), telling the last range where the
-// thread goes next (Args::next: the kernels prefetch its start; null: nowhere known).
+// part i's tiles start at work w0[i], each tw[i] long; `run(lo, hi)` computes the tiles whose
+// first work unit lies in [lo, hi) (the parts side by side), telling each part's range where the
+// next part's starts (Args::next: the kernels prefetch it; null after the last).
 struct Region {
     Args g[MAX_PARTS];
     int64_t ntiles[MAX_PARTS], tw[MAX_PARTS], w0[MAX_PARTS + 1];
@@ -276,14 +275,7 @@ struct Region {
         const int64_t off = w - w0[i];
         return off <= 0 ? 0 : std::min<int64_t>(ntiles[i], (off + tw[i] - 1) / tw[i]);
     }
-    const uint8_t* at(int64_t w) const {          // the weights of the first tile starting at or after w
-        for (int i = 0; i < np; i++) {
-            const int64_t t = first_at(i, w);
-            if (t < ntiles[i]) return g[i].W + t * tile * g[i].row_bytes;
-        }
-        return nullptr;
-    }
-    void run(int64_t lo, int64_t hi, const uint8_t* after) const {
+    void run(int64_t lo, int64_t hi) const {
         int64_t b[MAX_PARTS], e[MAX_PARTS];
         for (int i = 0; i < np; i++) {
             b[i] = first_at(i, lo);
@@ -293,75 +285,19 @@ struct Region {
             for (j = i + 1; j < np && b[j] >= e[j]; j++) {}
             if (b[i] >= e[i]) continue;
             Args gi = g[i];
-            gi.next = j < np ? g[j].W + b[j] * tile * g[j].row_bytes : after;
+            gi.next = j < np ? g[j].W + b[j] * tile * g[j].row_bytes : nullptr;
             rf(gi, b[i], e[i]);
         }
     }
 };
 
-// Work stealing between a region's threads (TURNKV_KERNEL_STEAL=0 / set_steal: off, each thread
-// runs its share alone, as before): thread t's share [work * t / nth, work * (t + 1) / nth) is cut
-// into STEAL_CHUNKS chunks; it runs them from the front, then takes the other shares' chunks from
-// their backs until none is left. A thread that started late (woken from a sleep, preempted by
-// another process) or whose weights came slower then no longer holds the others at the barrier.
-// Every chunk runs once, on some thread, and a tile's outputs do not depend on the thread: the same bits.
-int g_steal = [] {
-    const char* e = std::getenv("TURNKV_KERNEL_STEAL");
-    return e && *e && std::atoi(e) == 0 ? 0 : 1;
-}();
-static int64_t set_steal(int64_t on) {
-    const int64_t before = g_steal;
-    g_steal = on != 0 ? 1 : 0;
-    return before;
-}
-constexpr int64_t STEAL_CHUNKS = 8;
-
-// a share's chunks not taken yet, [front, back), packed in one word (front low, back high)
-struct alignas(64) ShareLeft {
-    std::atomic<uint64_t> fb{0};
-};
-
-// the next chunk of a share, from its front or its back; -1 when none is left
-static int64_t take_chunk(ShareLeft& s, bool back) {
-    uint64_t v = s.fb.load(std::memory_order_relaxed);
-    for (;;) {
-        const uint32_t f = (uint32_t)v, b = (uint32_t)(v >> 32);
-        if (f >= b) return -1;
-        const uint64_t nv = back ? ((uint64_t)(b - 1) << 32 | f) : ((uint64_t)b << 32 | (f + 1));
-        if (s.fb.compare_exchange_weak(v, nv, std::memory_order_relaxed)) return back ? b - 1 : f;
-    }
-}
-
-static void run_stealing(const Region& R, int64_t work, int64_t nth) {
-    ShareLeft left[64];
-    for (int64_t t = 0; t < nth; t++) left[t].fb.store((uint64_t)STEAL_CHUNKS << 32, std::memory_order_relaxed);
-    auto chunk = [&](int64_t t, int64_t c) {     // share t's chunk c, in work units
-        const int64_t lo = work * t / nth, n = work * (t + 1) / nth - lo;
-        return std::make_pair(lo + n * c / STEAL_CHUNKS, lo + n * (c + 1) / STEAL_CHUNKS);
-    };
-    at::parallel_for(0, nth, 1, [&](int64_t b, int64_t e) {
-        for (int64_t t = b; t < e; t++) {
-            for (int64_t c; (c = take_chunk(left[t], false)) >= 0;) {
-                const auto [lo, hi] = chunk(t, c);
-                R.run(lo, hi, c + 1 < STEAL_CHUNKS ? R.at(hi) : nullptr);
-            }
-            for (int64_t k = 1; k < nth; k++)
-                for (int64_t c; (c = take_chunk(left[(t + k) % nth], true)) >= 0;) {
-                    const auto [lo, hi] = chunk((t + k) % nth, c);
-                    R.run(lo, hi, nullptr);
-                }
-        }
-    });
-}
-
 // Y = the quantized activations a times every part, in one parallel region: the parts' output
 // tiles side by side, cut into one contiguous range a thread by their work, so a small part in its
 // own quantization type (Gemma 3's v rows) is shared like the rest instead of running alone on the
-// calling thread (and with g_steal, ranges that finish early take the others' last chunks). A call
-// goes parallel once its work passes ~256 KB (TURNKV_KERNEL_PAR_BYTES), on one thread per started
-// 256 KB (at most the pool's): smaller calls stay on the calling thread, where a parallel region's
-// wake-up and barrier would cost more than the work. Which thread computes a tile changes none of
-// its bits.
+// calling thread. A call goes parallel once its work passes ~256 KB (TURNKV_KERNEL_PAR_BYTES), on
+// one thread per started 256 KB (at most the pool's): smaller calls stay on the calling thread,
+// where a parallel region's wake-up and barrier would cost more than the work. Which thread
+// computes a tile changes none of its bits.
 static void run_parts(const Act& a, const Part* parts, int np, int isa, int64_t ldy) {
     TORCH_CHECK(np >= 1 && np <= MAX_PARTS, "run_parts: 1..", MAX_PARTS, " parts");
     const int64_t M = a.M;
@@ -391,15 +327,13 @@ static void run_parts(const Act& a, const Part* parts, int np, int isa, int64_t 
     const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(),
                                                                (work + g_par_bytes - 1) / std::max<int64_t>(1, g_par_bytes)));
     if (nth == 1) {
-        R.run(0, work, nullptr);
-    } else if (g_steal && nth <= 64) {    // run_stealing's shares
-        run_stealing(R, work, nth);
-    } else {
-        // thread t: the tiles whose first work unit lies in [work * t / nth, work * (t + 1) / nth)
-        at::parallel_for(0, nth, 1, [&](int64_t b, int64_t e) {
-            for (int64_t t = b; t < e; t++) R.run(work * t / nth, work * (t + 1) / nth, nullptr);
-        });
+        R.run(0, work);
+        return;
     }
+    // thread t: the tiles whose first work unit lies in [work * t / nth, work * (t + 1) / nth)
+    at::parallel_for(0, nth, 1, [&](int64_t b, int64_t e) {
+        for (int64_t t = b; t < e; t++) R.run(work * t / nth, work * (t + 1) / nth);
+    });
 }
 
 #include "float_matmul.inc"
@@ -446,7 +380,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("n"), py::arg("k"), py::arg("isa"), py::call_guard<py::gil_scoped_release>());
     m.def("set_pair", &tkv::set_pair, "the fused path's paired 512-bit rows on (1) / off (0); returns the previous", py::arg("on"));
     m.def("set_fused_rows", &tkv::set_fused_rows, "the fused decode path's row limit (8..31; tests, A/B); returns the previous", py::arg("n"));
-    m.def("set_steal", &tkv::set_steal, "work stealing between a region's threads on (1) / off (0); returns the previous", py::arg("on"));
     m.def("pair", [] { return (int64_t)tkv::g_pair; }, "1 when the fused path pairs rows in 512-bit vectors");
     m.def("set_vbmi", &tkv::set_vbmi, "IQ4_XS's vpermb lookup on (1, where the CPU has AVX-512 VBMI) / off (0); returns the previous", py::arg("on"));
     m.def("best_isa", &tkv::best_isa, "best ISA path: 0 scalar, 1 avx2, 2 avx512, 3 avx512vnni");
