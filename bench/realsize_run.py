@@ -1,7 +1,10 @@
 """``bench/realsize.py run``: turnkv against llama.cpp and ik_llama.cpp on the same GGUF files.
 
 Each engine runs alone (``flock /tmp/turnkv-bench.lock``; turnkv in a child process, so its
-resident memory and load time are its own), with the same thread count."""
+resident memory and load time are its own), with the same thread count. Each file is read once
+before its engines run (``warm``), so the first engine's load time is not the disk's: session 19's
+quiet run had IQ4_XS loading in 7.9 s against Q4_K_M's 0.8 s, and both load alike from the page
+cache (docs/measurements/2026-12-07-decode-zen2.md)."""
 
 from __future__ import annotations
 
@@ -82,6 +85,16 @@ def run_llama_bench(exe: Path, path: Path, threads: int, extra=()) -> dict:
     return out
 
 
+def warm(path: Path, chunk: int = 16 << 20) -> float:
+    """Read the file once, into the page cache (every engine then loads it from memory); seconds."""
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(chunk)
+        while f.readinto(buf):
+            pass
+    return time.perf_counter() - t0
+
+
 def bandwidth_probe(threads: int, mb: int = 512) -> float:
     """Bytes per second a torch copy of ``mb`` MB streams (read + write counted), best of 5."""
     import torch
@@ -112,7 +125,7 @@ def run_all(preset: str, files: dict[str, Path], threads: int) -> None:
     rows = []
     for qtype, path in files.items():
         size = path.stat().st_size
-        print(f"{path.name} ({size / 1e6:.0f} MB): turnkv ...", flush=True)
+        print(f"{path.name} ({size / 1e6:.0f} MB): read once in {warm(path):.1f} s; turnkv ...", flush=True)
         tk = run_turnkv(path, threads)
         print(f"  turnkv {tk}\n  llama.cpp ...", flush=True)
         lc = run_llama_bench(llama_bench, path, threads)
