@@ -348,6 +348,43 @@ def test_largest_values_stay_exact(qtype):
                 assert torch.equal(w.matmul(x[:m], isa=isa), ref[:m]), (isa, m, sign)
 
 
+
+def _largest_scale_blocks(qtype: Q) -> list[np.ndarray]:
+    """Super-blocks whose values and integer sub-block scales are all at their largest magnitude
+    (Q4_K / Q5_K scales and mins 63, Q6_K scales -128 and 127, IQ4_XS scales -32 and 31)."""
+    one = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    ff = lambda n: np.full(n, 0xFF, np.uint8)   # noqa: E731
+    z = lambda n: np.zeros(n, np.uint8)   # noqa: E731
+    return {
+        Q.Q4_K: [[one, one, ff(12), ff(128)]],
+        Q.Q5_K: [[one, one, ff(12), ff(32), ff(128)]],
+        Q.Q6_K: [[ff(128), ff(64), np.tile(np.array([0x80, 0x7F], np.uint8), 8), one],
+                 [z(128), z(64), np.tile(np.array([0x7F, 0x80], np.uint8), 8), one]],   # values 0 (- 32)
+        Q.IQ4_XS: [[one, z(6), z(128)], [one, ff(6), z(128)], [one, ff(6), ff(128)]],   # -127 / 113 x -32 / 31
+    }[qtype]
+
+
+@pytest.mark.parametrize("qtype", SUPER, ids=lambda q: q.name)
+def test_largest_scales_stay_exact(qtype):
+    """The 256-value types' integer scales at their largest against activations at +-127, through
+    the unpack path's row groups (M = 13, 40): the AVX2 path multiplies the int16 pair sums by the
+    scales in the vpmaddwd that widens them (and Q4_K's mins, Q6_K's offsets, by one vpmaddwd of
+    int16 pairs), so an int16 or int32 overflow there would differ from the reference."""
+    n, k = 24, 512
+    for block in _largest_scale_blocks(qtype):
+        block = np.concatenate(block)
+        raw = torch.from_numpy(np.tile(block, (n, k // 256)).copy())
+        w = GGUFWeight.from_raw(raw, qtype, (n, k))
+        x = torch.full((40, k), 2.5)
+        x[1::2] *= -1.0
+        x[20:] *= torch.linspace(0.5, 1.0, k)
+        x[30:, ::3] *= -1.0
+        ref = w.matmul(x, native=False)
+        for isa in ISAS:
+            for m in (13, 40):
+                assert torch.equal(w.matmul(x[:m], isa=isa), ref[:m]), (isa, m)
+
+
 def test_decode_fast_path_equals_general_real(real_weights):
     for name, w in real_weights:
         x = _x(13, w.shape[1]) * 3
