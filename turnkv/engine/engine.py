@@ -32,8 +32,9 @@ from ..prompt_cache.plan import Reuse
 from ..prompt_cache.store import Namespace, PromptCache
 from .requests import ContextLengthError, Requests
 from .scheduler import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_QUEUE, DEFAULT_MAX_SEQS, QueueFull, Scheduler, Work
+from .spec_probe import blocked_reason, keep_trails
 from .speculative import (CLOCK, DEFAULT_DRAFT_MAX, DRAFTERS, OFF, DraftLogits, SpecCounters, Speculation,
-                          blocked_reason, check_mode, keep_trails, verify_draft)
+                          check_mode, verify_draft)
 from .sequence import (DECODE, FINISHED, PREFILL, Failure, GenerationRequest, Result, Sequence, Stats,
                        TokenEvent, Usage)
 
@@ -390,15 +391,10 @@ class Engine:
             if seq.pos < len(seq.prompt):
                 return
             self._prompt_done(seq, logits, computed=True)
-        finished = self._verify(w, logits) if w.draft else seq.take(logits)
+        finished = verify_draft(seq, w.tokens, logits, self.spec) if w.draft else seq.take(logits)
         seq.plan.after_token(seq.state, seq.first_logits)   # after the first token is out, so not in TTFT
         if finished:
             self._finish(seq)
-
-    def _verify(self, w: Work, rows: torch.Tensor) -> bool:
-        finished, matched = verify_draft(w.seq, w.tokens, rows)
-        self.spec.count(w.draft, matched)
-        return finished
 
     def _speculation(self, seq: Sequence) -> Speculation | None:
         """The sequence's drafts, or None (its stats say why) when it decodes plainly."""

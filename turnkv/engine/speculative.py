@@ -1,22 +1,19 @@
 """Speculative decoding whose output is plain decoding's (docs/speculative.md): the drafter, a
-sequence's draft state and counts, and the probe that decides whether the loaded model's forward
-is chunk-invariant, which exactness rests on. The verification itself is the engine's step
-(engine.py ``_advance``): the sequence's own ``take`` on each logits row of the draft's chunk."""
+sequence's draft state and counts, and the step costs drafts are priced by. The verification
+itself is the engine's step (engine.py ``_advance``, ``verify_draft``): the sequence's own
+``take`` on each logits row of the draft's chunk. The probe that decides whether the loaded
+model's forward is chunk-invariant, which exactness rests on, is spec_probe.py."""
 
 from __future__ import annotations
 
 import functools
-import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-from ..cache.recurrent import StateCache
-from ..cache.specs import CacheSpec, make_caches
 from ..images import is_key
-from ..models.batch import ALL, LAST, Batch
 
 OFF, NGRAM = "off", "ngram"
 MODES = (OFF, NGRAM)
@@ -172,9 +169,6 @@ def rung(draft_max: int, length: int) -> int:
     while 2 * n + 1 <= length:
         n = 2 * n + 1
     return min(n, draft_max)
-
-RECURRENT_STATE = "recurrent_state"          # a recurrent state not kept per verified token
-NOT_CHUNK_INVARIANT = "not_chunk_invariant"  # the probe saw a token's logits change with the chunk
 
 
 def check_mode(mode: str | None, draft_max: int | None) -> None:
@@ -383,12 +377,12 @@ class DraftLogits:
         return self.rows[i]
 
 
-def verify_draft(seq, tokens: list[int], rows) -> tuple[bool, int]:
+def verify_draft(seq, tokens: list[int], rows, counters: SpecCounters) -> bool:
     """``tokens`` (a sequence's next token and its draft) ran as one chunk; ``rows`` are their
     logits. Take tokens from the rows in order as plain decoding would (``seq.take``: sampler,
     penalties, grammar, logprobs, stops, events), while each equals the draft token fed after it;
-    then cut the state back to what the taken tokens leave. Returns (finished, draft tokens
-    accepted)."""
+    then cut the state back to what the taken tokens leave, and count the draft (the sequence's
+    and the engine's ``counters``). Returns True when the sequence finished."""
     draft = tokens[1:]
     base = seq.state.length - len(tokens)
     taken = matched = 0
@@ -403,63 +397,5 @@ def verify_draft(seq, tokens: list[int], rows) -> tuple[bool, int]:
             break
     seq.state.truncate(base + taken)      # also ends the recurrent layers' trails
     seq.spec.record(len(draft), matched)
-    return finished, matched
-
-
-def blocked_reason(model, specs: list[CacheSpec], dtype, device, modes, slack: int) -> str:
-    """Why drafts cannot be verified exactly on ``model`` ("" when they can): a forward that is
-    not chunk-invariant, or a recurrent state that cannot be picked back at every verified token
-    (the probe, up to 17 rows: both of the kernels' tile widths)."""
-    return chunk_probe(model, specs, dtype, device, modes, slack, 16)
-
-
-def keep_trails(caches) -> list:
-    """``caches``, their recurrent layers keeping every token's state (a verified draft's step)."""
-    for c in caches:
-        if isinstance(c, StateCache):
-            c.keep_trail()
-    return caches
-
-
-@torch.inference_mode()
-def chunk_probe(model, specs: list[CacheSpec], dtype, device, modes, slack: int, k: int) -> str:
-    """Whether ``k + 1`` tokens fed one at a time give the same logits, bit for bit, as the same
-    tokens fed as a verified draft is (recurrent layers keeping their trail): as one chunk alone,
-    as two chunks, beside another sequence's prefill chunk, and with the head run afterwards on
-    blocks of the chunk's rows (``DraftLogits``), after a short prefill; and
-    whether the state cut back inside the chunk then gives the single steps' logits too. On
-    scratch caches with the engine's KV modes. "" when all hold, else the reason."""
-    rng = random.Random(1234)
-    vocab = int(model.vocab_size)
-    prefix = torch.tensor([rng.randrange(vocab) for _ in range(13)])
-    tail = torch.tensor([rng.randrange(vocab) for _ in range(k + 1)])
-
-    def run(tokens, caches, logits=ALL):
-        return model.forward(Batch.build([(tokens, caches, logits)], device))
-
-    def fresh():
-        caches = make_caches(specs, dtype, device, list(modes), slack)
-        run(prefix, caches, LAST)
-        return caches
-
-    caches = fresh()
-    want = torch.cat([run(tail[i:i + 1], caches, LAST) for i in range(len(tail))])
-    cut = max(1, len(tail) // 2)
-    caches = keep_trails(fresh())
-    whole = run(tail, caches)
-    if not all(c.can_truncate_to(len(prefix) + cut) for c in caches):
-        return RECURRENT_STATE
-    for c in caches:
-        c.truncate(len(prefix) + cut)
-    after_cut = torch.cat([whole[:cut]] + [run(tail[i:i + 1], caches, LAST) for i in range(cut, len(tail))])
-    caches = keep_trails(fresh())
-    first = run(tail[:cut], caches)
-    for c in caches:
-        c.truncate(len(prefix) + cut)      # what the engine does after a step: ends the trails
-    split = torch.cat([first, run(tail[cut:], keep_trails(caches))]) if cut < len(tail) else whole
-    other = make_caches(specs, dtype, device, list(modes), slack)
-    beside = model.forward(Batch.build([(prefix[:5], other, LAST), (tail, keep_trails(fresh()), ALL)], device))[1:]
-    hidden = model.forward(Batch.build([(tail, keep_trails(fresh()), ALL)], device, head=False))
-    blocks = torch.cat([model.head(hidden[a:b]) for a, b in ((0, 1), (1, 4), (4, len(tail)))])   # DraftLogits
-    same = all(torch.equal(want, got) for got in (whole, after_cut, split, beside, blocks))
-    return "" if same else NOT_CHUNK_INVARIANT
+    counters.count(len(draft), matched)
+    return finished
