@@ -15,7 +15,8 @@ Workloads (greedy, ``--max-tokens`` each):
 - ``agent``: the steps of one recorded agent session (bench/agent_traces/small.jsonl, the OpenAI
   Agents SDK: forced tool calls whose arguments name files, then a text answer), each body as
   recorded (tools, tool_choice's grammar, max_tokens) under the shipped chatml-tools template,
-  one after another on one engine with the prompt cache on, as the server would run them.
+  one after another on one engine with the prompt cache on, as the server would run them (the
+  tokens the call's grammar forces are drafts too: their counts print apart).
 
 Each (model, workload) runs ``--rounds`` rounds, off and on alternating in order (off, on, on,
 off, ...), each run on a fresh engine (the model loaded once), so runs see the same prefill.
@@ -133,7 +134,7 @@ class Bench:
         """One run of a workload: its token ids, decode tok/s over all its requests (wall and
         CPU time), drafts."""
         engine = self.engine(mode, tools=name == "agent")
-        ids, decode_s, cpu_s, decoded, drafted, accepted, prompts = [], 0.0, 0.0, 0, 0, 0, []
+        ids, decode_s, cpu_s, decoded, drafted, accepted, prompts, forced = [], 0.0, 0.0, 0, 0, 0, [], [0, 0]
         for req in self.requests(engine, name, messages):
             prompts.append((list(req.prompt_ids), req.params.max_tokens))
             result, cpu = decode_cpu(engine, req)
@@ -143,9 +144,10 @@ class Bench:
             decoded += max(0, len(result.token_ids) - 1)
             drafted += result.stats.drafted
             accepted += result.stats.accepted
+            forced = [forced[0] + result.stats.forced_drafted, forced[1] + result.stats.forced_accepted]
         return {"ids": ids, "tok_s": decoded / decode_s if decode_s else 0.0, "cpu_tok_s": decoded / max(cpu_s, 1e-9),
                 "drafted": drafted,
-                "accepted": accepted, "tokens": sum(len(i) for i in ids), "prompts": prompts,
+                "accepted": accepted, "forced": forced, "tokens": sum(len(i) for i in ids), "prompts": prompts,
                 "costs": engine.spec.costs.as_dict()}
 
 
@@ -177,6 +179,10 @@ def bench_workload(bench: Bench, name: str, messages, rounds: int) -> dict:
           f"{'same tokens' if same else 'TOKENS DIFFER'}  (load {os.getloadavg()[0]:.1f})", flush=True)
     print(f"  {'':<11} by CPU time: off {row['cpu_off']:6.1f}  ngram {row['cpu_ngram']:6.1f} tok/s  speedup "
           f"{row['cpu_speedup']:.2f}x (rounds {', '.join(f'{x:.2f}' for x in cpu_ratios)})", flush=True)
+    if on["forced"][0]:
+        print(f"  {'':<11} of the last on run's drafts, forced by the grammar: {on['forced'][1]} of {on['forced'][0]} "
+              f"accepted (the drafter's: {on['accepted'] - on['forced'][1]} of {on['drafted'] - on['forced'][0]})",
+              flush=True)
     measured = dict(got["ngram"]["costs"])
     head = "  ".join(f"{m} {c:.2f}" for m, c in measured.pop("head").items())
     costs = "  ".join(f"{m} rows {c:.2f}" for m, c in measured.items())

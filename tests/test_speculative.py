@@ -485,3 +485,40 @@ def test_head_blocks_follow_the_measured_head_calls(loaded):
     assert measured[4] > 3 and costs.as_dict()["head"]["4"] == measured[4], costs.head_times
     rows = DraftLogits(net.head, hidden, spec)
     assert 4 not in rows.blocks.values() and all(torch.equal(rows[i], want[i]) for i in range(4))
+
+
+class Forcing:
+    """A grammar's two answers to the drafts (``grammar.Matcher``): the tokens it forces next,
+    and how many of a draft it allows. The real matcher's drafts: test_speculative_real.py."""
+
+    def __init__(self, forced: list[int], valid: int = 99):
+        self.tokens, self.allowed = forced, valid
+
+    def forced(self) -> list[int]:
+        return list(self.tokens)
+
+    def valid(self, tokens: list[int]) -> int:
+        return min(len(tokens), self.allowed)
+
+
+def test_forced_tokens_draft_the_cheapest_split_and_count_as_their_own_kind():
+    """Where a grammar forces tokens they are the draft, whatever the drafter's back-off: the
+    first step of the cheapest way through their run at the costs in use (taken as certain);
+    their counts leave the drafter's acceptance and length alone. Where it forces none, the
+    drafter's draft is cut at the first token it refuses."""
+    prior = StepCosts(window=0)        # 2 / 4 / 8 rows: 1.09 / 1.30 / 2.06 one-row steps
+    assert [prior.split(n, 8) for n in (2, 3, 5, 6, 20)] == [2, 3, 5, 6, 8]    # 5 rows: 2.06 < 4 + 1 rows' 2.30
+    assert prior.split(6, 4) == 4
+    long = StepCosts()                 # measured at 3k tokens of context (SmolLM2's agent steps)
+    for rows, cost in ((1, 1.0), (2, 1.37), (4, 2.31), (8, 4.12)) * 3:
+        long.observe(rows, cost / 1000)
+    assert [long.split(n, 8) for n in (5, 6, 8)] == [4, 4, 8]     # 6 rows: 4 + 2 rows (3.68) < one 8-row step (4.12)
+    spec = Speculation(NGRAM, 7, Oracle([[1, 2, 3, 4, 5, 6]], wrong=1.0), prior)
+    p, length = spec.token_acceptance(), spec.length
+    assert spec.propose([1, 2], 7, Forcing([9, 8, 7, 6, 5, 4, 3, 2, 1])) == [9, 8, 7, 6, 5, 4, 3]
+    assert spec.record(7, 5) == (7, 5) and (spec.forced_drafted, spec.forced_accepted, spec.drafted) == (7, 5, 7)
+    assert (spec.token_acceptance(), spec.length, spec.forced) == (p, length, 0)
+    assert spec.propose([1, 2], 3, Forcing([9, 8, 7, 6, 5])) == [9, 8, 7]    # the room left in the step
+    spec.record(3, 3)
+    assert spec.propose([1, 2], 7, Forcing([], valid=1)) == [4]          # the drafter's (wrong) draft, cut
+    assert spec.record(1, 0) == (0, 0) and spec.token_acceptance() < p and spec.forced_drafted == 10

@@ -114,6 +114,19 @@ class Matcher:
         if not self.m.is_stopped():
             self.m.consume_token(int(token))
 
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next, nothing consumed: llguidance's fast-forward tokens
+        (the forced bytes' canonical tokenization, less the last tokens that a longer token
+        allowed by the grammar could span). Drafts (docs/speculative.md): plain decoding may
+        spell the same bytes with other tokens, which verification finds."""
+        if self.m.is_stopped() or self.m.is_error():
+            return []
+        return self.m.compute_ff_tokens()
+
+    def valid(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, in order, the grammar allows from here (nothing consumed)."""
+        return self.m.validate_tokens(tokens) if tokens and not self.m.is_error() else 0
+
     @property
     def accepting(self) -> bool:
         return self.m.is_accepting()

@@ -74,9 +74,13 @@ class Stats:
     speculative: str = "off"     # the mode that ran, or "off (reason)" (docs/speculative.md)
     drafted: int = 0             # draft tokens verified
     accepted: int = 0            # of them, those plain decoding produced too
+    forced_drafted: int = 0      # of the drafted, those the grammar forced (their own kind) ...
+    forced_accepted: int = 0     # ... and of those the accepted
 
     def line(self, usage: Usage) -> str:
         drafts = f" | drafts: {self.accepted} of {self.drafted} tok accepted" if self.drafted else ""
+        if self.forced_drafted:
+            drafts += f" ({self.forced_accepted} of {self.forced_drafted} forced by the grammar)"
         return (f"[prompt {usage.prompt_tokens} tok, cached {usage.cached_tokens}, prefilled {self.prefilled_tokens} | "
                 f"TTFT {self.ttft_ms:.0f} ms | {usage.completion_tokens} tok at {self.decode_tokens_per_s:.1f} tok/s"
                 f"{drafts}]")
@@ -189,7 +193,7 @@ class Sequence:
         seen = self.context      # extended by the tokens taken since, not built again at every step
         seen.extend(self.prompt if not seen else ())
         seen.extend(self.generated[len(seen) - len(self.prompt):])
-        return self.spec.propose(seen, room)
+        return self.spec.propose(seen, room, self.matcher)
 
     # --- sampling ------------------------------------------------------------------------------
     def take(self, logits: torch.Tensor) -> bool:
@@ -238,6 +242,7 @@ class Sequence:
         s.checkpoints = self.plan.checkpoints if self.plan is not None else 0
         if self.spec is not None:
             s.drafted, s.accepted = self.spec.drafted, self.spec.accepted
+            s.forced_drafted, s.forced_accepted = self.spec.forced_drafted, self.spec.forced_accepted
         self.usage.completion_tokens = len(self.generated)
         s.total_ms = (t_end - self.t_submit) * 1000
         s.decode_ms = (t_end - (self.t_first or t_end)) * 1000

@@ -1,8 +1,9 @@
-"""Speculative decoding whose output is plain decoding's (docs/speculative.md): the drafter, a
-sequence's draft state and counts, and the step costs drafts are priced by. The verification
-itself is the engine's step (engine.py ``_advance``, ``verify_draft``): the sequence's own
-``take`` on each logits row of the draft's chunk. The probe that decides whether the loaded
-model's forward is chunk-invariant, which exactness rests on, is spec_probe.py."""
+"""Speculative decoding whose output is plain decoding's (docs/speculative.md): the drafters (the
+sequence's own text; the tokens its grammar forces), a sequence's draft state and counts, and the
+step costs drafts are priced by. The verification itself is the engine's step (engine.py
+``_advance``, ``verify_draft``): the sequence's own ``take`` on each logits row of the draft's
+chunk. The probe that decides whether the loaded model's forward is chunk-invariant, which
+exactness rests on, is spec_probe.py."""
 
 from __future__ import annotations
 
@@ -126,6 +127,12 @@ class StepCosts:
         self.since_one = 0
         return True
 
+    def split(self, rows: int, most: int) -> int:
+        """The first step's rows in the cheapest run of ``rows`` rows whose tokens are all taken
+        (a grammar's forced tokens after the next token) through steps of at most ``most`` rows,
+        at the costs in use (rounded to 0.05, so that the split is looked up while they hold)."""
+        return cheapest_split(min(rows, 4 * most), most, tuple(round(self.cost(m) * 20) / 20 for m in CHUNK_COST))
+
     def measured(self, rows: int) -> float | None:
         got = self.times[rows]
         return median(got) if len(got) >= COST_MIN_SAMPLES else None
@@ -161,6 +168,21 @@ class StepCosts:
     def as_dict(self) -> dict:
         return {**{str(m): round(self.cost(m), 3) for m in CHUNK_COST},
                 "head": {str(m): c for m, c in self.head_costs()}}
+
+
+@functools.lru_cache(maxsize=4096)
+def cheapest_split(rows: int, most: int, costs: tuple[float, ...]) -> int:
+    """``StepCosts.split``: ``costs`` are a step of 2, 4, 8 and 16 rows over a one-row step's
+    time, a step priced as the smallest of them that holds its rows (past 16 in proportion)."""
+    table = dict(zip(CHUNK_COST, costs))
+
+    def price(r: int) -> float:
+        return 1.0 if r == 1 else table[FIT[r]] if r <= 16 else table[16] * r / 16
+    best, first = [0.0] * (rows + 1), [0] * (rows + 1)
+    for m in range(1, rows + 1):      # ties (to 1e-9): the longer first step (fewer steps)
+        best[m], r = min((round(price(r) + best[m - r], 9), -r) for r in range(1, min(m, most) + 1))
+        first[m] = -r
+    return first[rows]
 
 
 def rung(draft_max: int, length: int) -> int:
@@ -222,8 +244,11 @@ class Speculation:
     drafter: object
     costs: StepCosts = field(default_factory=StepCosts)
     length: int = 0
-    drafted: int = 0
-    accepted: int = 0
+    drafted: int = 0               # draft tokens verified, of every kind ...
+    accepted: int = 0              # ... and of them those plain decoding took too
+    forced_drafted: int = 0        # of them, the tokens the grammar forced (``propose``) ...
+    forced_accepted: int = 0       # ... and of those the ones taken
+    forced: int = 0                # the draft in flight: its forced tokens (0: the drafter's)
     # draft tokens accepted and drafts that ended in a rejected token, recent ones weighing more;
     # they start at one of each (a guess to be proven), which weighs less at every draft too
     recent_accepted: float = 1.0
@@ -234,15 +259,25 @@ class Speculation:
     def __post_init__(self):
         self.length = self.best_length()
 
-    def propose(self, history: list[int], room: int) -> list[int]:
-        """A draft of at most ``min(length, room)`` tokens to follow ``history``; none while
-        backed off (length 0: ``watch``)."""
+    def propose(self, history: list[int], room: int, grammar=None) -> list[int]:
+        """A draft of at most ``room`` tokens to follow ``history``. Where ``grammar`` (the
+        sequence's ``Matcher``; None: it has none) forces tokens next, those: the first step of
+        the cheapest split of their run into steps (``StepCosts.split``: they are taken as
+        certain, and their counts leave the drafter's acceptance alone). Else the drafter's, at
+        most ``length`` of them (none while backed off: ``watch``), cut at the first token the
+        grammar refuses (plain decoding cannot take it)."""
+        if grammar is not None:
+            forced = grammar.forced()
+            if forced:
+                self.forced = self.costs.split(len(forced) + 1, min(room, self.draft_max) + 1) - 1
+                return forced[:self.forced]
         if not self.length and not self.watch(history):
             return []
         if self.costs.plain_step_due():
             return []
         k = min(self.length, room)
-        return self.drafter.draft(history, k) if k > 0 else []
+        draft = self.drafter.draft(history, k) if k > 0 else []
+        return draft[:grammar.valid(draft)] if grammar is not None and draft else draft
 
     def watch(self, history: list[int]) -> int:
         """Backed off, the drafter still guesses the next token at every step (a lookup, no
@@ -272,16 +307,24 @@ class Speculation:
         a single lucky guess in prose then paid for a draft by the prior's costs)."""
         return self.recent_accepted / (self.recent_accepted + self.recent_rejected)
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int) -> tuple[int, int]:
         """Counts, and the next draft's length: ``best_length`` for the recent acceptance, and
-        after a draft taken whole at least ``climb``'s (copying runs long); 0 backs off."""
+        after a draft taken whole at least ``climb``'s (copying runs long); 0 backs off. A forced
+        draft counts as its own kind and changes neither. Returns the forced tokens drafted and
+        accepted."""
         self.drafted += drafted
         self.accepted += accepted
+        if self.forced:
+            self.forced = 0
+            self.forced_drafted += drafted
+            self.forced_accepted += accepted
+            return drafted, accepted
         self.recent_accepted = RECENT * self.recent_accepted + accepted
         self.recent_rejected = RECENT * self.recent_rejected + (accepted < drafted)
         self.length = self.best_length()
         if accepted == drafted:
             self.length = max(self.length, self.climb(drafted))
+        return 0, 0
 
     def climb(self, drafted: int) -> int:
         """After a draft of ``drafted`` taken whole: the next rung up (copies run long) if, taken
@@ -317,18 +360,24 @@ class SpecCounters:
     drafted: int = 0
     accepted: int = 0
     verify_steps: int = 0
+    forced_drafted: int = 0      # of them, the tokens a grammar forced ...
+    forced_accepted: int = 0     # ... and of those the ones taken
     off: dict[str, int] = field(default_factory=dict)     # requests that asked, by why it was off
     costs: StepCosts = field(default_factory=StepCosts)   # the step costs every sequence's drafts go by
 
-    def count(self, drafted: int, accepted: int) -> None:
+    def count(self, drafted: int, accepted: int, forced: tuple[int, int] = (0, 0)) -> None:
         self.drafted += drafted
         self.accepted += accepted
         self.verify_steps += 1
+        self.forced_drafted += forced[0]
+        self.forced_accepted += forced[1]
 
     def as_dict(self) -> dict:
         rate = self.accepted / self.drafted if self.drafted else 0.0
         return {"drafted": self.drafted, "accepted": self.accepted, "acceptance_rate": round(rate, 4),
-                "verify_steps": self.verify_steps, "off": dict(self.off), "step_costs": self.costs.as_dict()}
+                "verify_steps": self.verify_steps,
+                "forced": {"drafted": self.forced_drafted, "accepted": self.forced_accepted},
+                "off": dict(self.off), "step_costs": self.costs.as_dict()}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -357,7 +406,8 @@ class DraftLogits:
 
     def __init__(self, head, hidden: torch.Tensor, spec: "Speculation"):
         self.head, self.hidden, self.costs = head, hidden, spec.costs
-        self.blocks = head_blocks(len(hidden), round(spec.token_acceptance(), 2), spec.costs.head_costs())
+        p = 1.0 if spec.forced else round(spec.token_acceptance(), 2)    # forced tokens: taken as certain
+        self.blocks = head_blocks(len(hidden), p, spec.costs.head_costs())
         self.rows: list[torch.Tensor] = []
         self.seconds = 0.0     # spent in the head (the step's costs: ``StepCosts.observe_step``)
 
@@ -396,6 +446,5 @@ def verify_draft(seq, tokens: list[int], rows, counters: SpecCounters) -> bool:
         if finished:
             break
     seq.state.truncate(base + taken)      # also ends the recurrent layers' trails
-    seq.spec.record(len(draft), matched)
-    counters.count(len(draft), matched)
+    counters.count(len(draft), matched, seq.spec.record(len(draft), matched))
     return finished

@@ -397,6 +397,8 @@ def timings_json(stats, queue_ms: float) -> dict:
         "speculative": stats.speculative,
         "drafted_tokens": stats.drafted,
         "accepted_tokens": stats.accepted,
+        "forced_drafted_tokens": stats.forced_drafted,     # of them, what the grammar forced (docs/speculative.md)
+        "forced_accepted_tokens": stats.forced_accepted,
     }
 
 
