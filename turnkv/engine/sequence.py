@@ -141,7 +141,6 @@ class Sequence:
         self.next_token: int | None = None    # sampled, not yet fed
         self.spec: Speculation | None = None   # drafts after next_token (engine.py _speculation)
         self.generated: list[int] = []
-        self.context: list[int] = []      # prompt + generated as of the last draft (``draft``)
         self.last_logits: torch.Tensor | None = None   # logits of the state's last token
         self.first_logits: torch.Tensor | None = None
         self.cancelled = threading.Event()
@@ -190,10 +189,14 @@ class Sequence:
         room = min(room, self.budget - len(self.generated) - 1)
         if self.spec is None or room <= 0:
             return []
-        seen = self.context      # extended by the tokens taken since, not built again at every step
-        seen.extend(self.prompt if not seen else ())
-        seen.extend(self.generated[len(seen) - len(self.prompt):])
-        return self.spec.propose(seen, room, self.matcher)
+        # the drafters read the state's own tokens (prompt + generated, all but ``next_token``,
+        # which this step feeds), ``next_token`` put on for the call: no copy of the context
+        seen = self.state.tokens
+        seen.append(self.next_token)
+        try:
+            return self.spec.propose(seen, room, self.matcher)
+        finally:
+            seen.pop()
 
     # --- sampling ------------------------------------------------------------------------------
     def take(self, logits: torch.Tensor) -> bool:
