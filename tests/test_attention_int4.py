@@ -93,36 +93,3 @@ def test_int4_kv_cache_hands_the_kernel_its_storage():
     assert torch.equal(view.keys, dequantize_int4(view.stored[0], view.scales[0], torch.float32, store.rotation["k"]))
     assert torch.equal(view.values, dequantize_int4(view.stored[1], view.scales[1], torch.float32, 0))
     assert (view.values - v).abs().max() < 0.5
-
-
-@needs_int4
-@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="ru_maxrss in KiB is Linux's")
-def test_int4_kv_attention_widens_a_block_at_a_time_not_the_context():
-    """The kernel widens packed int4 K/V one key block at a time in each unit's scratch (a few tens
-    of KB a thread, whatever the context): a decode row and a 16-query chunk over 65,536 keys of 8
-    heads (268 MB as a float32 copy, which the calls before this made and kept) leave the process's
-    peak resident memory within 24 MB of where it was. A fresh process, so its peak is its own."""
-    import subprocess
-    import sys
-    code = """
-import resource, torch
-from turnkv.kernels import attention as A
-Hk, S, D = 8, 65536, 64
-g = torch.Generator().manual_seed(0)
-kp, vp = (torch.randint(0, 256, (Hk, S, D // 2), dtype=torch.uint8, generator=g) for _ in range(2))
-ks, vs = (torch.rand(Hk, S, 2, generator=g).add_(0.5).half() for _ in range(2))
-q = torch.randn(32, 16, D, generator=g)
-for n in (1, 2):
-    torch.set_num_threads(n)
-    A.attend_native(q[:, :1], kp[:, :256], vp[:, :256], 255, 0, "full", 0, 0.125, scales=(ks[:, :256], vs[:, :256]))
-    A.attend_native(q, kp[:, :256], vp[:, :256], 240, 0, "full", 0, 0.125, scales=(ks[:, :256], vs[:, :256]))
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-for n in (1, 2):
-    torch.set_num_threads(n)
-    A.attend_native(q[:, :1], kp, vp, S - 1, 0, "full", 0, 0.125, scales=(ks, vs))
-    A.attend_native(q, kp, vp, S - 16, 0, "full", 0, 0.125, scales=(ks, vs))
-print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
-"""
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert int(run.stdout.split()[-1]) < 24, f"peak resident memory grew by {run.stdout.split()[-1]} MB"

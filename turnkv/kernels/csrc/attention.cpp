@@ -92,7 +92,10 @@ struct Params {
     int64_t ksh, kst;
     const void* v;
     int64_t vsh, vst;
-    int kv;            // KV_F32 / KV_F16 / KV_BF16 / KV_I8 / KV_I4 (widened a key block at a time by the unit)
+    int kv;            // KV_F32 / KV_F16 / KV_BF16 / KV_I8 / KV_I4
+    // the units widen each key block to float32 in their scratch and read it there (int4 always,
+    // int8 in prefill spans: attention_widen.inc), set by run_many
+    bool blocks;
     // KV_I4 (``--kv-cache-mode int4``): k / v hold D / 2 bytes a row (channel c in the low nibble of
     // byte c, c + D / 2 in the high one), a float16 scale per gk (gv) channels at ksc (vsc) + head *
     // kscsh + row * kscst + c / gk; keys rotated in blocks of rk channels (cache/storage.py Int4Store)
@@ -118,6 +121,17 @@ struct Params {
 // BLK-aligned block are consecutive either way
 static inline int64_t row_of(const Params& P, int64_t pos) {
     return P.tab ? (int64_t)P.tab[pos / BLK] * BLK + pos % BLK : pos - P.k_pos0;
+}
+
+static inline int kv_elem_bytes(int kv) { return kv == KV_F32 ? 4 : (kv == KV_F16 || kv == KV_BF16) ? 2 : 1; }
+
+// The stored rows from ``row`` of kv head kh (which 0: K, 1: V) as bytes, and their scales (int8 /
+// int4; else nullptr)
+static inline const char* stored_rows(const Params& P, int which, int kh, int64_t row, const uint16_t*& sc) {
+    const uint16_t* s = which ? P.vsc : P.ksc;
+    sc = s ? s + kh * (which ? P.vscsh : P.kscsh) + row * (which ? P.vscst : P.kscst) : nullptr;
+    return (const char*)(which ? P.v : P.k) +
+           (kh * (which ? P.vsh : P.ksh) + row * (which ? P.vst : P.kst)) * kv_elem_bytes(P.kv);
 }
 
 // visible absolute positions [lo, hi] of the query at p, limited to the keys present
@@ -162,6 +176,7 @@ static inline float out_scale(const Params& P, int h, float m, float l) {
 }
 
 #include "attention_int4.inc"
+#include "attention_widen.inc"
 
 // ------------------------------------------------------------------ scalar (plain C++, W = 16 emulated)
 
@@ -393,6 +408,7 @@ const bool g_registered = [] {
     lib.def("set_tile(int n) -> int", &tkv_attn::set_tile);
     lib.def("set_split(int n) -> int", &tkv_attn::set_split);
     lib.def("set_spread(int n) -> int", &tkv_attn::set_spread);
+    lib.def("set_block_rows(int n) -> int", &tkv_attn::set_block_rows);
     lib.def("kv_dtypes() -> int", &tkv_attn::kv_dtypes);
     return true;
 }();
