@@ -10,6 +10,13 @@ widens them to float32 itself); ``int4-copy`` times what a step paid before that
 made in Python (``Int4Store.decode``), then the kernel on it.
 
     python bench/attention_long.py --keys 32768 --modes fp16 int8 int4 --threads 1 2
+
+``--queries N`` times a prefill chunk instead: N queries at the last N positions attend causally
+over the keys (a long prompt's last chunk); ``--block-rows`` sets the kernel's ``set_block_rows``
+(int8 / float16 / bfloat16 spans of that many queries or more widen each key block once per tile,
+0: never; the same bits either way) for an A/B in one process.
+
+    python bench/attention_long.py --keys 32768 --queries 512 --layers 2 --modes fp16 int8 --threads 1
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ def step(q, layers, keys: int, scale: float) -> None:
     for k, v, sc, dec in layers:
         if dec is not None:
             k, v = dec[0].decode(dec[1])
-        A.attend_native(q, k, v, keys - 1, 0, "full", 0, scale, scales=sc)
+        A.attend_native(q, k, v, keys - q.shape[1], 0, "full", 0, scale, scales=sc)
 
 
 def measure(q, layers, keys: int, scale: float, rounds: int, threads: int) -> float:
@@ -83,14 +90,19 @@ def main() -> None:
     ap.add_argument("--modes", nargs="*", default=["fp16", "int8", "int4"])
     ap.add_argument("--threads", type=int, nargs="*", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--queries", type=int, default=1, help="queries a call (1: decode; N: a causal prefill chunk)")
+    ap.add_argument("--block-rows", type=int, default=None, help="the kernel's set_block_rows (A/B)")
     a = ap.parse_args()
+    if a.block_rows is not None:
+        torch.ops.turnkv_attn.set_block_rows(a.block_rows)
     hq, hk, d = a.heads
     print(f"CPU: {cpu_model()}; attention path: {A.attention_info()}; load {os.getloadavg()[0]:.1f}; "
-          f"{hq} q / {hk} kv heads x {d}, {a.keys} keys, {a.layers} layers")
+          f"{hq} q / {hk} kv heads x {d}, {a.keys} keys, {a.queries} queries a call, {a.layers} layers"
+          + ("" if a.block_rows is None else f", block rows {a.block_rows}"))
     print("| mode | threads | ms a layer | K/V MB a layer | GB/s |")
     print("|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(hq, 1, d, generator=gen)
+    q = torch.randn(hq, a.queries, d, generator=gen)
     for mode in a.modes:
         layers = [layer_kv(mode, hk, a.keys, d, gen) for _ in range(a.layers)]
         mb = kv_bytes(layers[0]) / 1e6
