@@ -6,6 +6,7 @@ view; a build that fails publishes nothing and the next grammar builds again."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from types import SimpleNamespace
@@ -74,6 +75,9 @@ def test_the_cached_view_is_the_view_llguidance_builds_from_the_file(tok, cache_
     ref = reference(tok)
     first, origin = grammar_view.build_with_origin(llg, tok)
     assert origin == "file" and len(list(cache_dir.iterdir())) == 1
+    # keyed as before the tokenizer kept its file's hash: views earlier versions stored stay in use
+    salt = json.dumps([grammar_view.FORMAT, tok.vocab_size, sorted(tok.eos_token_ids), llg.__version__]).encode()
+    assert next(cache_dir.iterdir()).stem == hashlib.sha256(tok.backend_file.read_bytes() + salt).hexdigest()
     assert_same_view(first, ref, tok)
     cached, origin = grammar_view.build_with_origin(llg, tok)
     assert origin == "cache"
@@ -96,7 +100,7 @@ def test_another_eos_set_is_another_cache_entry(tok, cache_dir):
     grammar_view.build_with_origin(llg, tok)
     other = Tokenizer(tok.backend, special_tokens=tok.special_tokens, chat_template=tok.chat_template,
                       extra_eos_ids=[0])
-    other.backend_file, other.backend_stamp = tok.backend_file, tok.backend_stamp
+    other.backend_file, other.backend_hash = tok.backend_file, tok.backend_hash
     assert other.eos_token_ids != tok.eos_token_ids
     view, origin = grammar_view.build_with_origin(llg, other)
     assert origin == "file" and len(list(cache_dir.iterdir())) == 2
@@ -127,7 +131,10 @@ def test_an_unwritable_cache_dir_costs_only_the_full_build(tok, tmp_path, monkey
     assert view.eos_tokens == reference(tok).eos_tokens
 
 
-def test_a_tokenizer_json_gone_or_changed_after_the_load_builds_from_the_backend(tok, cache_dir, tmp_path):
+def test_a_tokenizer_json_gone_or_changed_after_the_load(tok, cache_dir, tmp_path):
+    """The view is keyed by the bytes the tokenizer was built from (hashed at its load): after the
+    file changes or goes, the stored view of the loaded vocabulary still serves it; without one,
+    the view is built from the backend in memory and nothing is stored."""
     import shutil
 
     copy = tmp_path / "tok" / "tokenizer.json"
@@ -137,7 +144,12 @@ def test_a_tokenizer_json_gone_or_changed_after_the_load_builds_from_the_backend
     assert grammar_view.build_with_origin(llg, loaded)[1] == "file"
     copy.write_text(copy.read_text().replace('"<|im_end|>"', '"<|im_ended|>"'))   # another vocabulary now
     view, origin = grammar_view.build_with_origin(llg, loaded)
-    assert origin == "backend" and view.vocab_size == tok.vocab_size
+    assert origin == "cache"
+    assert_same_view(view, reference(loaded), loaded)
+    for stored in cache_dir.iterdir():
+        stored.unlink()
+    view, origin = grammar_view.build_with_origin(llg, loaded)
+    assert origin == "backend" and view.vocab_size == tok.vocab_size and list(cache_dir.iterdir()) == []
     assert_same_view(view, reference(loaded), loaded)
     copy.unlink()
     assert grammar_view.build_with_origin(llg, loaded)[1] == "backend"

@@ -6,6 +6,7 @@ load is scanned and nothing stored. A real tokenizer throughout (SmolLM2's)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from types import SimpleNamespace
@@ -85,13 +86,29 @@ def test_an_unwritable_cache_dir_costs_a_scan(folder, tmp_path, monkeypatch):
     assert TC.longest_token_chars(tok) == (scanned(tok), "scan")
 
 
-def test_a_file_changed_since_the_load_is_not_used(folder, tmp_path):
-    """The backend in memory is what the server tokenizes with: a tokenizer.json rewritten after
-    the load says nothing about it, so it is scanned and nothing is stored."""
+def test_a_file_changed_since_the_load_keeps_the_loaded_key(folder, tmp_path):
+    """The backend in memory is what the server tokenizes with, and the key is the SHA-256 of the
+    bytes it was built from, taken at the load: a tokenizer.json rewritten since changes neither
+    its count nor its key, and a load of the new file gets its own."""
     tok = Tokenizer.from_folder(folder)
     other = Tokenizer.from_folder(folder)
     other.backend.add_tokens(["<|" + "y" * 300 + "|>"])
     other.backend.save(str(folder / "tokenizer.json"))
-    assert TC.longest_token_chars(tok) == (scanned(tok), "backend")
-    assert scanned(tok) < 300 and stored_files(tmp_path) == []
+    assert TC.longest_token_chars(tok) == (scanned(tok), "scan")
+    assert scanned(tok) < 300 and len(stored_files(tmp_path)) == 1
+    assert TC.longest_token_chars(Tokenizer.from_folder(folder)) == (304, "scan")
+    assert TC.longest_token_chars(tok) == (scanned(tok), "cache")
     assert TC.longest_token_chars(None) == (TC.DEFAULT, "backend")
+
+
+def test_a_hit_reads_no_tokenizer_json_and_keeps_the_keys_of_earlier_starts(folder, tmp_path):
+    """The file is read and hashed once, by the load: with it gone afterwards the count still
+    comes from the cache, whose key is still SHA-256(file bytes + the salt) as before the
+    tokenizer kept its hash (so what earlier versions stored stays in use)."""
+    data = (folder / "tokenizer.json").read_bytes()
+    count = TC.longest_token_chars(Tokenizer.from_folder(folder))[0]
+    again = Tokenizer.from_folder(folder)
+    (folder / "tokenizer.json").unlink()
+    assert TC.longest_token_chars(again) == (count, "cache")
+    assert TC.cache_file(again).stem == hashlib.sha256(data + b"|token-chars|1").hexdigest()
+    assert again.file_key(b"") == hashlib.sha256(data).hexdigest()

@@ -5,18 +5,19 @@ included), derives each token's bytes from it, then builds its token trie and it
 Gemma 3's 262k entries on a 2-core Zen 4 that is ~2.5-3 s (the parse ~1.2 s, trie and slices
 ~1.1 s), all of it holding the GIL (the Python binding does not release it). The bytes are the
 same on every start, so the first build stores what llguidance derived (each token's bytes, which
-are special) under the cache dir, keyed by the tokenizer.json's SHA-256, the vocabulary size,
-the EOS ids and llguidance's version; later builds hand those bytes to llguidance's
+are special) under the cache dir, keyed by the SHA-256 of the tokenizer.json bytes the tokenizer
+was built from (taken at its load, so a hit reads no tokenizer.json), the vocabulary size, the
+EOS ids and llguidance's version; later builds hand those bytes to llguidance's
 ``TokenizerWrapper`` with the same tokenizer's encode, which builds the same trie and slices
 without the parse (~1.1 s for Gemma 3). A cache file that is missing, unreadable or fails its
 checksum is rebuilt from the tokenizer.json; a cache dir that cannot be written only costs the
-next start the full build. A tokenizer.json changed or gone since the load is not used: the view
-is then built from the backend in memory (its JSON), never cached.
+next start the full build. A tokenizer.json changed or gone since the load is not used: a miss
+then builds the view from the backend in memory (its JSON), never cached.
 
 llguidance tokenizes (forced bytes only, which turnkv does not use) with the file's tokenizer
 after removing a ``Prepend`` normalizer and setting Metaspace's prepend scheme to never: a
-tokenizer.json with either is always built from the file, so the tokenize handed back with
-cached bytes is the file's own, unchanged.
+tokenizer.json with either is always built from the file and never stored, so the tokenize
+handed back with cached bytes is the file's own, unchanged.
 """
 
 from __future__ import annotations
@@ -63,20 +64,22 @@ def build_with_origin(llg, tokenizer):
     if hasattr(backend, "grammar_tokens"):      # RWKV's world trie: no tokenizer.json at all
         vocab = BytesVocab(backend.grammar_tokens(), backend.tokenize_bytes, min(eos), tokenizer.bos_token_id)
         return llg.LLTokenizer(llg.TokenizerWrapper(vocab), n_vocab=n, eos_token=eos), "backend"
-    from ..loading.tokenizer import loaded_json
-
-    data = loaded_json(tokenizer)
-    if data is None:
+    cache = cache_file(tokenizer, n, eos, llg)
+    if cache is None:       # no tokenizer.json: the backend's own JSON
         return llg.LLTokenizer(backend.to_str(), n_vocab=n, eos_token=eos), "backend"
-    if b'"Prepend"' in data or b'"Metaspace"' in data:    # llguidance tokenizes with a changed copy
-        return llg.LLTokenizer(data.decode("utf-8"), n_vocab=n, eos_token=eos), "file"
-    cache = cache_file(data, n, eos, llg)
     stored = read_tokens(cache, n)
-    if stored is not None:
+    if stored is not None:      # (a tokenizer.json with a Prepend or Metaspace is never stored)
         tokens, special = stored
         vocab = BytesVocab(tokens, _encoder(backend), eos[0], tokenizer.bos_token_id, special)
         return llg.LLTokenizer(llg.TokenizerWrapper(vocab), n_vocab=n, eos_token=eos), "cache"
+    from ..loading.tokenizer import loaded_json
+
+    data = loaded_json(tokenizer)
+    if data is None:        # the file is gone or holds another vocabulary now
+        return llg.LLTokenizer(backend.to_str(), n_vocab=n, eos_token=eos), "backend"
     view = llg.LLTokenizer(data.decode("utf-8"), n_vocab=n, eos_token=eos)
+    if b'"Prepend"' in data or b'"Metaspace"' in data:    # llguidance tokenizes with a changed copy
+        return view, "file"
     write_tokens(cache, *token_bytes(view, n))
     return view, "file"
 
@@ -87,12 +90,14 @@ def _encoder(backend):
     return encode
 
 
-def cache_file(data: bytes, n_vocab: int, eos: list[int], llg) -> Path:
+def cache_file(tokenizer, n_vocab: int, eos: list[int], llg) -> Path | None:
+    """Where the view of ``tokenizer``'s vocabulary is kept, keyed by the SHA-256 of the
+    tokenizer.json bytes it was built from (taken at its load, ``Tokenizer.file_key``); None for a
+    tokenizer not built from one."""
     from ..loading.tokenizer import cache_root
 
-    key = hashlib.sha256(data)
-    key.update(json.dumps([FORMAT, n_vocab, eos, getattr(llg, "__version__", "")]).encode())
-    return cache_root() / "grammar-views" / f"{key.hexdigest()}.bin"
+    key = tokenizer.file_key(json.dumps([FORMAT, n_vocab, eos, getattr(llg, "__version__", "")]).encode())
+    return None if key is None else cache_root() / "grammar-views" / f"{key}.bin"
 
 
 def token_bytes(view, n_vocab: int) -> tuple[list[bytes], list[int]]:

@@ -6,21 +6,20 @@ Scanning the vocabulary means building a dict of every entry (``get_vocab``), ho
 ~35 ms for SmolLM2's 49k entries on a 2-core Zen 2, ~0.2 s for Gemma 3's 262k, paid by every
 start before the server answers (``warm_up``). The answer depends only on the tokenizer.json, so
 it is kept under the cache dir (``$TURNKV_CACHE_DIR``, default ~/.cache/turnkv) in
-``token-chars/<key>.json``, keyed by that file's SHA-256, and the next start reads it instead of
-scanning. A tokenizer without a tokenizer.json (RWKV's world tokenizer), or whose file changed
-or went since the load (size or mtime), is scanned and nothing is stored; a cache file that is
-unreadable or not a positive count is scanned again and rewritten; a cache dir that cannot be
-written costs only the next start the scan."""
+``token-chars/<key>.json``, keyed by the SHA-256 of the bytes the tokenizer was built from (taken
+when it loaded: ``Tokenizer.file_key``, the file is not read again), and the next start reads it
+instead of scanning. A tokenizer without a tokenizer.json (RWKV's world tokenizer) is scanned and
+nothing is stored; a cache file that is unreadable or not a positive count is scanned again and
+rewritten; a cache dir that cannot be written costs only the next start the scan."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
 from pathlib import Path
 
-from .tokenizer import cache_root, loaded_json
+from .tokenizer import cache_root
 
 FORMAT = 1
 DEFAULT = 64       # no tokenizer, or an empty vocabulary: what the size check assumed before
@@ -33,20 +32,20 @@ def scan(tokenizer) -> int:
     return max((len(t) for t in vocab), default=DEFAULT)
 
 
-def cache_file(data: bytes) -> Path:
-    key = hashlib.sha256(data)
-    key.update(b"|token-chars|%d" % FORMAT)
-    return cache_root() / "token-chars" / f"{key.hexdigest()}.json"
+def cache_file(tokenizer) -> Path | None:
+    """Where the count of ``tokenizer``'s vocabulary is kept; None for a tokenizer not built from
+    a tokenizer.json."""
+    key = tokenizer.file_key(b"|token-chars|%d" % FORMAT) if tokenizer is not None else None
+    return None if key is None else cache_root() / "token-chars" / f"{key}.json"
 
 
 def longest_token_chars(tokenizer) -> tuple[int, str]:
     """``(count, origin)``: origin "cache" when the count came from the cache file, "scan" when
     the vocabulary was scanned (and the count stored), "backend" for a tokenizer without a
-    tokenizer.json on disk (scanned, never stored)."""
-    data = loaded_json(tokenizer) if tokenizer is not None else None
-    if data is None:
+    tokenizer.json (scanned, never stored)."""
+    path = cache_file(tokenizer)
+    if path is None:
         return scan(tokenizer), "backend"
-    path = cache_file(data)
     try:
         stored = json.loads(path.read_text(encoding="utf-8"))["max_token_chars"]
         if isinstance(stored, int) and stored > 0:

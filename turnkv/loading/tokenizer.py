@@ -8,6 +8,7 @@ Ids, text and chat renderings equal what transformers' tokenizer gives.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -34,20 +35,18 @@ def cache_root() -> Path:
 
 
 def loaded_json(tokenizer) -> bytes | None:
-    """The tokenizer.json ``tokenizer``'s backend was loaded from, or None when there is none or
-    it is gone or changed since (size or mtime): then only the backend in memory says what the
-    vocabulary is (the grammar view and the longest-token count cache what they derive from
-    these bytes, keyed by their SHA-256)."""
+    """The tokenizer.json ``tokenizer``'s backend was built from, read again, or None when there
+    is none or the file is gone or holds other bytes now (then only the backend in memory says
+    what the vocabulary is). Only a build of what the vocabulary's caches hold needs the bytes:
+    their keys come from ``file_key``, without reading the file."""
     path = getattr(tokenizer, "backend_file", None)
     if path is None:
         return None
     try:
-        stat = Path(path).stat()
-        if (stat.st_size, stat.st_mtime_ns) != tokenizer.backend_stamp:
-            return None
-        return Path(path).read_bytes()
+        data = Path(path).read_bytes()
     except OSError:
         return None
+    return data if hashlib.sha256(data).digest() == tokenizer.backend_hash.digest() else None
 
 
 def shipped_template(name: str) -> str:
@@ -206,11 +205,12 @@ class Tokenizer:
     ):
         self.backend = backend
         self.source = source
-        # the tokenizer.json ``backend`` was read from (from_folder) and its (size, mtime) then: the
-        # grammar engine keys its on-disk view of the vocabulary on this file's bytes while they
-        # are still the ones loaded (engine/grammar_view.py)
+        # the tokenizer.json ``backend`` was built from (from_folder) and the SHA-256 of the bytes
+        # read then (a hashlib object): what is derived from the vocabulary and kept on disk (the
+        # longest entry, the grammar engine's view) is keyed by it (``file_key``), so the file is
+        # read and hashed once a start
         self.backend_file: Path | None = None
-        self.backend_stamp: tuple[int, int] | None = None
+        self.backend_hash = None
         self.special_tokens = dict(special_tokens or {})
         self.chat_template = chat_template
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
@@ -242,10 +242,10 @@ class Tokenizer:
         folder = Path(folder)
         path = folder / "tokenizer.json"
         try:
-            backend = tokenizers.Tokenizer.from_file(str(path))
+            data = path.read_bytes()
+            backend = tokenizers.Tokenizer.from_buffer(data)
         except Exception as e:
             raise ModelLoadError(f"{path}: cannot load tokenizer ({e})") from None
-        stat = path.stat()
         config = read_json(folder / "tokenizer_config.json") or {}
         special = {}
         for key in _SPECIAL_TOKEN_KEYS:
@@ -263,10 +263,20 @@ class Tokenizer:
             clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
             source=folder,
         )
-        tok.backend_file, tok.backend_stamp = path, (stat.st_size, stat.st_mtime_ns)
+        tok.backend_file, tok.backend_hash = path, hashlib.sha256(data)
         return tok
 
     # -- basics
+
+    def file_key(self, salt: bytes) -> str | None:
+        """The hex SHA-256 of the loaded tokenizer.json's bytes followed by ``salt`` (what a cache
+        of something derived from the vocabulary is keyed by), without reading the file again;
+        None for a tokenizer not built from a tokenizer.json."""
+        if self.backend_hash is None:
+            return None
+        key = self.backend_hash.copy()
+        key.update(salt)
+        return key.hexdigest()
 
     @property
     def has_chat_template(self) -> bool:
@@ -297,7 +307,7 @@ class Tokenizer:
                         extra_eos_ids=self.eos_token_ids, source=self.source,
                         clean_up_tokenization_spaces=self._clean_up)
         tok.template_note = note
-        tok.backend_file, tok.backend_stamp = self.backend_file, self.backend_stamp
+        tok.backend_file, tok.backend_hash = self.backend_file, self.backend_hash
         return tok
 
     def render_text(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
