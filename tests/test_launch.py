@@ -1,6 +1,7 @@
 """turnkv.launch's huge-page heap: when the tunable applies, and that a process started through
 ``ensure_hugepages`` really gets its malloc'd memory on transparent huge pages; and when `serve`
-moves the GGUF weights to huge pages (once it answers)."""
+moves the GGUF weights to huge pages (once it answers); what `serve` does before importing torch
+(torch's library mapped without the GIL, the server's libraries imported beside it)."""
 
 from __future__ import annotations
 
@@ -153,3 +154,64 @@ def test_read_ahead_brings_a_gguf_file_into_the_page_cache_and_leaves_names_and_
     other.write_bytes(b"x")
     for name in ("smollm2-135m", str(tmp_path), str(tmp_path / "missing.gguf"), str(other), None):
         assert launch.read_ahead(name) is None
+
+
+def _probe(code: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.split()
+
+
+def test_map_torch_library_maps_it_with_the_gil_free_and_torch_then_runs_on_that_mapping():
+    """``map_torch_library`` (serve calls it before importing torch) maps libtorch_cpu while
+    another thread keeps running Python (the GIL is free: a C call holding it would give that
+    thread no turn at all), and ``import torch`` then uses the library mapped, one copy."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("Linux only: other platforms let torch map its library itself")
+    found = _probe(
+        "import sys, threading, time\n"
+        "from turnkv.launch import map_torch_library\n"
+        "seen, done = [], threading.Event()\n"
+        "def spin():\n"
+        "    while not done.is_set():\n"
+        "        seen.append(time.perf_counter())\n"
+        "thread = threading.Thread(target=spin)\n"
+        "thread.start()\n"
+        "time.sleep(0.05)\n"
+        "start = time.perf_counter()\n"
+        "mapped = map_torch_library()\n"
+        "end = time.perf_counter()\n"
+        "done.set()\n"
+        "thread.join()\n"
+        "inside = [start] + [t for t in seen if start < t < end] + [end]\n"
+        "gap = max(b - a for a, b in zip(inside, inside[1:]))\n"
+        "before = 'libtorch_cpu.so' in open('/proc/self/maps').read()\n"
+        "assert 'torch' not in sys.modules\n"
+        "import torch\n"
+        "files = {line.split()[-1] for line in open('/proc/self/maps') if 'libtorch_cpu.so' in line}\n"
+        "print(mapped, before, end - start > 0.03, gap < (end - start) / 2, len(files), float(torch.arange(4.0).sum()))\n")
+    # the other thread ran all through the call: no gap in its turns of half the call's length (a
+    # C call holding the GIL leaves one as long as the call, less a switch interval: checked with
+    # ctypes.PyDLL's dlopen)
+    assert found == ["True", "True", "True", "True", "1", "6.0"]
+
+
+def test_the_server_libraries_need_no_torch_and_load_no_shared_library_after_the_extensions():
+    """What ``serve`` imports on a thread while the main thread maps torch's library: every name
+    exists, none imports torch (the main thread's import then), and once ``SERVER_EXTENSIONS``
+    are in they load no shared library (the dynamic loader would make that wait for torch's)."""
+    found = _probe(
+        "import importlib, sys\n"
+        "from turnkv.server.serve import SERVER_EXTENSIONS, SERVER_LIBRARIES\n"
+        "def shared():\n"
+        "    return {n for n, m in list(sys.modules.items()) if str(getattr(m, '__file__', '')).endswith('.so')}\n"
+        "for name in SERVER_EXTENSIONS:\n"
+        "    importlib.import_module(name)\n"
+        "before = shared()\n"
+        "for name in SERVER_LIBRARIES:\n"
+        "    importlib.import_module(name)\n"
+        "print(len(SERVER_LIBRARIES), 'torch' in sys.modules, *sorted(shared() - before))\n")
+    from turnkv.server.serve import SERVER_LIBRARIES
+
+    assert found == [str(len(SERVER_LIBRARIES)), "False"]

@@ -1,12 +1,13 @@
 """``turnkv serve``: the listening socket (bound before the model loads), the engine loop on the
 main thread and uvicorn on a thread of its own, until SIGINT / SIGTERM.
 
-The HTTP side's modules (Starlette, pydantic, uvicorn and this package's own, ~0.5 s of imports on
-a quiet 2-core Zen 4) are imported on a thread of their own while the main thread loads the
-model: the load's native tile repack leaves the GIL free for them, so that part of the import
-costs no time. The main thread has imported torch and the engine first, and the load imports
-none of these modules (the GGUF reader, tokenizers, jinja2 are its own), so the two threads do
-not wait on each other's module locks."""
+Before torch, the third-party modules the server and the load need (Starlette, pydantic,
+uvicorn, jinja2, gguf-py: ~0.18 s CPU of pure Python on a 2-core Zen 2 once their extension
+modules are in) are imported on a thread of their own while the main thread maps torch's C++
+library with the GIL free (``launch.map_torch_library``, ~0.2 s CPU) and then imports torch; the
+thread is joined before the load. This package's own server modules (they need the engine) are
+imported on a thread while the main thread loads the model, which imports none of them, so the
+two threads do not wait on each other's module locks."""
 
 from __future__ import annotations
 
@@ -19,10 +20,20 @@ import threading
 from .tenants import KeyRing
 from .tools import chatml_tools_for
 
-# what ``serve`` needs once the model is loaded, uvicorn's own start-up imports included
+# the third-party modules ``serve`` needs (uvicorn's own start-up imports included; jinja2 and
+# gguf-py for the load), imported on a thread while the main thread maps torch's C++ library
+# without the GIL (``map_torch_library``); the main thread imports those that load shared libraries
+# of their own first (``SERVER_EXTENSIONS``, numpy among them, which torch imports anyway): the
+# dynamic loader maps one library at a time
+SERVER_EXTENSIONS = ("pydantic_core", "ssl", "asyncio", "queue", "zoneinfo", "multiprocessing.synchronize", "markupsafe",
+                     "numpy", "yaml", "sentencepiece", "csv")
+SERVER_LIBRARIES = ("pydantic", "pydantic.main", "starlette.applications", "starlette.routing",
+                    "starlette.responses", "starlette.requests", "starlette.concurrency", "uvicorn",
+                    "uvicorn.config", "uvicorn.server", "uvicorn.lifespan.on", "uvicorn.protocols.http.h11_impl",
+                    "anyio._backends._asyncio", "jinja2", "gguf")
+# this package's, imported on a thread while the main thread loads the model (they need the engine)
 HTTP_MODULES = ("turnkv.server.app", "turnkv.server.context", "turnkv.server.requests",
-                "turnkv.server.slow_client_guard", "uvicorn", "uvicorn.config", "uvicorn.server",
-                "uvicorn.lifespan.on", "uvicorn.protocols.http.h11_impl")
+                "turnkv.server.slow_client_guard")
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -73,9 +84,29 @@ def import_in_background(names: tuple[str, ...]) -> threading.Thread:
     return thread
 
 
+def import_server_libraries() -> threading.Thread:
+    """Before torch: the extension modules of ``SERVER_EXTENSIONS`` here, then a started thread
+    importing ``SERVER_LIBRARIES`` (pure Python once those are in: ~0.18 s CPU on a 2-core Zen 2)
+    while this thread maps torch's C++ library without the GIL (~0.2 s CPU), where both used to
+    take the GIL in turn."""
+    from ..launch import map_torch_library
+
+    for name in SERVER_EXTENSIONS:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass    # only a head start: the module that needs it says why
+    thread = import_in_background(SERVER_LIBRARIES)
+    map_torch_library()
+    return thread
+
+
 def serve(args) -> int:
+    libraries = import_server_libraries()
     from ..engine.engine import Engine  # noqa: F401  (torch and the engine: before the HTTP imports' thread)
     from ..launch import engine_from, print_banner, sampling_from
+
+    libraries.join()
 
     defaults = sampling_from(args)
     defaults.validate()
