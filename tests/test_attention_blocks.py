@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import native
+from test_attention_kernel import threads
 from turnkv.cache.storage import dequantize_int8, quantize_int8
 from turnkv.kernels import attention as A
 
@@ -38,16 +39,6 @@ def block_rows(n: int):
         yield
     finally:
         torch.ops.turnkv_attn.set_block_rows(before)
-
-
-@contextlib.contextmanager
-def threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def stored(k: torch.Tensor, v: torch.Tensor):
