@@ -15,3 +15,59 @@ def cpu_model() -> str:
         if line.startswith("Model name"):
             return line.split(":", 1)[1].strip()
     return "unknown CPU"
+
+
+# --- what the kernel did during a timed step (a load: issue 45's 7.4-7.9 s loads of files that load
+# in 0.5-0.9 s alone). The process's own CPU seconds (all threads), major faults (file pages read
+# from disk) and seconds its threads waited for a CPU (runnable while another task ran: on a
+# 2-core machine a busy neighbour or the kernel's reclaim thread); and the machine-wide
+# /proc/vmstat counters over the same window: direct compaction stalls (a 2 MiB page or a large
+# page-cache folio waiting for the kernel to assemble it), huge-page faults, direct reclaims (an
+# allocation waiting for memory to be freed), file pages read again after they were evicted, and
+# steal (the hypervisor running something else). Those count every process's activity.
+VMSTAT_KEYS = ("compact_stall", "thp_fault_alloc", "allocstall_movable", "allocstall_normal",
+               "workingset_refault_file")
+
+
+def kernel_counters() -> dict:
+    """A snapshot for ``kernel_delta`` (Linux; elsewhere the fields it cannot read are absent)."""
+    import os
+    import resource
+    import time
+
+    out = {"cpu_s": time.process_time(), "majflt": resource.getrusage(resource.RUSAGE_SELF).ru_majflt}
+    try:
+        with open("/proc/vmstat") as f:
+            out.update({k: int(v) for k, v in (line.split() for line in f) if k in VMSTAT_KEYS})
+        with open("/proc/stat") as f:
+            out["steal_s"] = int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
+        out["runq_wait_s"] = sum(_runq_wait_ns(t) for t in os.listdir("/proc/self/task")) / 1e9
+    except (OSError, IndexError, ValueError):
+        pass
+    return out
+
+
+def _runq_wait_ns(tid: str) -> int:
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            return int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):      # a thread that ended meanwhile
+        return 0
+
+
+def kernel_delta(before: dict, after: dict) -> dict:
+    """What changed between two ``kernel_counters`` snapshots (direct reclaims summed, refaulted
+    pages in MB)."""
+    d = {k: after[k] - before[k] for k in after if k in before}
+    d["direct_reclaim"] = d.pop("allocstall_movable", 0) + d.pop("allocstall_normal", 0)
+    d["refault_mb"] = d.pop("workingset_refault_file", 0) * 4096 / 1e6
+    return {k: round(v, 2) if isinstance(v, float) else v for k, v in d.items()}
+
+
+def describe_kernel(d: dict) -> str:
+    """One line for a ``kernel_delta``."""
+    g = lambda k: d.get(k, 0)  # noqa: E731
+    return (f"CPU {g('cpu_s'):.2f} s, waiting for a CPU {g('runq_wait_s'):.2f} s, {g('majflt')} major faults, "
+            f"{g('compact_stall')} compaction stalls, {g('thp_fault_alloc')} huge-page faults, "
+            f"{g('direct_reclaim')} direct reclaims, {g('refault_mb'):.0f} MB of file pages read again "
+            f"(machine-wide), steal {g('steal_s'):.2f} s")

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.machine import cpu_model
+from bench.machine import cpu_model, describe_kernel
 from bench.realsize_models import LLAMA_CPP, PEERS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,11 +33,14 @@ torch.set_num_threads({threads})
 from turnkv.engine.engine import Engine
 from turnkv.engine.sequence import GenerationRequest
 from turnkv.engine.sampling import SamplingParams
+from bench.machine import kernel_counters, kernel_delta
 t1 = time.perf_counter()
 rss0 = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+k0 = kernel_counters()
 # K/V in `turnkv serve`'s default mode ("auto": float16 under the GGUF weights), as llama.cpp's f16
 eng = Engine.load({path!r}, weights=None, progress=False, max_context=1024, kv_mode="auto")
 t2 = time.perf_counter()
+load_kernel = kernel_delta(k0, kernel_counters())
 # what `turnkv serve` does on a background thread once it answers: the weights to huge pages
 from turnkv.kernels.weight_memory import collapse
 moved = collapse()
@@ -53,7 +56,7 @@ for i, seed in enumerate((11, 12)):
     out = dict(prefill_tps={prompt} / (s.prefill_ms / 1e3), decode_tps=s.decode_tokens_per_s,
                prefilled=s.prefilled_tokens, generated=len(r.token_ids))
 print(json.dumps(dict(out, import_s=t1 - t0, load_s=t2 - t1, rss=rss, rss_load=rss - rss0, huge_mb=moved / 1e6,
-                      collapse_s=t3 - t2)))
+                      collapse_s=t3 - t2, load_kernel=load_kernel)))
 '''
 
 
@@ -149,8 +152,9 @@ def _experts(path: Path) -> int:
 def _table(preset: str, rows, bw: float) -> None:
     print(f"\n{preset}: {PROMPT}-token prefill, {DECODE} decoded tokens (tok/s)")
     # RSS: the process after the load; "load" what the load added to the process (torch's own
-    # libraries are resident before it)
-    print("| file | turnkv prefill | decode | vs llama.cpp (p / d) | vs ik -rtr (p / d) | load s "
+    # libraries are resident before it). Load: wall seconds (the process's CPU seconds); a wall far
+    # above the CPU waited on something, which the kernel's counters below each table name
+    print("| file | turnkv prefill | decode | vs llama.cpp (p / d) | vs ik -rtr (p / d) | load s (CPU) "
           "| RSS (load) / file MB | decode GB/s (share of probe) |")
     print("|---|---|---|---|---|---|---|---|")
     moe = any(_experts(path) for _, _, _, _, _, path in rows)
@@ -162,7 +166,10 @@ def _table(preset: str, rows, bw: float) -> None:
         print(f"| {qtype} | {tk['prefill_tps']:.1f} | {tk['decode_tps']:.1f} "
               f"| {_ratio(tk['prefill_tps'], lc.get('prefill_tps'))} / {_ratio(tk['decode_tps'], lc.get('decode_tps'))} "
               f"| {_ratio(tk['prefill_tps'], ik.get('prefill_tps'))} / {_ratio(tk['decode_tps'], ik.get('decode_tps'))} "
-              f"| {tk['load_s']:.1f} | {tk['rss'] / 1e6:.0f} ({tk['rss_load'] / 1e6:.0f}) / {size / 1e6:.0f} "
+              f"| {tk['load_s']:.1f} ({tk['load_kernel'].get('cpu_s', 0):.1f}) "
+              f"| {tk['rss'] / 1e6:.0f} ({tk['rss_load'] / 1e6:.0f}) / {size / 1e6:.0f} "
               f"| {'- (MoE: a token reads its experts only)' if moe else f'{gbs:.1f} ({gbs * 1e9 / bw:.0%})'} |")
     for qtype, size, tk, lc, ik, _ in rows:
         print(f"{qtype}: llama.cpp {lc}; ik_llama.cpp {ik or 'not built'}")
+        if "load_kernel" in tk:
+            print(f"{qtype}: during turnkv's load: {describe_kernel(tk['load_kernel'])}")
