@@ -45,3 +45,21 @@ def test_ordered_tiles_equal_permuting_first(qtype, monkeypatch):
     assert torch.equal(lazy.raw, eager.raw) and torch.equal(lazy.rows(), eager.rows())
     with pytest.raises(ValueError):
         GGUFWeight.from_raw(rows, qtype, (67, 3 * block), order=order[:5])
+
+
+@needs_gather
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.IQ4_XS], ids=lambda q: q.name)
+def test_threads_share_many_tiles_as_one_thread_does(qtype):
+    """The load's gather shares its tiles out over the threads (a handful of tiles, as above, runs
+    on one): with two threads and 100 tiles (whole, or a padded last one; with and without a row
+    order) every tile comes out as the one-thread gather writes it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for n in (8 * 100, 8 * 100 + 3):
+            rows = _rows(qtype, n=n, blocks=2, seed=4)
+            for order in (None, torch.randperm(n, generator=torch.Generator().manual_seed(5))):
+                one = tiles.tile_rows(rows, qtype, order=order, parallel=False)
+                assert torch.equal(tiles.tile_rows(rows, qtype, order=order), one)
+    finally:
+        torch.set_num_threads(threads)
