@@ -194,7 +194,7 @@ struct Args {
 // Per-thread tile scratch: a tile's weights unpacked to one byte per value plus its scales.
 struct Scratch {
     std::vector<uint8_t> buf;
-    uint8_t* w;        // [TILE][K] u8 values (Q8_0, IQ4_NL, IQ4_XS, MXFP4: int8)
+    uint8_t* w;        // [TILE][K] u8 values (Q8_0, IQ4_NL, IQ4_XS, MXFP4: int8; avx2 Q8_0 / IQ4_XS: int16, w16_group)
     float* d;          // [nblocks][TILE] (SIMD: MXFP4's scales only, the others keep hd)
     float* m;          // [nblocks][TILE]   (Q4_1/Q5_1 min, k-quant dmin)
     int16_t* lsc;      // k-quants: [TILE][K/32][8] per-lane integer scale
@@ -203,6 +203,8 @@ struct Scratch {
     uint16_t* hd;      // SIMD: [nblocks][TILE] the blocks' float16 scale d, as stored
     uint16_t* hm;      // SIMD: [nblocks][TILE] float16 min m / dmin, as stored
     uint8_t* zero;     // a tile of 8 zero rows (valid blocks with scale 0): a 16-row tile's missing half
+    std::vector<int16_t> x16buf;   // avx2 Q8_0 / IQ4_XS unpack path: the call's activations as int16 (act16)
+    const int16_t* x16 = nullptr;
     int K = -1;
     int64_t zero_bytes = 0;
     void ensure(int K_, int64_t row_bytes) {
