@@ -4,6 +4,10 @@ path's int16 dots of IQ4_XS and Q8_0 (csrc/simd_body.inc, chunk_dot16)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -53,23 +57,40 @@ def test_iq4xs_decode_lookup_same_bits_with_and_without_vbmi():
         tk._ext.set_vbmi(vbmi)
 
 
+_INT16_CHECK = """
+import sys, numpy as np, torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from turnkv.kernels import GGUFWeight
+qtype, n, k, rows = Q[sys.argv[1]], 29, 4096, [int(m) for m in sys.argv[2:]]
+rng = np.random.default_rng(5)
+block, size = GGML_QUANT_SIZES[qtype]
+b = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+b[..., 0:2] = rng.uniform(1e-4, 2e-3, size=(n, k // block)).astype(np.float16).view(np.uint8).reshape(n, -1, 2)
+w = GGUFWeight.from_raw(b.reshape(n, -1), qtype, (n, k))
+x = torch.randn(64, k, generator=torch.Generator().manual_seed(9))
+x[:, ::29] *= 50.0
+ref = w.matmul(x, native=False)
+for m in rows:
+    for isa in ("avx2", None):
+        assert torch.equal(w.matmul(x[64 - m:], isa=isa), ref[64 - m:]), (qtype.name, isa, m)
+print("ok")
+"""
+
+
 @native.needs(tk.native_available(), "the native kernels")
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.IQ4_XS], ids=lambda q: q.name)
 def test_unpack_path_int16_dots_same_bits(qtype):
     """The avx2 unpack path (M > 8) of Q8_0 and IQ4_XS takes weights as int16 pairs (IQ4_XS's
-    already times their sub-block scale) against an int16 copy of the call's activations in the
-    thread's scratch: every path equals the reference for calls of growing and shrinking M (the
-    copy is resized and reused; rows 4 at a time and a tail), K = 4096, random bytes (Q8_0: -128
-    among them) and outliers at the full int8 range."""
-    rng = np.random.default_rng(5)
-    n, k = 29, 4096
-    block, size = GGML_QUANT_SIZES[qtype]
-    b = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
-    b[..., 0:2] = rng.uniform(1e-4, 2e-3, size=(n, k // block)).astype(np.float16).view(np.uint8).reshape(n, -1, 2)
-    w = GGUFWeight.from_raw(b.reshape(n, -1), qtype, (n, k))
-    x = torch.randn(64, k, generator=torch.Generator().manual_seed(9))
-    x[:, ::29] *= 50.0
-    ref = w.matmul(x, native=False)
-    for isa in [i for i in tk.available_isas() if i != "scalar"]:
-        for m in (9, 64, 13, 40, 10):
-            assert torch.equal(w.matmul(x[64 - m:], isa=isa), ref[64 - m:]), (isa, m)
+    already times their sub-block scale) against an int16 copy of the call's activations
+    (widened once a call for all threads): equal to the reference for calls of growing and
+    shrinking M (rows 4 at a time and a tail), K = 4096, random bytes (Q8_0: -128 among them) and
+    outliers at the full int8 range. With the fused decode path off (TURNKV_KERNEL_FUSED=0) M <= 8
+    takes the unpack path too, with no shared copy: each thread widens its own."""
+    code = _INT16_CHECK
+    out = subprocess.run([sys.executable, "-c", code, qtype.name, "9", "64", "13", "40", "10"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+    env = dict(os.environ, TURNKV_KERNEL_FUSED="0")
+    out = subprocess.run([sys.executable, "-c", code, qtype.name, "1", "3", "8", "13"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -169,6 +169,7 @@ struct Act {
     float* sx = nullptr;               // [M][K/32] dx * float(bsum32)  (QB == 32 only)
     int32_t* bs16 = nullptr;           // [M][K/16]
     int32_t* bs32 = nullptr;           // [M][K/32]
+    const int16_t* q16 = nullptr;      // [M][K] q as int16 (avx2 Q8_0 / IQ4_XS calls past 8 rows; widen_act)
     // rows 2p and 2p+1 side by side (the paired path, 2 <= M <= FUSED_MAX_ROWS; nullptr otherwise):
     // q2[(p * K/4 + g) * 2 + i] = row 2p+i's 4-byte group g; d2 / sx2 / b2[(p * nb + b) * 2 + i]
     // (b2: bs32), b16_2[(p * K/16 + j) * 2 + i] (bs16)
@@ -191,7 +192,7 @@ struct Args {
     const uint8_t* next = nullptr;
 };
 
-// Per-thread tile scratch: a tile's weights unpacked to one byte per value plus its scales.
+// Per-thread tile scratch: a tile's weights unpacked to one byte per value (avx2 Q8_0 / IQ4_XS: two) plus its scales.
 struct Scratch {
     std::vector<uint8_t> buf;
     uint8_t* w;        // [TILE][K] u8 values (Q8_0, IQ4_NL, IQ4_XS, MXFP4: int8; avx2 Q8_0 / IQ4_XS: int16, w16_group)
@@ -203,7 +204,7 @@ struct Scratch {
     uint16_t* hd;      // SIMD: [nblocks][TILE] the blocks' float16 scale d, as stored
     uint16_t* hm;      // SIMD: [nblocks][TILE] float16 min m / dmin, as stored
     uint8_t* zero;     // a tile of 8 zero rows (valid blocks with scale 0): a 16-row tile's missing half
-    std::vector<int16_t> x16buf;   // avx2 Q8_0 / IQ4_XS unpack path: the call's activations as int16 (act16)
+    std::vector<int16_t> x16buf;   // avx2 Q8_0 / IQ4_XS unpack path: the activations as int16 where Act::q16 is null (act16)
     const int16_t* x16 = nullptr;
     int K = -1;
     int64_t zero_bytes = 0;

@@ -238,6 +238,20 @@ static void quantize_act(const float* X, int64_t M, int64_t K, int isa, Act& a) 
     }
 }
 
+// avx2 calls of Q8_0 / IQ4_XS past 8 rows read the activations as int16 (csrc/simd_body.inc
+// chunk_dot16): widened here once for all threads (each thread's own copy of 8 MB at K = 8192
+// would crowd the L3), into the calling thread's buffer, valid until its next call
+static bool wants16(int isa, int qt, int64_t M) { return isa == ISA_AVX2 && M > 8 && (qt == Q8_0 || qt == IQ4_XS); }
+static void widen_act(Act& a) {
+    static thread_local std::vector<int16_t> buf;
+    const size_t n = (size_t)a.M * a.K;
+    if (buf.size() < n) buf.resize(n);
+    int16_t* const o = buf.data();
+    if (a.M >= 16) at::parallel_for(0, a.M, 4, [&](int64_t b, int64_t e) { avx2::widen16(a, o, (int)b, (int)e); });
+    else avx2::widen16(a, o, 0, a.M);
+    a.q16 = o;
+}
+
 // the paired path on / off (tests, A/B); returns the previous setting
 static int64_t set_pair(int64_t on) {
     const int64_t before = g_pair;
@@ -361,6 +375,7 @@ static torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor w, int64_t qt, i
     if (M == 0 || N == 0) return y;
     Act a;
     quantize_act(x.data_ptr<float>(), M, K, (int)isa, a);
+    if (wants16((int)isa, (int)qt, M)) widen_act(a);
     const Part part{w.data_ptr<uint8_t>(), w.size(1), (int)qt, N, y.data_ptr<float>()};
     run_parts(a, &part, 1, (int)isa, N);
     return y;
