@@ -57,24 +57,21 @@ def test_iq4xs_decode_lookup_same_bits_with_and_without_vbmi():
         tk._ext.set_vbmi(vbmi)
 
 
-_INT16_CHECK = """
-import sys, numpy as np, torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
-from turnkv.kernels import GGUFWeight
-qtype, n, k, rows = Q[sys.argv[1]], 29, 4096, [int(m) for m in sys.argv[2:]]
-rng = np.random.default_rng(5)
-block, size = GGML_QUANT_SIZES[qtype]
-b = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
-b[..., 0:2] = rng.uniform(1e-4, 2e-3, size=(n, k // block)).astype(np.float16).view(np.uint8).reshape(n, -1, 2)
-w = GGUFWeight.from_raw(b.reshape(n, -1), qtype, (n, k))
-x = torch.randn(64, k, generator=torch.Generator().manual_seed(9))
-x[:, ::29] *= 50.0
-ref = w.matmul(x, native=False)
-for m in rows:
-    for isa in ("avx2", None):
-        assert torch.equal(w.matmul(x[64 - m:], isa=isa), ref[64 - m:]), (qtype.name, isa, m)
-print("ok")
-"""
+def _int16_rows_equal_reference(qtype: Q, rows: tuple[int, ...]) -> None:
+    """Random bytes (Q8_0: -128 among them) at K = 4096, activations with outliers at the full
+    int8 range: calls of M = rows (last rows of 64) on avx2 and the best path == the reference."""
+    rng = np.random.default_rng(5)
+    n, k = 29, 4096
+    block, size = GGML_QUANT_SIZES[qtype]
+    b = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+    b[..., 0:2] = rng.uniform(1e-4, 2e-3, size=(n, k // block)).astype(np.float16).view(np.uint8).reshape(n, -1, 2)
+    w = GGUFWeight.from_raw(b.reshape(n, -1), qtype, (n, k))
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(9))
+    x[:, ::29] *= 50.0
+    ref = w.matmul(x, native=False)
+    for m in rows:
+        for isa in ("avx2", None):
+            assert torch.equal(w.matmul(x[64 - m:], isa=isa), ref[64 - m:]), (qtype.name, isa, m)
 
 
 @native.needs(tk.native_available(), "the native kernels")
@@ -82,15 +79,15 @@ print("ok")
 def test_unpack_path_int16_dots_same_bits(qtype):
     """The avx2 unpack path (M > 8) of Q8_0 and IQ4_XS takes weights as int16 pairs (IQ4_XS's
     already times their sub-block scale) against an int16 copy of the call's activations
-    (widened once a call for all threads): equal to the reference for calls of growing and
-    shrinking M (rows 4 at a time and a tail), K = 4096, random bytes (Q8_0: -128 among them) and
-    outliers at the full int8 range. With the fused decode path off (TURNKV_KERNEL_FUSED=0) M <= 8
-    takes the unpack path too, with no shared copy: each thread widens its own."""
-    code = _INT16_CHECK
-    out = subprocess.run([sys.executable, "-c", code, qtype.name, "9", "64", "13", "40", "10"],
-                         capture_output=True, text=True, timeout=300)
-    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+    (widened once a call for all threads): the reference's bits for calls of growing and
+    shrinking M (rows 4 at a time and a tail). With the fused decode path off
+    (TURNKV_KERNEL_FUSED=0, read at load: a fresh process) M <= 8 takes the unpack path too,
+    with no shared copy: each thread widens its own."""
+    _int16_rows_equal_reference(qtype, (9, 64, 13, 40, 10))
+    code = ("import sys; sys.path.insert(0, 'tests'); from gguf import GGMLQuantizationType as Q; "
+            "from test_kernels_iq4xs import _int16_rows_equal_reference as f; "
+            f"f(Q.{qtype.name}, (1, 3, 8, 13)); print('ok')")
     env = dict(os.environ, TURNKV_KERNEL_FUSED="0")
-    out = subprocess.run([sys.executable, "-c", code, qtype.name, "1", "3", "8", "13"],
-                         env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
