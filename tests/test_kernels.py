@@ -367,9 +367,11 @@ def _largest_scale_blocks(qtype: Q) -> list[np.ndarray]:
 @pytest.mark.parametrize("qtype", SUPER, ids=lambda q: q.name)
 def test_largest_scales_stay_exact(qtype):
     """The 256-value types' integer scales at their largest against activations at +-127, through
-    the unpack path's row groups (M = 13, 40): the AVX2 path multiplies the int16 pair sums by the
-    scales in the vpmaddwd that widens them (and Q4_K's mins, Q6_K's offsets, by one vpmaddwd of
-    int16 pairs), so an int16 or int32 overflow there would differ from the reference."""
+    the unpack path's row groups (M = 13, 14, 40: AVX2 passes of 4 rows, of 2 for Q6_K, and the rows
+    left over one at a time): the AVX2 path multiplies the int16 pair sums by the scales in the
+    vpmaddwd that widens them and Q6_K's offsets by one vpmaddwd of int16 pairs (32 x the scales
+    against the activations' 16-value sums), so an int16 or int32 overflow there would differ from
+    the reference; Q4_K / Q5_K's min term is float(m) * float(bsum) there, exact below 2^24."""
     n, k = 24, 512
     for block in _largest_scale_blocks(qtype):
         block = np.concatenate(block)
@@ -381,7 +383,7 @@ def test_largest_scales_stay_exact(qtype):
         x[30:, ::3] *= -1.0
         ref = w.matmul(x, native=False)
         for isa in ISAS:
-            for m in (13, 40):
+            for m in (13, 14, 40):
                 assert torch.equal(w.matmul(x[:m], isa=isa), ref[:m]), (isa, m)
 
 

@@ -170,6 +170,8 @@ struct Act {
     int32_t* bs16 = nullptr;           // [M][K/16]
     int32_t* bs32 = nullptr;           // [M][K/32]
     const int16_t* q16 = nullptr;      // [M][K] q as int16 (avx2 Q8_0 / IQ4_XS calls past 8 rows; widen_act)
+    float* fb32 = nullptr;             // [M][K/32] float(bsum32), exact (|bsum32| <= 32 * 127)
+    int32_t* bp16 = nullptr;           // [M][K/32] chunk c's bs16 pair in int16 halves: bs16[2c] | bs16[2c + 1] << 16
     // rows 2p and 2p+1 side by side (the paired path, 2 <= M <= FUSED_MAX_ROWS; nullptr otherwise):
     // q2[(p * K/4 + g) * 2 + i] = row 2p+i's 4-byte group g; d2 / sx2 / b2[(p * nb + b) * 2 + i]
     // (b2: bs32), b16_2[(p * K/16 + j) * 2 + i] (bs16)
@@ -179,6 +181,28 @@ struct Act {
     int32_t* b2 = nullptr;
     int32_t* b16_2 = nullptr;
 };
+
+// row m's activation block sums from its quantized values (every path's quantize, after the row's q and d)
+inline void act_sums(const Act& a, int m) {
+    const int K = a.K, nb = a.nb;
+    const int8_t* q = a.q + (int64_t)m * K;
+    int32_t* b16 = a.bs16 + (int64_t)m * (K / 16);
+    for (int j = 0; j < K / 16; j++) {
+        int s = 0;
+        for (int i = 0; i < 16; i++) s += q[j * 16 + i];
+        b16[j] = s;
+    }
+    int32_t* b32 = a.bs32 + (int64_t)m * (K / 32);
+    float* f32 = a.fb32 + (int64_t)m * (K / 32);
+    int32_t* bp = a.bp16 + (int64_t)m * (K / 32);
+    for (int j = 0; j < K / 32; j++) {
+        b32[j] = b16[2 * j] + b16[2 * j + 1];
+        f32[j] = (float)b32[j];
+        bp[j] = (int32_t)((uint32_t)(uint16_t)b16[2 * j] | (uint32_t)b16[2 * j + 1] << 16);
+    }
+    if (a.QB == 32)
+        for (int j = 0; j < nb; j++) a.sx[(int64_t)m * nb + j] = a.d[(int64_t)m * nb + j] * (float)b32[j];
+}
 
 struct Args {
     const uint8_t* W;

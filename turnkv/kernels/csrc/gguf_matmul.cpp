@@ -189,7 +189,7 @@ static void quantize_act(const float* X, int64_t M, int64_t K, int isa, Act& a) 
     a.nb = (int)(K / 32);
     const size_t nq = (size_t)M * K, n32 = (size_t)M * (K / 32), n16 = (size_t)M * (K / 16);
     const bool pair = M >= 2 && M <= fused_rows_for(isa) && isa >= 2 && g_pair;  // the paired path's layout (AVX-512)
-    const size_t need = nq + 64 + 2 * (n32 * 4 + 64) + (n16 * 4 + 64) + (n32 * 4 + 64) +
+    const size_t need = nq + 64 + 2 * (n32 * 4 + 64) + (n16 * 4 + 64) + 3 * (n32 * 4 + 64) +
                         (pair ? nq + 64 + 3 * (n32 * 4 + 64) + (n16 * 4 + 64) : 0);
     if (abuf.size() < need) abuf.resize(need);
     uint8_t* p = abuf.data();
@@ -199,6 +199,8 @@ static void quantize_act(const float* X, int64_t M, int64_t K, int isa, Act& a) 
     a.sx = (float*)take(n32 * 4);
     a.bs16 = (int32_t*)take(n16 * 4);
     a.bs32 = (int32_t*)take(n32 * 4);
+    a.fb32 = (float*)take(n32 * 4);
+    a.bp16 = (int32_t*)take(n32 * 4);
     a.q2 = nullptr;
     a.d2 = a.sx2 = nullptr;
     a.b2 = a.b16_2 = nullptr;
