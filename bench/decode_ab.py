@@ -17,9 +17,7 @@ in 512-bit vectors, 0/1; TURNKV_KERNEL_PAIR), ``fused_rows`` (the paired path's 
 TURNKV_KERNEL_FUSED_ROWS), ``attn_spread`` (decode attention's next-block prefetches for K/V
 rows of up to 128 bytes spread over the P.V pass, 1, or in bursts, 0; -1 by row size;
 TURNKV_ATTN_SPREAD), ``attn_split`` (decode attention splits a unit's key blocks between the
-threads when the units are fewer than this many a thread; 0 never; TURNKV_ATTN_SPLIT),
-``moe_units`` (a MoE decode call's (row, expert) units in one region, each thread its share whole,
-1, or two regions a row, 0; TURNKV_MOE_UNITS).
+threads when the units are fewer than this many a thread; 0 never; TURNKV_ATTN_SPLIT).
 """
 
 from __future__ import annotations
@@ -35,8 +33,7 @@ from bench.machine import cpu_model  # noqa: E402
 
 # name -> (where its setter lives, the setter's name; default A,B). A setter returns the previous value.
 SWITCHES = {"pair": ("gguf", "set_pair", "0,1"), "fused_rows": ("gguf", "set_fused_rows", "8,31"),
-            "attn_spread": ("attn", "set_spread", "0,1"), "attn_split": ("attn", "set_split", "2,0"),
-            "moe_units": ("gguf", "set_moe_units", "0,1")}
+            "attn_spread": ("attn", "set_spread", "0,1"), "attn_split": ("attn", "set_split", "2,0")}
 
 
 def _ext():
@@ -79,7 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=800, help="prompt tokens of each sequence")
     ap.add_argument("--switch", choices=sorted(SWITCHES), default="pair")
     ap.add_argument("--values", type=two_ints, default=None,
-                    help="A,B (default: pair 0,1; fused_rows 8,31; attn_spread 0,1; attn_split 2,0; moe_units 0,1)")
+                    help="A,B (default: pair 0,1; fused_rows 8,31; attn_spread 0,1; attn_split 2,0)")
     ap.add_argument("--block", type=int, default=24, help="steps timed per value per round")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--kv-cache-mode", default="auto", help="as `turnkv serve`'s (default auto: float16 or "

@@ -187,36 +187,6 @@ def test_fused_experts_are_the_grouped_experts_bits(qtype):
 
 
 @needs_native
-@pytest.mark.parametrize("k", [4, 8])
-def test_decode_units_at_any_thread_count_are_the_grouped_bits(k):
-    """A decode call's (row, expert) units on 1-3 threads give the grouped path's bits: one region
-    with each thread's units whole where they split evenly, two regions a row where they do not
-    (4 units on 3 threads, or ``set_moe_units(0)``). Experts of ~1.2 MB, so the calls go parallel."""
-    E, hidden, inter = 12, 2048, 256
-    gu = GGUFStack.from_raw(random_blocks(Q.Q4_K, E * 2 * inter, hidden, 5), Q.Q4_K, (E, 2 * inter, hidden))
-    down = GGUFStack.from_raw(random_blocks(Q.Q8_0, E * hidden, inter, 6), Q.Q8_0, (E, hidden, inter))
-    experts = RoutedExperts.gated(gu, down, torch.float32)
-    assert experts.fuse()
-    g = torch.Generator().manual_seed(2)
-    threads, units = torch.get_num_threads(), kernels._ext.set_moe_units(1)
-    try:
-        for rows in (1, 3, 8):
-            x = torch.randn(rows, hidden, generator=g)
-            chosen = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(rows)])
-            weights = torch.rand(rows, k, generator=g)
-            native, experts.native = experts.native, None
-            want = experts.forward(x, weights, chosen)
-            experts.native = native
-            for n, on in ((1, 1), (2, 1), (3, 1), (2, 0)):
-                torch.set_num_threads(n)
-                kernels._ext.set_moe_units(on)
-                assert torch.equal(experts.forward(x, weights, chosen), want), (rows, n, on)
-    finally:
-        torch.set_num_threads(threads)
-        kernels._ext.set_moe_units(units)
-
-
-@needs_native
 @pytest.mark.parametrize("name", ["glm4_moe", "qwen3_5_moe"])
 def test_fixture_decode_fused_equals_grouped(name):
     from turnkv.cache.specs import make_caches

@@ -180,8 +180,9 @@ static const int kTile[][2] = {{TILE, TILE}, {8, 8}, {8, 16}, {8, 16}};
 constexpr int64_t WIDE_MIN_ROWS = 16;
 static const QuantFn kQuant[] = {scalar::quantize, avx2::quantize, avx512::quantize, avx512vnni::quantize};
 
-// Quantize X [M, K] (contiguous float32) into abuf (grown as needed; a points into it).
-static void quantize_into(const float* X, int64_t M, int64_t K, int isa, Act& a, std::vector<uint8_t>& abuf) {
+// Quantize X [M, K] (contiguous float32) into the calling thread's activation buffer.
+static void quantize_act(const float* X, int64_t M, int64_t K, int isa, Act& a) {
+    static thread_local std::vector<uint8_t> abuf;
     a.M = (int)M;
     a.K = (int)K;
     a.QB = 32;  // 32-value activation blocks for every type (the k-quants too; docs/kernels.md)
@@ -239,12 +240,6 @@ static void quantize_into(const float* X, int64_t M, int64_t K, int isa, Act& a,
     }
 }
 
-// Quantize X [M, K] into the calling thread's activation buffer (valid until its next call).
-static void quantize_act(const float* X, int64_t M, int64_t K, int isa, Act& a) {
-    static thread_local std::vector<uint8_t> abuf;
-    quantize_into(X, M, K, isa, a, abuf);
-}
-
 // avx2 calls of Q8_0 / IQ4_XS past 8 rows read the activations as int16 (csrc/simd_body.inc
 // chunk_dot16): widened here once for all threads (each thread's own copy of 8 MB at K = 8192
 // would crowd the L3), into the calling thread's buffer, valid until its next call
@@ -285,13 +280,12 @@ struct Part {
 // A region's parts laid out by work (a tile's weight bytes times 1 + M/4 for the dot products):
 // part i's tiles start at work w0[i], each tw[i] long; `run(lo, hi)` computes the tiles whose
 // first work unit lies in [lo, hi) (the parts side by side), telling each part's range where the
-// next part's starts (Args::next: the kernels prefetch it; `after` past the last, null unless set).
+// next part's starts (Args::next: the kernels prefetch it; null after the last).
 struct Region {
     Args g[MAX_PARTS];
     int64_t ntiles[MAX_PARTS], tw[MAX_PARTS], w0[MAX_PARTS + 1];
     int np = 0, tile = 0;
     RunFn rf = nullptr;
-    const uint8_t* after = nullptr;
 
     int64_t first_at(int i, int64_t w) const {   // the first tile of part i starting at or after w
         const int64_t off = w - w0[i];
@@ -307,7 +301,7 @@ struct Region {
             for (j = i + 1; j < np && b[j] >= e[j]; j++) {}
             if (b[i] >= e[i]) continue;
             Args gi = g[i];
-            gi.next = j < np ? g[j].W + b[j] * tile * g[j].row_bytes : after;
+            gi.next = j < np ? g[j].W + b[j] * tile * g[j].row_bytes : nullptr;
             rf(gi, b[i], e[i]);
         }
     }
@@ -320,11 +314,11 @@ struct Region {
 // one thread per started 256 KB (at most the pool's): smaller calls stay on the calling thread,
 // where a parallel region's wake-up and barrier would cost more than the work. Which thread
 // computes a tile changes none of its bits.
-// (make_region lays the parts out; returns the region's work)
-static int64_t make_region(const Act& a, const Part* parts, int np, int isa, int64_t ldy, Region& R) {
+static void run_parts(const Act& a, const Part* parts, int np, int isa, int64_t ldy) {
     TORCH_CHECK(np >= 1 && np <= MAX_PARTS, "run_parts: 1..", MAX_PARTS, " parts");
     const int64_t M = a.M;
     const int wide = M >= WIDE_MIN_ROWS && M > fused_rows_for(isa) ? 1 : 0;
+    Region R;
     R.np = np;
     R.tile = kTile[isa][wide];
     R.rf = kRun[isa][wide];
@@ -345,18 +339,9 @@ static int64_t make_region(const Act& a, const Part* parts, int np, int isa, int
         R.tw[i] = std::max<int64_t>(1, R.tile * parts[i].row_bytes * (1 + M / 4));
         R.w0[i + 1] = R.w0[i] + R.ntiles[i] * R.tw[i];
     }
-    return R.w0[np];
-}
-
-// the threads a region of `work` runs on: one a started g_par_bytes, at most the pool's
-static int64_t region_threads(int64_t work) {
-    return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (work + g_par_bytes - 1) / std::max<int64_t>(1, g_par_bytes)));
-}
-
-static void run_parts(const Act& a, const Part* parts, int np, int isa, int64_t ldy) {
-    Region R;
-    const int64_t work = make_region(a, parts, np, isa, ldy, R);
-    const int64_t nth = region_threads(work);
+    const int64_t work = R.w0[np];
+    const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(),
+                                                               (work + g_par_bytes - 1) / std::max<int64_t>(1, g_par_bytes)));
     if (nth == 1) {
         R.run(0, work);
         return;
@@ -365,15 +350,6 @@ static void run_parts(const Act& a, const Part* parts, int np, int isa, int64_t 
     at::parallel_for(0, nth, 1, [&](int64_t b, int64_t e) {
         for (int64_t t = b; t < e; t++) R.run(work * t / nth, work * (t + 1) / nth);
     });
-}
-
-// The parts on the calling thread alone (a thread's own share of a larger job: a MoE row's
-// expert), the kernels prefetching the start of `after` (its next weights, or null) at the end.
-static void run_parts_here(const Act& a, const Part* parts, int np, int isa, int64_t ldy, const uint8_t* after) {
-    Region R;
-    const int64_t work = make_region(a, parts, np, isa, ldy, R);
-    R.after = after;
-    R.run(0, work);
 }
 
 #include "float_matmul.inc"
