@@ -221,7 +221,7 @@ struct Scratch {
     std::vector<uint8_t> buf;
     uint8_t* w;        // [TILE][K] u8 values (Q8_0, IQ4_NL, IQ4_XS, MXFP4: int8; avx2 Q8_0 / IQ4_XS: int16, w16_group)
     float* d;          // [nblocks][TILE] (SIMD: MXFP4's scales only, the others keep hd)
-    float* m;          // [nblocks][TILE]   (Q4_1/Q5_1 min, k-quant dmin)
+    float* m;          // [nblocks][TILE]   (Q4_1/Q5_1 min, k-quant dmin; SIMD Q4_K/Q5_K: [K/32][TILE] float mins, put_mins)
     int16_t* lsc;      // k-quants: [TILE][K/32][8] per-lane integer scale
     int32_t* rsc;      // Q4_K/Q5_K: [nsb][8][TILE] mins; Q6_K and the low-bit types: [nsb][16][TILE] scales
     int32_t* csc;      // SIMD Q4_K/Q5_K/IQ4_XS: [nsb][8][TILE] scales; Q2_K: [nsb][16][TILE] mins
