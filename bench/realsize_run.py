@@ -100,16 +100,21 @@ def warm(path: Path, chunk: int = 16 << 20) -> float:
 
 def bandwidth_probe(threads: int, mb: int = 512) -> float:
     """Bytes per second ``threads`` threads read from memory: a torch sum over ``mb`` MB of float32
-    (a read-only stream, as a decode step's weights are; far from the adds' limit), best of 5."""
+    (a read-only stream, as a decode step's weights are; far from the adds' limit), best of 5,
+    under the bench lock as the engines' runs are."""
+    import fcntl
+
     import torch
 
     torch.set_num_threads(threads)
     src = torch.ones(mb << 18, dtype=torch.float32)
     best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        src.sum()
-        best = min(best, time.perf_counter() - t0)
+    with open(LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for _ in range(5):
+            t0 = time.perf_counter()
+            src.sum()
+            best = min(best, time.perf_counter() - t0)
     return src.numel() * 4 / best
 
 
@@ -120,8 +125,6 @@ def _ratio(a, b) -> str:
 def run_all(preset: str, files: dict[str, Path], threads: int) -> None:
     """Times each file on each engine and prints one table."""
     print(f"CPU: {cpu_model()}, {threads} threads; load average {os.getloadavg()[0]:.1f}", flush=True)
-    bw = bandwidth_probe(threads)
-    print(f"read bandwidth probe (torch sum, {threads} threads): {bw / 1e9:.1f} GB/s", flush=True)
     llama_bench = LLAMA_CPP / "build" / "bin" / "llama-bench"
     if not IK_BENCH.exists():
         print(f"ik_llama.cpp: {IK_BENCH} not built, skipped", flush=True)
@@ -129,7 +132,14 @@ def run_all(preset: str, files: dict[str, Path], threads: int) -> None:
     for qtype, path in files.items():
         size = path.stat().st_size
         print(f"{path.name} ({size / 1e6:.0f} MB): read once in {warm(path):.1f} s; turnkv ...", flush=True)
+        # the machine's memory speed moves by a third within half an hour (a VM): a probe right
+        # before and right after turnkv's run, the decode's share taken against their mean
+        before = bandwidth_probe(threads)
         tk = run_turnkv(path, threads)
+        after = bandwidth_probe(threads)
+        tk["probe_gbs"] = (before + after) / 2e9
+        print(f"  read bandwidth probe (torch sum, {threads} threads) before / after turnkv: "
+              f"{before / 1e9:.1f} / {after / 1e9:.1f} GB/s", flush=True)
         print(f"  turnkv {tk}\n  llama.cpp ...", flush=True)
         lc = run_llama_bench(llama_bench, path, threads)
         print(f"  llama.cpp {lc}", flush=True)
@@ -137,7 +147,7 @@ def run_all(preset: str, files: dict[str, Path], threads: int) -> None:
         if ik:
             print(f"  ik_llama.cpp {ik}", flush=True)
         rows.append((qtype, size, tk, lc, ik, path))
-    _table(preset, rows, bw)
+    _table(preset, rows)
 
 
 def _experts(path: Path) -> int:
@@ -149,13 +159,13 @@ def _experts(path: Path) -> int:
     return 0
 
 
-def _table(preset: str, rows, bw: float) -> None:
+def _table(preset: str, rows) -> None:
     print(f"\n{preset}: {PROMPT}-token prefill, {DECODE} decoded tokens (tok/s)")
     # RSS: the process after the load; "load" what the load added to the process (torch's own
     # libraries are resident before it). Load: wall seconds (the process's CPU seconds); a wall far
     # above the CPU waited on something, which the kernel's counters below each table name
     print("| file | turnkv prefill | decode | vs llama.cpp (p / d) | vs ik -rtr (p / d) | load s (CPU) "
-          "| RSS (load) / file MB | decode GB/s (share of probe) |")
+          "| RSS (load) / file MB | decode GB/s (share of the probes' mean) |")
     print("|---|---|---|---|---|---|---|---|")
     moe = any(_experts(path) for _, _, _, _, _, path in rows)
     for qtype, size, tk, lc, ik, _ in rows:
@@ -163,12 +173,14 @@ def _table(preset: str, rows, bw: float) -> None:
             print(f"| {qtype} | turnkv failed: {tk['error']} |")
             continue
         gbs = size * tk["decode_tps"] / 1e9    # weights read once per token (K/V of <=640 tokens is small)
+        bw = tk["probe_gbs"]
+        share = "- (MoE: a token reads its experts only)" if moe else f"{gbs:.1f} ({gbs / bw:.0%} of {bw:.1f})"
         print(f"| {qtype} | {tk['prefill_tps']:.1f} | {tk['decode_tps']:.1f} "
               f"| {_ratio(tk['prefill_tps'], lc.get('prefill_tps'))} / {_ratio(tk['decode_tps'], lc.get('decode_tps'))} "
               f"| {_ratio(tk['prefill_tps'], ik.get('prefill_tps'))} / {_ratio(tk['decode_tps'], ik.get('decode_tps'))} "
               f"| {tk['load_s']:.1f} ({tk['load_kernel'].get('cpu_s', 0):.1f}) "
               f"| {tk['rss'] / 1e6:.0f} ({tk['rss_load'] / 1e6:.0f}) / {size / 1e6:.0f} "
-              f"| {'- (MoE: a token reads its experts only)' if moe else f'{gbs:.1f} ({gbs * 1e9 / bw:.0%})'} |")
+              f"| {share} |")
     for qtype, size, tk, lc, ik, _ in rows:
         print(f"{qtype}: llama.cpp {lc}; ik_llama.cpp {ik or 'not built'}")
         if "load_kernel" in tk:
