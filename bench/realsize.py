@@ -11,8 +11,9 @@ llama.cpp (and ik_llama.cpp where built) on the same files.
 load, prefill of a 512-token prompt, decode of 128 tokens), llama.cpp's ``llama-bench -p 512 -n
 128`` and ik_llama.cpp's with ``-rtr 1``; then prints turnkv / peer ratios, the CPU model and a
 read-bandwidth probe before and after each turnkv run, so decode reads as a share of what the
-machine can stream. ``long`` times long prompts and decode at long contexts (bench/realsize_long.py); ``exact`` checks reuse == cold,
-chunk 64 == 512 and batched == alone bit for bit on the files (bench/realsize_exact.py).
+machine can stream. ``long`` times long prompts and decode at long contexts
+(bench/realsize_long.py); ``exact`` checks reuse == cold, chunk 64 == 512 and batched == alone
+bit for bit on the files (bench/realsize_exact.py).
 """
 
 from __future__ import annotations
