@@ -367,7 +367,9 @@ def _largest_scale_blocks(qtype: Q) -> list[np.ndarray]:
 @pytest.mark.parametrize("qtype", SUPER, ids=lambda q: q.name)
 def test_largest_scales_stay_exact(qtype):
     """The 256-value types' integer scales at their largest against activations at +-127, through
-    the unpack path's row groups (M = 13, 14, 40: AVX2 passes of 4 rows, of 2 for Q6_K, and the rows
+    the decode path (M = 1, 4, 8: Q4_K / Q5_K / Q6_K / IQ4_XS straight from registers, the scale in
+    the widening vpmaddwd, the mins and Q6_K's offsets one vpmaddwd of int16 pairs) and the unpack
+    path's row groups (M = 13, 14, 40: AVX2 passes of 4 rows, of 2 for Q6_K, and the rows
     left over one at a time): the AVX2 path multiplies the int16 pair sums by the scales in the
     vpmaddwd that widens them and Q6_K's offsets by one vpmaddwd of int16 pairs (32 x the scales
     against the activations' 16-value sums), so an int16 or int32 overflow there would differ from
@@ -383,7 +385,7 @@ def test_largest_scales_stay_exact(qtype):
         x[30:, ::3] *= -1.0
         ref = w.matmul(x, native=False)
         for isa in ISAS:
-            for m in (13, 14, 40):
+            for m in (1, 4, 8, 13, 14, 40):
                 assert torch.equal(w.matmul(x[:m], isa=isa), ref[:m]), (isa, m)
 
 
