@@ -180,19 +180,19 @@ static const int kTile[][2] = {{TILE, TILE}, {8, 8}, {8, 16}, {8, 16}};
 constexpr int64_t WIDE_MIN_ROWS = 16;
 static const QuantFn kQuant[] = {scalar::quantize, avx2::quantize, avx512::quantize, avx512vnni::quantize};
 
-// Quantize X [M, K] (contiguous float32) into the calling thread's activation buffer.
-static void quantize_act(const float* X, int64_t M, int64_t K, int isa, Act& a) {
-    static thread_local std::vector<uint8_t> abuf;
+// The activation arrays of M rows of K values (pair: the paired path's too) carved from buf, grown
+// as needed; the layout quantize_act gives (the kernels read only the pointers).
+static bool wants_pair(int isa, int64_t M) { return M >= 2 && M <= fused_rows_for(isa) && isa >= 2 && g_pair; }
+static void act_layout(std::vector<uint8_t>& buf, int64_t M, int64_t K, bool pair, Act& a) {
     a.M = (int)M;
     a.K = (int)K;
     a.QB = 32;  // 32-value activation blocks for every type (the k-quants too; docs/kernels.md)
     a.nb = (int)(K / 32);
     const size_t nq = (size_t)M * K, n32 = (size_t)M * (K / 32), n16 = (size_t)M * (K / 16);
-    const bool pair = M >= 2 && M <= fused_rows_for(isa) && isa >= 2 && g_pair;  // the paired path's layout (AVX-512)
     const size_t need = nq + 64 + 2 * (n32 * 4 + 64) + (n16 * 4 + 64) + 3 * (n32 * 4 + 64) +
                         (pair ? nq + 64 + 3 * (n32 * 4 + 64) + (n16 * 4 + 64) : 0);
-    if (abuf.size() < need) abuf.resize(need);
-    uint8_t* p = abuf.data();
+    if (buf.size() < need) buf.resize(need);
+    uint8_t* p = buf.data();
     auto take = [&](size_t n) { uint8_t* r = p; p += (n + 63) & ~(size_t)63; return r; };
     a.q = (int8_t*)take(nq);
     a.d = (float*)take(n32 * 4);
@@ -201,6 +201,7 @@ static void quantize_act(const float* X, int64_t M, int64_t K, int isa, Act& a) 
     a.bs32 = (int32_t*)take(n32 * 4);
     a.fb32 = (float*)take(n32 * 4);
     a.bp16 = (int32_t*)take(n32 * 4);
+    a.q16 = nullptr;
     a.q2 = nullptr;
     a.d2 = a.sx2 = nullptr;
     a.b2 = a.b16_2 = nullptr;
@@ -211,33 +212,62 @@ static void quantize_act(const float* X, int64_t M, int64_t K, int isa, Act& a) 
         a.b2 = (int32_t*)take(n32 * 4);
         a.b16_2 = (int32_t*)take(n16 * 4);
     }
+}
+
+// a's rows quantized from X (each row alone: quantize_rows)
+static void act_fill(const float* X, int isa, const Act& a) {
     const QuantFn qf = kQuant[isa];
-    if (M >= 16) {
-        at::parallel_for(0, M, 4, [&](int64_t b, int64_t e) { qf(X, a, (int)b, (int)e); });
+    if (a.M >= 16) {
+        at::parallel_for(0, a.M, 4, [&](int64_t b, int64_t e) { qf(X, a, (int)b, (int)e); });
     } else {
-        qf(X, a, 0, (int)M);
+        qf(X, a, 0, a.M);
     }
-    if (pair) {  // rows 2p and 2p+1 side by side (an odd last row is not paired)
-        const int64_t G = K / 4, nb = a.nb;
-        for (int64_t p = 0; p < M / 2; p++) {
-            const int32_t* r0 = (const int32_t*)(a.q + (2 * p) * K);
-            const int32_t* r1 = (const int32_t*)(a.q + (2 * p + 1) * K);
-            int32_t* o = a.q2 + p * G * 2;
-            for (int64_t g = 0; g < G; g++) {
-                o[2 * g] = r0[g];
-                o[2 * g + 1] = r1[g];
-            }
-            for (int64_t b = 0; b < nb; b++)
-                for (int i = 0; i < 2; i++) {
-                    const int64_t src = (2 * p + i) * nb + b, dst = (p * nb + b) * 2 + i;
-                    a.d2[dst] = a.d[src];
-                    a.sx2[dst] = a.sx[src];
-                    a.b2[dst] = a.bs32[src];
-                }
-            for (int64_t j = 0; j < K / 16; j++)
-                for (int i = 0; i < 2; i++) a.b16_2[(p * (K / 16) + j) * 2 + i] = a.bs16[(2 * p + i) * (K / 16) + j];
+}
+
+// row `from` of s into row `to` of d (the same K, no pairing): the bits quantizing the row there gives
+static void act_copy_row(const Act& s, int64_t from, const Act& d, int64_t to) {
+    const int64_t K = s.K, n32 = K / 32, n16 = K / 16;
+    std::memcpy(d.q + to * K, s.q + from * K, (size_t)K);
+    std::memcpy(d.d + to * n32, s.d + from * n32, (size_t)n32 * 4);
+    std::memcpy(d.sx + to * n32, s.sx + from * n32, (size_t)n32 * 4);
+    std::memcpy(d.bs16 + to * n16, s.bs16 + from * n16, (size_t)n16 * 4);
+    std::memcpy(d.bs32 + to * n32, s.bs32 + from * n32, (size_t)n32 * 4);
+    std::memcpy(d.fb32 + to * n32, s.fb32 + from * n32, (size_t)n32 * 4);
+    std::memcpy(d.bp16 + to * n32, s.bp16 + from * n32, (size_t)n32 * 4);
+}
+
+// The paired path's arrays of a (act_layout with pair) from its rows: rows 2p and 2p+1 side by
+// side (an odd last row is not paired)
+static void pair_rows(const Act& a) {
+    const int64_t K = a.K, M = a.M;
+    const int64_t G = K / 4, nb = a.nb;
+    for (int64_t p = 0; p < M / 2; p++) {
+        const int32_t* r0 = (const int32_t*)(a.q + (2 * p) * K);
+        const int32_t* r1 = (const int32_t*)(a.q + (2 * p + 1) * K);
+        int32_t* o = a.q2 + p * G * 2;
+        for (int64_t g = 0; g < G; g++) {
+            o[2 * g] = r0[g];
+            o[2 * g + 1] = r1[g];
         }
+        for (int64_t b = 0; b < nb; b++)
+            for (int i = 0; i < 2; i++) {
+                const int64_t src = (2 * p + i) * nb + b, dst = (p * nb + b) * 2 + i;
+                a.d2[dst] = a.d[src];
+                a.sx2[dst] = a.sx[src];
+                a.b2[dst] = a.bs32[src];
+            }
+        for (int64_t j = 0; j < K / 16; j++)
+            for (int i = 0; i < 2; i++) a.b16_2[(p * (K / 16) + j) * 2 + i] = a.bs16[(2 * p + i) * (K / 16) + j];
     }
+}
+
+// Quantize X [M, K] (contiguous float32) into the calling thread's activation buffer.
+static void quantize_act(const float* X, int64_t M, int64_t K, int isa, Act& a) {
+    static thread_local std::vector<uint8_t> abuf;
+    const bool pair = wants_pair(isa, M);  // the paired path's layout (AVX-512)
+    act_layout(abuf, M, K, pair, a);
+    act_fill(X, isa, a);
+    if (pair) pair_rows(a);
 }
 
 // avx2 calls of Q8_0 / IQ4_XS past 8 rows read the activations as int16 (csrc/simd_body.inc

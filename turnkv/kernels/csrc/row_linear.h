@@ -162,8 +162,13 @@ static void row_linear(const float* X, int64_t M, int64_t K, const float* W, int
         });
         return;
     }
+    // a thread's rows pass over the outputs a block at a time, each block's weights (~128 KB) read
+    // from L2 by every row (a prefill chunk's router read all of its 1 MB from L3 once a row)
     const int64_t grain = std::max<int64_t>(4, ((int64_t)1 << 20) / std::max<int64_t>(1, N * K) / 4 * 4);
-    at::parallel_for(0, M, grain, [&](int64_t b, int64_t e) { run(b, e, 0, N); });
+    const int64_t nb = std::max<int64_t>(4, ((int64_t)1 << 15) / std::max<int64_t>(1, K) / 4 * 4);
+    at::parallel_for(0, M, grain, [&](int64_t b, int64_t e) {
+        for (int64_t n0 = 0; n0 < N; n0 += nb) run(b, e, n0, std::min(N, n0 + nb));
+    });
 }
 
 #undef TKV_RL_AVX2
