@@ -215,3 +215,24 @@ def test_the_server_libraries_need_no_torch_and_load_no_shared_library_after_the
     from turnkv.server.serve import SERVER_LIBRARIES
 
     assert found == [str(len(SERVER_LIBRARIES)), "False"]
+
+
+def test_gc_paused_stops_the_collector_for_the_block_then_freezes_what_it_made():
+    """``serve``'s start-up runs without the cyclic collector; after it, its objects are frozen
+    (later passes skip them) and the collector is back on, also when the block raises."""
+    import gc
+
+    assert gc.isenabled()
+    frozen = gc.get_freeze_count()
+    try:
+        with launch.gc_paused():
+            assert not gc.isenabled()
+            made = [[] for _ in range(2000)]
+            assert gc.get_count()[0] >= 2000     # no pass ran: generation 0 kept counting
+        assert gc.isenabled() and gc.get_freeze_count() >= frozen + 2000
+        with pytest.raises(RuntimeError), launch.gc_paused():
+            raise RuntimeError("start-up failed")
+        assert gc.isenabled()
+    finally:
+        gc.unfreeze()
+    del made

@@ -34,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from .libc import libc as _libc
@@ -217,6 +218,26 @@ def read_ahead(model) -> "threading.Thread | None":
     thread = threading.Thread(target=advise, name="turnkv-read-ahead", daemon=True)
     thread.start()
     return thread
+
+
+@contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector off for the block (a start-up: imports and the load), its
+    objects then moved out of the collector's sight (``gc.freeze``: later passes skip them) and
+    the collector back on. A ``serve`` start creates ~320k tracked objects, nearly all kept for
+    the process's life; with the collector on, its ~460 passes over them (3 full) took 0.17 s of
+    GIL-held CPU of a 1B GGUF's start on a 2-core Zen 2. The garbage among them is small (a full
+    pass at the end of that start found ~8k objects, none a tensor or a mapping) and stays."""
+    import gc
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
 
 
 def map_torch_library() -> bool:

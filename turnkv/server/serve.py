@@ -7,7 +7,8 @@ modules are in) are imported on a thread of their own while the main thread maps
 library with the GIL free (``launch.map_torch_library``, ~0.2 s CPU) and then imports torch; the
 thread is joined before the load. This package's own server modules (they need the engine) are
 imported on a thread while the main thread loads the model, which imports none of them, so the
-two threads do not wait on each other's module locks."""
+two threads do not wait on each other's module locks. The whole start-up runs with Python's cyclic
+garbage collector off (``launch.gc_paused``)."""
 
 from __future__ import annotations
 
@@ -102,6 +103,21 @@ def import_server_libraries() -> threading.Thread:
 
 
 def serve(args) -> int:
+    from ..launch import gc_paused
+
+    with gc_paused():      # the collector's passes over start-up's objects would take the GIL
+        started = start(args)
+    if started is None:
+        return 2
+    app, server, sock, keys = started
+    with sock:
+        run(app, server, sock, keys)
+    return 0
+
+
+def start(args):
+    """The socket, the model, the app and uvicorn's server, ready to ``run``; None (the reason
+    printed) where the port cannot be had."""
     libraries = import_server_libraries()
     from ..engine.engine import Engine  # noqa: F401  (torch and the engine: before the HTTP imports' thread)
     from ..launch import engine_from, print_banner, sampling_from
@@ -114,9 +130,9 @@ def serve(args) -> int:
         sock = listen_socket(args.host, args.port)
     except OSError as err:
         print(f"turnkv: error: cannot listen on {args.host}:{args.port}: {err}", file=sys.stderr)
-        return 2
+        return None
     check_limits(args)
-    with sock:
+    try:
         keys = KeyRing(args.api_key, args.api_keys, args.admin_key)    # a bad key file fails before the load
         imports = import_in_background(HTTP_MODULES)
         engine = engine_from(args, huge_pages_now=False)     # the move starts once the server answers
@@ -142,8 +158,10 @@ def serve(args) -> int:
         server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5, http=protocol,
                                                ws="none", limit_concurrency=args.max_connections,
                                                timeout_keep_alive=5))
-        run(app, server, sock, keys)
-    return 0
+    except BaseException:
+        sock.close()
+        raise
+    return app, server, sock, keys
 
 
 def once_answering(answering, stop: threading.Event, job, name: str) -> threading.Thread | None:
