@@ -11,7 +11,8 @@ So the load writes the tiles on 4 KiB pages (no advice: a fault is only a zeroed
 ``collapse`` moves them to huge pages afterwards (madvise MADV_COLLAPSE, Linux 6.1+: the kernel
 copies each 2 MiB range into a huge page in place, the data unchanged), on a background thread
 once the server answers (``collapse_in_background``). Where the kernel cannot (older kernels,
-THP "never") the weights stay on 4 KiB pages and nothing else changes."""
+THP "never") the weights stay on 4 KiB pages and nothing else changes. Under ``serve`` those 4 KiB
+pages were faulted in beforehand, beside ``import torch`` (turnkv/page_arena.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ import weakref
 
 import torch
 
+from .. import page_arena
+
 HUGE = 2 << 20
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25       # linux/mman.h
 
@@ -33,13 +36,15 @@ _lock = threading.Lock()
 
 def buffer(rows: int, cols: int) -> torch.Tensor:
     """A [rows, cols] uint8 tensor in a mapping of its own whose first byte is 2 MiB aligned (its
-    untouched pages cost nothing; the mapping is unmapped with the last tensor viewing it)."""
+    untouched pages cost nothing; the mapping is unmapped with the last tensor viewing it). Its
+    pages come already faulted in from ``page_arena`` where ``serve`` reserved one."""
     n = rows * cols
     if n == 0 or not sys.platform.startswith("linux"):
         return torch.empty((rows, cols), dtype=torch.uint8)
     mm = mmap.mmap(-1, n + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
     offset = -base % HUGE
+    page_arena.take(base + offset, n)       # pages faulted in ahead of the load, where serve has them
     t = torch.frombuffer(mm, dtype=torch.uint8, count=n, offset=offset).view(rows, cols)
     with _lock:
         _regions[t] = (base + offset, n)

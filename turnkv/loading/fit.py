@@ -13,22 +13,10 @@ import os
 
 import torch
 
+from ..page_arena import available_bytes
 from .errors import ModelLoadError
 
 GiB = 1 << 30
-
-
-def available_bytes() -> int | None:
-    """The memory the kernel says a new process may use without swapping (MemAvailable), or None
-    where it does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return None
 
 
 def resident_bytes(header, keep_quantized: bool, dtype: torch.dtype) -> int:

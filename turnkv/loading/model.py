@@ -29,10 +29,14 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, weights: str | No
     blocks), or None for the default: ``gguf`` for a GGUF model (stored quantized) of a family with
     packable weights when the native kernels are built, else ``native``. ``mmproj``: the vision
     projector joined to a text GGUF (``load_checkpoint``: None finds a sibling, False none)."""
+    from ..page_arena import release
     from .gguf.reader import one_parse_per_file
 
-    with one_parse_per_file():      # its kind, the fit check and the load read one header
-        return _load_model(model, dtype, weights, progress, mmproj)
+    try:
+        with one_parse_per_file():      # its kind, the fit check and the load read one header
+            return _load_model(model, dtype, weights, progress, mmproj)
+    finally:
+        release()       # what serve's page arena held beyond the weights' tiles goes back
 
 
 def _load_model(model: str, dtype: torch.dtype, weights: str | None, progress: bool, mmproj) -> LoadedModel:

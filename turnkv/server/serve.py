@@ -7,8 +7,9 @@ modules are in) are imported on a thread of their own while the main thread maps
 library with the GIL free (``launch.map_torch_library``, ~0.2 s CPU) and then imports torch; the
 thread is joined before the load. This package's own server modules (they need the engine) are
 imported on a thread while the main thread loads the model, which imports none of them, so the
-two threads do not wait on each other's module locks. The whole start-up runs with Python's cyclic
-garbage collector off (``launch.gc_paused``)."""
+two threads do not wait on each other's module locks. While torch imports, a thread faults in the
+memory the weights' tiles will be written to (turnkv/page_arena.py). The whole start-up runs with
+Python's cyclic garbage collector off (``launch.gc_paused``)."""
 
 from __future__ import annotations
 
@@ -118,7 +119,10 @@ def serve(args) -> int:
 def start(args):
     """The socket, the model, the app and uvicorn's server, ready to ``run``; None (the reason
     printed) where the port cannot be had."""
+    from ..page_arena import reserve
+
     libraries = import_server_libraries()
+    reserve(args.model, args.weights)     # the tiles' pages faulted in beside torch's import
     from ..engine.engine import Engine  # noqa: F401  (torch and the engine: before the HTTP imports' thread)
     from ..launch import engine_from, print_banner, sampling_from
 
