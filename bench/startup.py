@@ -17,7 +17,11 @@ were made).
 
 Both servers bind their port before loading and answer only once the model is loaded (turnkv
 accepts connections early and answers when uvicorn starts; llama-server answers 503 while
-loading), so the time to the first 200 is the time to a server that can take a request."""
+loading), so the time to the first 200 is the time to a server that can take a request.
+
+Beside each time, the CPU seconds the server had used when it first answered (user + system from
+``/proc``, all threads) and its main thread's: on a shared machine these move far less than wall
+times do, so they say whether a change removed work."""
 
 from __future__ import annotations
 
@@ -77,8 +81,19 @@ def byte_compile(checkout: Path, source: bool = False) -> None:
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(checkout / "turnkv")], check=True)
 
 
-def time_start(engine: str, model: Path, threads: int, cwd: Path = ROOT, timeout: float = 120.0) -> float:
-    """Seconds from spawning the server to its first 200 on /v1/models."""
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """user + system CPU seconds of process ``pid`` (all its threads), or of its thread ``tid``."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    with open(path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def time_start(engine: str, model: Path, threads: int, cwd: Path = ROOT,
+               timeout: float = 120.0) -> tuple[float, float, float]:
+    """Seconds from spawning the server to its first 200 on /v1/models, and the CPU seconds the
+    server had used by then: all its threads', and its main thread's (where turnkv imports and
+    loads; the work that holds the GIL is there and on threads that wait for it)."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     t0 = time.perf_counter()
@@ -87,7 +102,7 @@ def time_start(engine: str, model: Path, threads: int, cwd: Path = ROOT, timeout
     try:
         while time.perf_counter() - t0 < timeout:
             if answers(port):
-                return time.perf_counter() - t0
+                return time.perf_counter() - t0, cpu_seconds(proc.pid), cpu_seconds(proc.pid, proc.pid)
             if proc.poll() is not None:
                 raise RuntimeError(f"{engine} exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
             time.sleep(0.01)
@@ -117,15 +132,18 @@ def main() -> int:
         engines = {"turnkv-before": args.before.resolve(), **engines}
     for checkout in {cwd for engine, cwd in engines.items() if engine.startswith("turnkv")}:
         byte_compile(checkout, args.source)
-    runs: dict[str, list[float]] = {e: [] for e in engines}
+    runs: dict[str, list[tuple[float, float, float]]] = {e: [] for e in engines}
     for _ in range(args.runs):
         for engine, cwd in engines.items():
             runs[engine].append(time_start(engine, args.model, args.threads, cwd))
     result = {}
-    for engine, times in runs.items():
-        result[engine] = {"median_s": statistics.median(times), "runs_s": [round(t, 3) for t in times]}
+    for engine, starts in runs.items():
+        times, cpu, main_cpu = ([s[i] for s in starts] for i in range(3))
+        result[engine] = {"median_s": statistics.median(times), "runs_s": [round(t, 3) for t in times],
+                          "cpu_s": [round(c, 2) for c in cpu], "main_thread_cpu_s": [round(c, 2) for c in main_cpu]}
         print(f"{engine:>7}: start to first answer {statistics.median(times):.2f} s (median of {len(times)}: "
-              f"{', '.join(f'{t:.2f}' for t in times)})", flush=True)
+              f"{', '.join(f'{t:.2f}' for t in times)}); CPU by then {statistics.median(cpu):.2f} s, main thread "
+              f"{statistics.median(main_cpu):.2f} s", flush=True)
     if "turnkv" in result and "llama" in result:
         print(f"turnkv / llama-server: {result['turnkv']['median_s'] / result['llama']['median_s']:.2f}x")
     print(f"load average after: {os.getloadavg()[0]:.1f}")
