@@ -145,6 +145,13 @@ def take(dest: int, n: int) -> bool:
     return arena is not None and arena.take(dest, n)
 
 
+def held_bytes() -> int:
+    """The reserved arena's faulted-in pages not yet taken: memory MemAvailable no longer counts
+    that the load's tiles will have (the fit check adds it back)."""
+    arena = _arena
+    return 0 if arena is None else max(0, arena.filled - arena.taken)
+
+
 def release() -> None:
     """The end of a load: the reserved arena's untaken memory goes back (no arena: nothing)."""
     global _arena

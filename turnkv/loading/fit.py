@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from ..page_arena import available_bytes
+from ..page_arena import available_bytes, held_bytes
 from .errors import ModelLoadError
 
 GiB = 1 << 30
@@ -38,12 +38,15 @@ def resident_bytes(header, keep_quantized: bool, dtype: torch.dtype) -> int:
 
 def check_fits(path: str | os.PathLike, keep_quantized: bool, dtype: torch.dtype, available: int | None = None) -> None:
     """ModelLoadError when the GGUF at ``path`` needs more memory than ``available`` (default:
-    MemAvailable) as it would be loaded."""
+    MemAvailable, plus the pages ``serve`` faulted in for the tiles: turnkv/page_arena.py) as it
+    would be loaded."""
     from .gguf import read_header
 
     avail = available_bytes() if available is None else available
     if avail is None:
         return
+    if available is None:    # serve's faulted-in pages for the tiles are this load's own
+        avail += held_bytes()
     header = read_header(path)
     need = resident_bytes(header, keep_quantized, dtype)
     if need > avail:

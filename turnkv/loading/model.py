@@ -46,6 +46,7 @@ def _load_model(model: str, dtype: torch.dtype, weights: str | None, progress: b
     from ..models import family_class
     from ..models.weights import GGUF_FORMAT, check_format, default_format
     from ..models.weights import load_model as build
+    from ..page_arena import release as release_arena
 
     if weights is None:
         kind, arch = source_kind(model, mmproj)
@@ -53,6 +54,8 @@ def _load_model(model: str, dtype: torch.dtype, weights: str | None, progress: b
         if kind == "gguf" and gguf_runs_quantized(model):     # a float-stored GGUF runs native
             weights = default_format(kind, family_class(arch))
     check_format(weights)    # before the load; the build checks the family can hold it
+    if weights != GGUF_FORMAT:
+        release_arena()      # no tile will take the pages serve faulted in: they go back first
     load_dtype = dtype if weights == "native" else torch.float32
     if source_kind(model, mmproj)[0] == "gguf":   # a model that cannot fit fails before the load
         check_fits(gguf_path(model), keep_quantized=weights == GGUF_FORMAT, dtype=load_dtype)
