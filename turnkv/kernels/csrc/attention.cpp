@@ -23,7 +23,7 @@
 // block's partial is kept and the blocks fold afterwards in the same order with the same
 // arithmetic. The query heads of a group share each K/V load, the queries of a tile each key
 // block's reads, and two queries that see the same keys of a block its key and value rows' loads
-// (AVX-512); each keeps its own arithmetic. Each ISA path is invariant on
+// (AVX-512; AVX2 up to 3 heads a group); each keeps its own arithmetic. Each ISA path is invariant on
 // its own; the paths differ from each other by rounding (their exp and FMA use differ).
 // Registered as torch.ops.turnkv_attn.{attend,attend_many,best_isa} (a library fragment, so it shares the
 // extension binary with gguf_matmul.cpp without touching its Python module).
