@@ -248,7 +248,8 @@ def test_query_heads_sharing_kv_loads_change_no_bit(isa, heads, D):
 def test_queries_walking_key_blocks_together_change_no_bit(isa, dtype, D, heads):
     """A unit takes up to 16 consecutive queries that walk the key blocks together (each block's
     K/V rows read once from memory for the tile, not once per query); each query's arithmetic is
-    its own (two queries that see the same keys of a block also share its P.V pass on AVX-512):
+    its own (two queries that see the same keys of a block also share its P.V pass: AVX-512, and AVX2
+    for groups of up to 3 heads):
     one query per unit (set_tile(1)) and odd tiles give the same bits, for prefill chunks
     whose queries see different key ranges (causal, a window or chunk boundary inside the tile),
     softcap, sinks, every K/V type and attend_many; groups of 3, 1 and 2 query heads a kv head."""
