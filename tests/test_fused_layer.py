@@ -243,6 +243,45 @@ def test_stack_same_bits_as_one_call_per_layer(model, kv, monkeypatch):
     assert stack_offsets == layer_offsets == [41, 71, 90]
 
 
+def last_rows_runs(model, ids):
+    """A prompt in two 64-token chunks that ask for no logits (the engine's chunks before the
+    last), its last 22 tokens, 3 decode steps; a 100-token prompt asking for every row and for its
+    last; a batch of spans asking for none, the last and every row, then a decode step of each."""
+    c = caches(model)
+    for i in range(0, 128, 64):
+        assert model.step(ids[i:i + 64], c, logits="none") is None
+    out = [model.step(ids[128:], c, logits="last")]
+    for _ in range(3):
+        out.append(model.step(torch.tensor([int(out[-1].argmax())]), c, logits="last"))
+    every = model.step(ids[:100], caches(model), logits="all")
+    last = model.step(ids[:100], caches(model), logits="last")
+    cs = [caches(model) for _ in range(3)]
+    batch = model.forward(Batch.build([(ids[:30], cs[0], "none"), (ids[:50], cs[1], "last"), (ids[:20], cs[2], "all")]))
+    after = [model.step(torch.tensor([int(ids[7])]), c, logits="last") for c in cs]
+    return torch.stack(out), every, last, batch, torch.stack(after)
+
+
+def test_last_layer_finishes_only_the_logit_rows(model, monkeypatch):
+    """``FusedStack``'s last layer writes every row's K/V but runs the attention and the rest only
+    for the rows whose logits were asked for (none in a prompt's earlier chunks, a prompt's last,
+    every row of an "all" span): the same logits as the layers one by one, which finish every row,
+    and the same caches (the decode steps after)."""
+    from turnkv.models.fused import FusedStack
+
+    kept = []
+    real = kernels._ext.fused_layers
+    monkeypatch.setattr(kernels._ext, "fused_layers", lambda *a: kept.append(a[-1]) or real(*a))
+    ids = prompt(150, 7)
+    with torch.inference_mode():
+        trimmed = last_rows_runs(model, ids)
+        monkeypatch.setattr(FusedStack, "enabled", False)
+        full = last_rows_runs(model, ids)
+    assert kept[:3] == [[0], [0], [1]] and [0, 1, 20] in kept, kept
+    for a, b in zip(trimmed, full):
+        assert torch.equal(a, b)
+    assert torch.equal(trimmed[1][-1], trimmed[2])      # an "all" span's last row == its "last" run
+
+
 FIXTURES = Path(__file__).resolve().parent / "gguf_fixtures"
 FIXTURE_FAMILIES = ["llama", "llama3", "ministral"]    # Llama-shaped blocks (models/fused.fuse_llama_block)
 

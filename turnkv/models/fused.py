@@ -245,15 +245,21 @@ class FusedStack:
 
     def run(self, x: torch.Tensor, batch, ropes: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Every layer on the rows ``x`` in place, the RoPE tables ``ropes[rope_of[i]]`` for layer
-        ``i``; False, with nothing done, when ``x`` or some layer's caches do not take it."""
+        ``i``; False, with nothing done, when ``x`` or some layer's caches do not take it. The last
+        layer finishes only the rows whose logits the batch asks for (``Batch.logit_rows``: a
+        prompt's last row, none in its earlier chunks; every row's K/V is written): the others keep
+        the layer's input, which nothing reads (the caller's ``final_logits`` takes those rows)."""
         if not self.first.takes(x):
             return False
         spans = batch.spans
-        plan = self._writes.plan([s.caches for s in spans], [s.length for s in spans], len(self.natives))
+        lens = [s.length for s in spans]
+        plan = self._writes.plan([s.caches for s in spans], lens, len(self.natives))
         if plan is None:
             return False
+        keep = [s.logit_count() for s in spans]
         kernels._ext.fused_layers(self.natives, x, [c.contiguous() for c, _ in ropes],
-                                  [s.contiguous() for _, s in ropes], self.rope_of, plan, self.scales, self.softcaps)
+                                  [s.contiguous() for _, s in ropes], self.rope_of, plan, self.scales, self.softcaps,
+                                  None if keep == lens else keep)
         return True
 
 

@@ -11,6 +11,7 @@
 #include <immintrin.h>
 #include <cstdlib>
 #include <algorithm>
+#include <numeric>
 
 #include "common.h"
 #include "lowbit.h"
@@ -441,6 +442,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("k"), py::arg("v"), py::arg("kbufs"), py::arg("vbufs"), py::arg("lens"), py::arg("tables"),
           py::arg("q_pos0"), py::arg("k_pos0"), py::arg("kind"), py::arg("wc"), py::arg("scale"),
           py::arg("softcap"), py::arg("isa"), py::arg("sinks") = py::none(), py::arg("kscales") = py::none(), py::arg("vscales") = py::none(),
-          py::arg("out") = py::none(),
+          py::arg("out") = py::none(), py::arg("keep") = py::none(),
           py::call_guard<py::gil_scoped_release>());
 }

@@ -9,7 +9,9 @@
 #include <vector>
 
 namespace tkv_attn {
-// ``out``: write the result there (contiguous float32 [rows of q, Hq * D]) instead of a new tensor
+// ``out``: write the result there (contiguous float32 [rows of q, Hq * D]) instead of a new tensor.
+// ``keep``: span j's K/V rows all written, but only its last keep[j] queries attended (the output's
+// rows: sum keep)
 torch::Tensor write_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, const std::vector<torch::Tensor>& kbufs,
                            const std::vector<torch::Tensor>& vbufs, const std::vector<int64_t>& lens,
                            const std::vector<torch::Tensor>& tables, const std::vector<int64_t>& q_pos0,
@@ -18,5 +20,6 @@ torch::Tensor write_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, co
                            const std::optional<torch::Tensor>& sinks,
                            const std::optional<std::vector<torch::Tensor>>& kscales,
                            const std::optional<std::vector<torch::Tensor>>& vscales,
-                           const std::optional<torch::Tensor>& out = std::nullopt);
+                           const std::optional<torch::Tensor>& out = std::nullopt,
+                           const std::optional<std::vector<int64_t>>& keep = std::nullopt);
 }
