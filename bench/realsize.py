@@ -14,6 +14,9 @@ read-bandwidth probe before and after each turnkv run, so decode reads as a shar
 machine can stream. ``long`` times long prompts and decode at long contexts
 (bench/realsize_long.py); ``exact`` checks reuse == cold, chunk 64 == 512 and batched == alone
 bit for bit on the files (bench/realsize_exact.py).
+
+``run`` and ``long`` take the bench lock themselves for each engine's run: do not wrap them in
+``flock /tmp/turnkv-bench.lock`` (the inner lock would wait on the outer one for ever).
 """
 
 from __future__ import annotations
