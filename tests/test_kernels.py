@@ -471,6 +471,26 @@ def test_take_rows_cat_lookup(qtype):
 
 
 @native.needs(tk.native_available(), "the native kernels")
+@pytest.mark.parametrize("qtype", KQUANTS, ids=lambda q: q.name)
+def test_native_row_lookup_is_gguf_py_dequantization(qtype):
+    """GGUFWeight.lookup's native row dequantization (csrc/row_dequant.inc) gives gguf-py's
+    dequantize bits for every row (each tile position, the padded last tile's rows, repeats), on
+    random bytes whatever the scales hold (subnormal, huge, infinite or NaN float16 d / dmin)."""
+    rng = np.random.default_rng(7)
+    n, k = 43, 768
+    raw = rng.integers(0, 256, size=(n, k // 256 * GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+    w = GGUFWeight.from_raw(raw, qtype, (n, k))
+    with np.errstate(invalid="ignore", over="ignore"):       # inf x 0 and the like: NaN, as it should be
+        want = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32))
+    ids = torch.tensor([0, 7, 8, 42, 41, 40, 5, 5, 17])
+    got = tk._ext.dequant_rows(w.raw, int(qtype), ids, n, k)
+    assert torch.equal(got.view(torch.int32), want[ids].view(torch.int32))
+    assert torch.equal(w.lookup(ids.view(3, 3)).view(torch.int32), want[ids].view(3, 3, k).view(torch.int32))
+    with pytest.raises(RuntimeError):
+        tk._ext.dequant_rows(w.raw, int(qtype), torch.tensor([n]), n, k)
+
+
+@native.needs(tk.native_available(), "the native kernels")
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 def test_deferred_weights_tile_on_use_or_into_the_fused_buffer(qtype):
     """A weight made with defer=True keeps GGUF's rows until used (the loader: a view of the

@@ -418,6 +418,7 @@ static torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor w, int64_t qt, i
 #include "moe_experts.inc"
 #include "norm_head.inc"
 #include "tile_gather.inc"
+#include "row_dequant.inc"
 
 }  // namespace tkv
 
@@ -434,6 +435,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("tile_gather", &tkv::tile_gather, "out[t, j] = rows[t, index[j]] per tile of 1- or 2-byte units (the load's repack)",
           py::arg("src"), py::arg("index"), py::arg("out"), py::arg("unit_bytes"), py::arg("order") = py::none(),
           py::arg("parallel") = true, py::call_guard<py::gil_scoped_release>());
+    m.def("dequant_rows", &tkv::dequant_rows, "rows ids of a tiled Q4_K / Q5_K / Q6_K weight as float32 (gguf-py's bits)",
+          py::arg("w"), py::arg("qtype"), py::arg("ids"), py::arg("n"), py::arg("k"));
     tkv::register_fused(m);
     tkv::register_moe(m);
     tkv::register_head(m);
