@@ -4,8 +4,9 @@ main thread and uvicorn on a thread of its own, until SIGINT / SIGTERM.
 Before torch, the third-party modules the server and the load need (Starlette, pydantic,
 uvicorn, jinja2, gguf-py: ~0.18 s CPU of pure Python on a 2-core Zen 2 once their extension
 modules are in) are imported on a thread of their own while the main thread maps torch's C++
-library with the GIL free (``launch.map_torch_library``, ~0.2 s CPU) and then imports torch; the
-thread is joined before the load. This package's own server modules (they need the engine) are
+library with the GIL free (``launch.map_torch_library``, ~0.2 s CPU) and then imports torch,
+without its Python meta kernels, which a thread imports once the server answers
+(turnkv/torch_import.py); the thread is joined before the load. This package's own server modules (they need the engine) are
 imported on a thread while the main thread loads the model, which imports none of them, so the
 two threads do not wait on each other's module locks. While torch imports, a thread faults in the
 memory the weights' tiles will be written to (turnkv/page_arena.py). The whole start-up runs with
@@ -120,10 +121,12 @@ def start(args):
     """The socket, the model, the app and uvicorn's server, ready to ``run``; None (the reason
     printed) where the port cannot be had."""
     from ..page_arena import reserve
+    from ..torch_import import import_lean
 
     libraries = import_server_libraries()
     reserve(args.model, args.weights)     # the tiles' pages faulted in beside torch's import
-    from ..engine.engine import Engine  # noqa: F401  (torch and the engine: before the HTTP imports' thread)
+    import_lean()     # torch without its Python meta kernels: they come in once the server answers
+    from ..engine.engine import Engine  # noqa: F401  (the engine: before the HTTP imports' thread)
     from ..launch import engine_from, print_banner, sampling_from
 
     libraries.join()
@@ -195,14 +198,22 @@ def huge_pages(engine):
     return collapse
 
 
+def torch_meta_kernels():
+    """The import of torch's Python meta kernels that the start-up left out (``torch_import``),
+    else None: ~0.3 s of GIL-held CPU that the first answer need not wait for."""
+    from ..torch_import import complete, deferred
+    return complete if deferred() else None
+
+
 def run(app, server, sock: socket.socket, keys: KeyRing) -> None:
     """The engine steps on the main thread, which loaded the model: a second thread running
     OpenMP work would start a second team beside the main thread's, and with more OpenMP threads
     than cores libgomp stops spinning between parallel regions (each kernel call then waits on a
     futex wake-up): measured 2x slower decode. HTTP runs on its own thread, and so does the
     grammar engine's vocabulary view, built once the server answers (it holds the GIL for
-    0.3-0.8 s on a 128k vocabulary, which the first answer need not wait for), and so does the
-    GGUF weights' move to huge pages (``huge_pages``)."""
+    0.3-0.8 s on a 128k vocabulary, which the first answer need not wait for), and so do the
+    GGUF weights' move to huge pages (``huge_pages``) and the import of torch's Python meta
+    kernels (``torch_meta_kernels``)."""
     from .requests import grammar_warm_up_thread
 
     stop = threading.Event()
@@ -224,6 +235,7 @@ def run(app, server, sock: socket.socket, keys: KeyRing) -> None:
     thread = threading.Thread(target=http, name="turnkv-http")
     thread.start()
     once_answering(lambda: server.started, stop, huge_pages(app.state.engine), name="turnkv-weights-to-huge-pages")
+    once_answering(lambda: server.started, stop, torch_meta_kernels(), name="turnkv-torch-meta-kernels")
     grammar_warm_up_thread(app.state.engine, lambda: server.started, stop)
     app.state.worker.run(stop)
     server.should_exit = True
