@@ -247,6 +247,19 @@ def test_ngram_drafter_takes_the_longest_latest_match():
     assert NgramDrafter().draft([5, 6, 5, 6], 4) == [5, 6]   # up to the end of the history
 
 
+def test_ngram_drafter_follows_the_copy_it_drafted_from():
+    """A copy of a text whose phrase comes again later in it: the latest occurrence of the last 4
+    tokens is that later phrase, but the copy the last draft came from matches 6 tokens back, so
+    the draft goes on from there; once the history leaves the copy, the lookup takes over."""
+    src = [7, 10, 11, 12, 13, 14, 20, 21, 11, 12, 13, 14, 30, 7]
+    d = NgramDrafter()
+    assert d.draft(src + [10], 3) == [11, 12, 13]
+    assert d.draft(src + [10, 11, 12, 13, 14], 3) == [20, 21, 11]
+    assert NgramDrafter().draft(src + [10, 11, 12, 13, 14], 3) == [30, 7, 10]   # the lookup alone
+    assert d.draft(src + [10, 11, 12, 13, 14, 20, 5], 2) == []    # left the copy: "20 5" never seen
+    assert d.draft(src + [10, 11, 12, 13, 14, 20, 5, 11, 12, 13, 14], 2) == [20, 5]   # the lookup: the latest
+
+
 @pytest.mark.parametrize("family", ["lfm2", "mamba2", "native"])
 def test_speculation_is_off_where_it_cannot_be_exact(tiny_pair, family):
     """Families that load only with native float32 weights (LFM2's conv hybrid and Mamba 2 as

@@ -21,6 +21,7 @@ MODES = (OFF, NGRAM)
 DEFAULT_DRAFT_MAX = 7
 MAX_DRAFT = 64
 NGRAM_MAX, NGRAM_MIN = 4, 2      # suffix lengths prompt lookup tries, longest first
+FOLLOW_SPAN = 16                 # tokens a followed copy's match is checked over (NgramDrafter.followed)
 # A draft is proposed only when its expected tokens per unit of step time beat plain decoding's
 # by this much: below it what a draft could win is within the error of the acceptance estimate
 # (which never falls below 1/7) and of the measured costs, and a draft that does not win loses.
@@ -205,11 +206,13 @@ def check_mode(mode: str | None, draft_max: int | None) -> None:
 class NgramDrafter:
     """Prompt lookup over one sequence's tokens: ``index[n]`` maps every n-gram to the position
     right after its latest occurrence, for occurrences ending before the newest token (the
-    newest suffix must match something earlier, not itself)."""
+    newest suffix must match something earlier, not itself). A copy the last draft came from is
+    followed on while it matches longer than any lookup checks (``followed``)."""
 
     def __init__(self):
         self.index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(NGRAM_MIN, NGRAM_MAX + 1)}
         self.upto = 0          # n-grams ending before this position are indexed
+        self.src, self.seen = -1, 0    # the last draft: history[src] guessed to follow history[:seen]
 
     def draft(self, history: list[int], k: int) -> list[int]:
         end = len(history)
@@ -218,15 +221,33 @@ class NgramDrafter:
                 if e >= n:
                     table[tuple(history[e - n:e])] = e
         self.upto = max(self.upto, end)
+        at = self.followed(history, end)
         for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
-            if end < n:
+            if at is not None or end < n:
                 continue
             at = self.index[n].get(tuple(history[end - n:]))
-            if at is not None:
-                out = history[at:at + k]
-                cut = next((i for i, t in enumerate(out) if is_key(t)), len(out))
-                return out[:cut]
-        return []
+        self.src, self.seen = (at, end) if at is not None else (-1, 0)
+        if at is None:
+            return []
+        out = history[at:at + k]
+        cut = next((i for i, t in enumerate(out) if is_key(t)), len(out))
+        return out[:cut]
+
+    def followed(self, history: list[int], end: int) -> int | None:
+        """The last draft's source, moved on with the history, while the tokens before it match
+        the newest ones for more than ``NGRAM_MAX`` (up to ``FOLLOW_SPAN`` are compared): the
+        longest match wins, and the index knows only the latest occurrence of the last 4 tokens.
+        A copy of a text whose phrases repeat (an answer given again) jumped to the phrase's
+        later occurrence there and lost the draft (SmolLM2's regenerate: 7 tokens drafted, 0
+        taken, docs/measurements/2026-12-07-s23-spec.md)."""
+        at = self.src + end - self.seen
+        if self.src < 0 or at >= end:
+            return None
+        n = min(FOLLOW_SPAN, at)
+        matched = 0
+        while matched < n and history[at - 1 - matched] == history[end - 1 - matched]:
+            matched += 1
+        return at if matched > NGRAM_MAX else None
 
 
 # mode -> a new drafter for one sequence: an object whose ``draft(history, k)`` returns at most
