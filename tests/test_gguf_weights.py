@@ -94,6 +94,33 @@ def test_tiny_fused_parts_keep_the_family_order(family):
     assert (got - ref).abs().max() < TOLERANCE * ref.abs().max()
 
 
+@needs_native
+def test_the_build_tiles_the_kept_weights_in_one_gather(monkeypatch):
+    """A GGUF load's weights come pending (the file's rows, ``defer=True``), fused ones made of
+    pending parts: the build tiles every weight the model keeps in one call of the native gather
+    (one parallel region for the load's repack) before the fused calls take their tiles, and
+    their values are the parts'."""
+    from turnkv.kernels import GGUFWeight, tiles
+
+    _, hf = tiny_llama()
+    config, state = hf.config.to_dict(), hf.state_dict()
+    quantized, tensors = {}, {}
+    for name, t in state.items():
+        if t.ndim == 2 and "proj" in name:
+            raw = torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(t.float().numpy(), Q.Q8_0)))
+            quantized[name] = GGUFWeight.from_raw(raw, Q.Q8_0, tuple(t.shape), defer=True)
+        else:
+            tensors[name] = t
+    calls, gather = [], tiles.native_gather
+    monkeypatch.setattr(tiles, "native_gather", lambda *args: (calls.append(len(args[0])), gather(*args)))
+    model = load_model(type(_), config, tensors, torch.float32, "gguf", quantized=quantized)
+    parts = [p for m in model.modules() if isinstance(m, GGUFPacked) for p in m.parts]
+    assert len(calls) == 1 and parts and all(p._pending is None for p in parts)
+    blk = model.layers[0].attn.wqkv.parts[0]
+    names = [f"model.layers.0.self_attn.{x}_proj.weight" for x in "qkv"]
+    assert torch.equal(blk.dequantize(), torch.cat([quantized[n].dequantize() for n in names]))
+
+
 def test_gguf_format_needs_quantized_tensors():
     model, hf = tiny_llama()
     with pytest.raises(ValueError, match="gguf"):

@@ -11,6 +11,7 @@ import mmap
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -488,6 +489,43 @@ def test_native_row_lookup_is_gguf_py_dequantization(qtype):
     assert torch.equal(w.lookup(ids.view(3, 3)).view(torch.int32), want[ids].view(3, 3, k).view(torch.int32))
     with pytest.raises(RuntimeError):
         tk._ext.dequant_rows(w.raw, int(qtype), torch.tensor([n]), n, k)
+
+
+@native.needs(tk.native_available(), "the native kernels")
+def test_native_row_lookup_lets_other_threads_run():
+    """The native row dequantization runs without the GIL: another Python thread (a server's)
+    runs while a lookup is in progress. No timing: the switch interval is made longer than the
+    test, so this thread keeps the GIL between bytecodes and the other thread can run inside the
+    window where ``inside`` is set only where a call in it lets go of the GIL, and the window holds
+    nothing but lookups (held, the other thread would run only at the join and see False). Their
+    results are kept until the window closes: freeing one lets go of the GIL too."""
+    rng = np.random.default_rng(8)
+    n, k = 512, 4096
+    raw = rng.integers(0, 256, size=(n, k // 256 * GGML_QUANT_SIZES[Q.Q6_K][1]), dtype=np.uint8)
+    tiled = GGUFWeight.from_raw(raw, Q.Q6_K, (n, k)).raw
+    ids = torch.arange(n)
+    inside, seen, go, results = [False], [], threading.Event(), []
+
+    def other() -> None:
+        go.wait()
+        seen.append(inside[0])
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)        # before the thread starts: every wait for the GIL uses it
+    try:
+        thread = threading.Thread(target=other)
+        thread.start()                   # returns once it waits on go (the GIL is free only then)
+        inside[0] = True
+        go.set()
+        for _ in range(32):              # 8 MB each; the first lets the other thread run
+            results.append(tk._ext.dequant_rows(tiled, int(Q.Q6_K), ids, n, k))
+            if seen:
+                break
+        inside[0] = False
+        thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert seen == [True]
 
 
 @native.needs(tk.native_available(), "the native kernels")

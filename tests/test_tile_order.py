@@ -63,3 +63,37 @@ def test_threads_share_many_tiles_as_one_thread_does(qtype):
                 assert torch.equal(tiles.tile_rows(rows, qtype, order=order), one)
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_gather
+def test_settle_tiles_every_pending_weight_in_one_gather(monkeypatch):
+    """The end of a load (``settle_deferred``) tiles every weight still pending, the fused weights
+    ``cat`` made of pending parts included, in one call of the native gather: one parallel region
+    over all their bytes (two threads here, ~5 MB cut into pieces of 256 KB that they take in
+    turn), which writes every tile as the one-thread gather of each weight alone does."""
+    tk.settle_deferred()                 # what other tests left pending
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        made, want = [], []
+        for i, (qtype, n) in enumerate([(Q.Q4_K, 1000), (Q.Q6_K, 803), (Q.MXFP4, 517), (Q.Q8_0, 67)]):
+            rows = _rows(qtype, n=n, blocks=8, seed=10 + i)
+            k, cut = 8 * GGML_QUANT_SIZES[qtype][0], n // 16 * 8
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(i))
+            parts = [GGUFWeight.from_raw(rows[:cut], qtype, (cut, k), defer=True),
+                     GGUFWeight.from_raw(rows, qtype, (n, k), defer=True, order=order)]
+            made += [GGUFWeight.cat(parts), GGUFWeight.from_raw(rows[cut:], qtype, (n - cut, k), defer=True)]
+            want += [torch.cat([tiles.tile_rows(rows[:cut], qtype, parallel=False),
+                                tiles.tile_rows(rows, qtype, order=order, parallel=False)]),
+                     tiles.tile_rows(rows[cut:], qtype, parallel=False)]
+        del parts                        # as a load drops the file's tensors: only cat read them
+        assert all(w._pending is not None for w in made)
+        calls, gather = [], tiles.native_gather
+        monkeypatch.setattr(tiles, "native_gather", lambda *args: (calls.append(len(args[0])), gather(*args)))
+        tk.settle_deferred()
+        assert calls == [12]             # 4 x (a fused weight's 2 parts + a weight alone)
+        assert all(w._pending is None for w in made)
+        for w, t in zip(made, want):
+            assert torch.equal(w.raw, t)
+    finally:
+        torch.set_num_threads(threads)

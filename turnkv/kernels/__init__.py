@@ -19,6 +19,7 @@ import os
 import warnings
 import weakref
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ from .tiles import TILE_ROWS, _row_gather, tile_rows, untile_rows
 _Q = GGMLQuantizationType
 
 __all__ = ["GGUFWeight", "GGUFStack", "describe_types", "kernel_info", "native_available", "settle_deferred", "ISAS",
-           "SUPPORTED", "tile_rows", "untile_rows"]
+           "SUPPORTED", "tile_pending", "tile_rows", "untile_rows"]
 
 SUPPORTED = reference.SUPPORTED
 _ROW_DEQUANT = {_Q.Q4_K, _Q.Q5_K, _Q.Q6_K}     # GGUFWeight.lookup's native row dequantization (csrc/row_dequant.inc)
@@ -171,19 +172,18 @@ class GGUFWeight:
     the ``GGUFStack`` whose bytes ``raw`` views (one expert of a stack), else None.
 
     A weight made with ``from_raw(..., defer=True)`` holds GGUF's rows (``_pending``: typically a
-    view of the file's mapping) until its tiles are first needed: ``raw`` tiles them then, and
-    ``cat`` tiles them straight into the fused weight's buffer, so a loaded weight's bytes are
-    read from the file once and written once (``settle_deferred`` ends a load). ``_order``: the
-    pending rows' order (``from_raw``), applied as they are tiled."""
+    view of the file's mapping, with the row order ``from_raw`` was given) until its tiles are
+    first needed: ``raw`` tiles them then. ``cat`` of such weights makes a fused weight whose parts
+    are pending in turn, each bound for its place in the fused weight's buffer, so a loaded
+    weight's bytes are read from the file once and written once, and ``settle_deferred`` tiles
+    every weight still pending at the end of a load in one native call (one parallel region)."""
 
-    __slots__ = ("_raw", "_pending", "_order", "qtype", "shape", "tiled", "base", "__weakref__")
+    __slots__ = ("_raw", "_pending", "qtype", "shape", "tiled", "base", "__weakref__")
 
     def __init__(self, raw: torch.Tensor | None, qtype: GGMLQuantizationType, shape: tuple[int, int],
-                 tiled: bool = False, base: "GGUFStack | None" = None, pending: torch.Tensor | None = None,
-                 order: torch.Tensor | None = None):
-        self._raw = raw
+                 tiled: bool = False, base: "GGUFStack | None" = None, pending: "list[Pending] | None" = None):
+        self._raw = raw          # with _pending: the buffer its tiles go to (None: made when tiled)
         self._pending = pending
-        self._order = order
         self.qtype = qtype
         self.shape = shape
         self.tiled = tiled
@@ -191,10 +191,8 @@ class GGUFWeight:
 
     @property
     def raw(self) -> torch.Tensor:
-        pending = self._pending
-        if pending is not None:
-            self._raw = tile_rows(pending, self.qtype, order=self._order)
-            self._pending = self._order = None      # after _raw: a reader that sees None finds the tiles
+        if self._pending is not None:
+            tile_pending([self])
         return self._raw
 
     @classmethod
@@ -212,9 +210,7 @@ class GGUFWeight:
         if _ext is not None and raw.is_cpu:   # the layout the native kernels read
             if not defer:
                 return cls(tile_rows(raw, qtype, order=order), qtype, (n, k), tiled=True)
-            weight = cls(None, qtype, (n, k), tiled=True, pending=raw, order=order)
-            _DEFERRED.add(weight)
-            return weight
+            return _deferred(cls(None, qtype, (n, k), tiled=True, pending=[Pending(raw, order, 0)]))
         return cls(raw if order is None else raw.index_select(0, order), qtype, (n, k))
 
     def rows(self) -> torch.Tensor:
@@ -228,7 +224,7 @@ class GGUFWeight:
     @property
     def row_bytes(self) -> int:
         pending = self._pending
-        return (self._raw if pending is None else pending).shape[1]
+        return (self._raw if pending is None else pending[0].rows).shape[1]
 
     def __repr__(self) -> str:
         return f"GGUFWeight({self.qtype.name}, shape={self.shape})"
@@ -302,31 +298,71 @@ class GGUFWeight:
         n = sum(p.shape[0] for p in parts)
         if all(p.tiled for p in parts) and all(p.shape[0] % TILE_ROWS == 0 for p in parts[:-1]):
             # whole tiles: the parts' tiles one after the other are the tiles of their rows (a
-            # deferred part's rows are tiled straight into their place)
-            out = tiles.weight_buffer(-(-n // TILE_ROWS) * TILE_ROWS, parts[0].row_bytes)
-            at = 0
+            # deferred part's rows stay pending, bound for their place)
+            out = tiles.weight_buffer(_tiled(n), parts[0].row_bytes)
+            pending, at = [], 0
             for p in parts:
-                end = at + -(-p.shape[0] // TILE_ROWS) * TILE_ROWS
-                pending = p._pending
-                if pending is not None:
-                    tile_rows(pending, q, out[at:end], order=p._order)
+                rows = p._pending
+                if rows is not None:
+                    pending += [r._replace(at=r.at + at) for r in rows]
                 else:
-                    out[at:end].copy_(p._raw)
-                at = end
-            return GGUFWeight(out, q, (n, k), tiled=True)
+                    out[at:at + _tiled(p.shape[0])].copy_(p._raw)
+                at += _tiled(p.shape[0])
+            return _deferred(GGUFWeight(out, q, (n, k), tiled=True, pending=pending or None))
         raw = torch.cat([p.rows() for p in parts], 0)
         return GGUFWeight.from_raw(raw, q, (n, k))
+
+
+class Pending(NamedTuple):
+    """GGUF rows of a deferred weight, to be tiled into its buffer from tile row ``at`` on
+    (``order``: ``tile_rows``')."""
+    rows: torch.Tensor
+    order: torch.Tensor | None
+    at: int
 
 
 _DEFERRED: "weakref.WeakSet[GGUFWeight]" = weakref.WeakSet()
 
 
+def _tiled(n: int) -> int:
+    return -(-n // TILE_ROWS) * TILE_ROWS
+
+
+def _deferred(weight: GGUFWeight) -> GGUFWeight:
+    if weight._pending is not None:
+        _DEFERRED.add(weight)
+    return weight
+
+
+def tile_pending(weights: list[GGUFWeight]) -> None:
+    """The pending rows of ``weights`` into their tiles (a weight's own buffer made now where it
+    has none), all in one ``tiles.tile_many`` call: one parallel region. A load calls it with
+    every weight the built model keeps (models/gguf_weights.py) before the fused calls take their
+    tiles, and ``settle_deferred`` with what is left."""
+    jobs, done = [], []
+    for w in {id(w): w for w in weights}.values():      # a weight named twice (a tied head) once
+        pending = w._pending
+        if pending is None:
+            continue
+        if w._raw is None:
+            w._raw = tiles.weight_buffer(_tiled(w.shape[0]), pending[0].rows.shape[1])
+        for p in pending:
+            n = p.rows.shape[0] if p.order is None else p.order.numel()
+            jobs.append((p.rows, w.qtype, w._raw[p.at:p.at + _tiled(n)], p.order))
+        done.append(w)
+    tiles.tile_many(jobs)
+    for w in done:
+        w._pending = None      # after the tiles: a reader that sees None finds them
+
+
 def settle_deferred() -> None:
-    """Tile every deferred weight still in use (``GGUFWeight.from_raw(..., defer=True)``): the end
-    of a load, so that no weight keeps its file's mapping open and the first request pays for
-    none of it. A deferred weight only ``cat`` read (a fused weight's part) is gone by then."""
-    for weight in list(_DEFERRED):
-        weight.raw  # noqa: B018  (tiles it)
+    """Tile every deferred weight still in use (``GGUFWeight.from_raw(..., defer=True)`` and the
+    fused weights ``cat`` made of them): the end of a load, so that no weight keeps its file's
+    mapping open and the first request pays for none of it. One native call, one parallel region
+    for the whole load's repack (the bytes shared out over the threads), where a region a weight
+    (~113 for a 1B model) waited each time for every thread. A deferred weight only ``cat`` read
+    (a fused weight's part) is gone by then."""
+    tile_pending(list(_DEFERRED))
     _DEFERRED.clear()
 
 

@@ -99,23 +99,58 @@ def _index_tensor(qtype, row_bytes: int, inverse: bool) -> torch.Tensor:
     return torch.from_numpy(_tile_index(qtype, row_bytes)[int(inverse)].astype(np.int64))
 
 
-def _gather_units(src: torch.Tensor, qtype, inverse: bool, rows: int, out: torch.Tensor | None = None,
-                  order: torch.Tensor | None = None, parallel: bool = True) -> torch.Tensor:
+def _native_job(rows: torch.Tensor, qtype, out: torch.Tensor, order: torch.Tensor | None, inverse: bool = False):
+    """``native_gather``'s arguments for one job: ``rows`` [n, row_bytes] (or, with ``order``, the
+    rows it names) into the tiles ``out`` [ceil(n / 8) * 8, row_bytes]; padding rows are order -1
+    (zeros, written by the gather itself). ``inverse``: tiles back into rows (whole tiles)."""
+    rb, npad = rows.shape[1], out.shape[0]
+    n = rows.shape[0] if order is None else order.numel()
+    if order is not None or npad != n:
+        full = torch.full((npad,), -1, dtype=torch.int64)
+        full[:n] = torch.arange(n) if order is None else order
+        order = full
+    return rows.contiguous(), _index_tensor(qtype, rb, inverse), out, _unit(qtype), order
+
+
+def _gather_numpy(src: torch.Tensor, qtype, inverse: bool, out: torch.Tensor) -> None:
     """``src`` [tiles * 8, row_bytes] uint8, each tile's units gathered by ``_tile_index``'s
-    forward (or ``inverse``) index into ``out`` (a contiguous [rows, row_bytes] uint8; a new one
-    when None). ``order`` (native gather only): tile rows are src rows ``order`` (-1: zeros)."""
-    rb = src.shape[1]
-    if out is None:
-        out = torch.empty((rows, rb), dtype=torch.uint8)
-    src = src.contiguous()
-    if native_gather is not None:
-        native_gather(src, _index_tensor(qtype, rb, inverse), out, _unit(qtype), order, parallel)
-        return out
-    index = _tile_index(qtype, rb)[int(inverse)]
+    forward (or ``inverse``) index into ``out`` (a contiguous uint8 tensor of src's shape)."""
+    index = _tile_index(qtype, src.shape[1])[int(inverse)]
     view = np.int16 if _unit(qtype) == 2 else np.uint8
-    np.take(src.numpy().view(view).reshape(rows // TILE_ROWS, -1), index, axis=1,
-            out=out.numpy().view(view).reshape(rows // TILE_ROWS, -1), mode="clip")
-    return out
+    np.take(src.contiguous().numpy().view(view).reshape(out.shape[0] // TILE_ROWS, -1), index, axis=1,
+            out=out.numpy().view(view).reshape(out.shape[0] // TILE_ROWS, -1), mode="clip")
+
+
+def _tile_numpy(rows: torch.Tensor, qtype, out: torch.Tensor, order: torch.Tensor | None) -> None:
+    """One job of ``tile_many`` without the build: the rows permuted first, the last tile padded."""
+    if order is not None:
+        rows = rows.index_select(0, order)
+    n, npad = rows.shape[0], out.shape[0]
+    whole = n - n % TILE_ROWS
+    if whole:
+        _gather_numpy(rows[:whole], qtype, False, out[:whole])
+    if npad != whole:      # the last tile, padded with zero rows
+        last = rows.new_zeros(TILE_ROWS, rows.shape[1])
+        last[:n - whole] = rows[whole:]
+        _gather_numpy(last, qtype, False, out[whole:])
+
+
+def tile_many(jobs: list[tuple], parallel: bool = True) -> None:
+    """Each job ``(rows, qtype, out, order)``: ``tile_rows(rows, qtype, out, order)``, all of them
+    in one native call (one parallel region, the jobs' bytes shared out over the threads: the end
+    of a load tiles every weight left at once, kernels/__init__.py ``settle_deferred``)."""
+    if not jobs:
+        return
+    if native_gather is None:
+        for rows, qtype, out, order in jobs:
+            _tile_numpy(rows, qtype, out, order)
+        return
+    _native([_native_job(*job) for job in jobs], parallel)
+
+
+def _native(jobs: list[tuple], parallel: bool = True) -> None:
+    """One ``native_gather`` call over ``_native_job`` argument tuples (its lists, one entry a job)."""
+    native_gather(*(list(column) for column in zip(*jobs)), parallel)
 
 
 def tile_rows(rows: torch.Tensor, qtype, out: torch.Tensor | None = None, order: torch.Tensor | None = None,
@@ -127,33 +162,22 @@ def tile_rows(rows: torch.Tensor, qtype, out: torch.Tensor | None = None, order:
     llama's q/k un-permute), moved as it is tiled rather than copied first. ``parallel`` False:
     the native gather runs on the calling thread alone (no OpenMP team)."""
     qtype = GGMLQuantizationType(qtype)
-    rb = rows.shape[1]
     n = rows.shape[0] if order is None else order.numel()
-    npad = -(-n // TILE_ROWS) * TILE_ROWS
     if out is None:
-        out = weight_buffer(npad, rb)
-    if native_gather is not None and (order is not None or npad != n):
-        # the padding rows are order -1: zeros, written by the gather itself
-        full = torch.full((npad,), -1, dtype=torch.int64)
-        full[:n] = torch.arange(n) if order is None else order
-        return _gather_units(rows, qtype, False, npad, out, full, parallel)
-    if order is not None:
-        rows = rows.index_select(0, order)
-    whole = n - n % TILE_ROWS
-    if whole:
-        _gather_units(rows[:whole], qtype, False, whole, out[:whole], parallel=parallel)
-    if npad != whole:      # the last tile, padded with zero rows
-        last = rows.new_zeros(TILE_ROWS, rb)
-        last[:n - whole] = rows[whole:]
-        _gather_units(last, qtype, False, TILE_ROWS, out[whole:], parallel=parallel)
+        out = weight_buffer(-(-n // TILE_ROWS) * TILE_ROWS, rows.shape[1])
+    tile_many([(rows, qtype, out, order)], parallel)
     return out
 
 
 def untile_rows(tiles: torch.Tensor, qtype, n: int) -> torch.Tensor:
     """The inverse of ``tile_rows``: GGUF's rows [n, row_bytes]."""
-    npad, rb = tiles.shape
-    rows = _gather_units(tiles, GGMLQuantizationType(qtype), True, npad)
-    return rows if n == npad else rows[:n].contiguous()
+    qtype = GGMLQuantizationType(qtype)
+    rows = torch.empty(tiles.shape, dtype=torch.uint8)
+    if native_gather is None:
+        _gather_numpy(tiles, qtype, True, rows)
+    else:
+        _native([_native_job(tiles, qtype, rows, None, inverse=True)])
+    return rows if n == tiles.shape[0] else rows[:n].contiguous()
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,6 +9,7 @@ import logging
 import torch
 from torch import nn
 
+from ..kernels import tile_pending
 from .packed import PackedWeight
 
 log = logging.getLogger("turnkv.weights")
@@ -89,6 +90,9 @@ def load_gguf_model(cls, config: dict, tensors: dict, quantized: dict, dtype: to
     logged)."""
     model = cls.from_checkpoint(config, {**tensors, **quantized}, dtype)
     packed = _check_packed(model, cls)
+    # every weight the model keeps tiled at once (one parallel region for the load's repack),
+    # before the fused calls below take their tiles one weight at a time
+    tile_pending([p for m in packed for p in m.parts])
     kept = set().union(*(m.source_ids for m in packed))
     notes = [f"{n}: dequantized (not a declared matmul weight)" for n, q in quantized.items() if not _kept(q, kept)]
     split: dict[str, int] = {}

@@ -29,7 +29,12 @@ inline float e8m0_half(uint8_t e) {
 constexpr int TILE = 8;       // weight rows per tile of the scalar path
 constexpr int TILE_MAX = 16;  // the widest tile (512-bit paths); sizes the scratch
 extern int64_t g_prefetch;  // software prefetch distance in bytes
-extern int64_t g_prefetch_fused;  // per-block prefetch distance of full 8-row tiles (TURNKV_KERNEL_PREFETCH_FUSED)
+// the fused paths' (and the unpack path's full 8-row tiles') prefetch distance ahead in a tile's one
+// stream, bytes (0 = off), per ggml type id (gguf_matmul.cpp: the defaults, TURNKV_KERNEL_PREFETCH_FUSED,
+// set_prefetch_fused)
+constexpr int PF_TYPES = 64;
+extern int64_t g_prefetch_fused[PF_TYPES];
+inline int64_t prefetch_fused(int qt) { return g_prefetch_fused[qt & (PF_TYPES - 1)]; }
 extern int g_fused;         // 1: the fused decode path of the 32-value block types (TURNKV_KERNEL_FUSED=0 turns it off)
 extern int g_pair;          // 1: that path pairs activation rows in 512-bit vectors (AVX-512; TURNKV_KERNEL_PAIR)
 extern int g_vbmi;          // 1: IQ4_XS's decode looks its table up with vpermb (AVX-512 VBMI; TURNKV_KERNEL_VBMI)
@@ -153,6 +158,43 @@ inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
         *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
         *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
     }
+}
+
+// Q6_K super-block fields past ql (128 bytes) and qh (64): 16 int8 scales, then the float16 d
+constexpr int Q6K_SCALES = 192, Q6K_D = 208;
+
+// The 256 quants of a Q4_K / Q5_K / Q6_K super-block (GGUF's layout, at p) as unsigned values, in
+// order (the one place their bit layout is read: the scalar path and the row dequantization):
+//   Q4_K / Q5_K: sub-block j = values 32j..32j+31, the low (even j) or high (odd j) nibbles of
+//                qs[32 (j / 2) ..] (Q5_K: bit j of qh[i] above): 0..15 / 0..31;
+//   Q6_K:        value 128h + 32k + l = nibble k / 2 of ql[64h + 32 (k % 2) + l] with bits
+//                2k..2k+1 of qh[32h + l] above it: 0..63 (the quant is value - 32).
+inline void kquant_values(int qt, const uint8_t* p, uint8_t* o) {
+    if (qt == Q6_K) {
+        const uint8_t* ql = p;
+        const uint8_t* qh = p + 128;
+        for (int h = 0; h < 2; h++)
+            for (int l = 0; l < 32; l++) {
+                const uint8_t a0 = ql[64 * h + l], a1 = ql[64 * h + 32 + l], hb = qh[32 * h + l];
+                o[128 * h + l] = (a0 & 0xF) | ((hb & 3) << 4);
+                o[128 * h + 32 + l] = (a1 & 0xF) | (((hb >> 2) & 3) << 4);
+                o[128 * h + 64 + l] = (a0 >> 4) | (((hb >> 4) & 3) << 4);
+                o[128 * h + 96 + l] = (a1 >> 4) | (((hb >> 6) & 3) << 4);
+            }
+        return;
+    }
+    const uint8_t* qs = p + (qt == Q4_K ? 16 : 48);
+    const uint8_t* qh = p + 16;                        // Q5_K's fifth bits
+    for (int c = 0; c < 4; c++)
+        for (int l = 0; l < 32; l++) {
+            int lo = qs[32 * c + l] & 0xF, hi = qs[32 * c + l] >> 4;
+            if (qt == Q5_K) {
+                lo |= ((qh[l] >> (2 * c)) & 1) << 4;
+                hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+            }
+            o[64 * c + l] = (uint8_t)lo;
+            o[64 * c + 32 + l] = (uint8_t)hi;
+        }
 }
 
 // IQ4_XS: the signed 6-bit scale (ls - 32) of sub-block j from its block's scales_h / scales_l

@@ -11,6 +11,7 @@
 #include <immintrin.h>
 #include <cstdlib>
 #include <algorithm>
+#include <atomic>
 #include <numeric>
 
 #include "common.h"
@@ -28,10 +29,27 @@ int64_t g_prefetch = [] {
     return e ? std::atoll(e) : 0;
 }();
 
-int64_t g_prefetch_fused = [] {
+// The fused paths' prefetch distance per type (common.h prefetch_fused): 8 KB ahead (tuned on a
+// Zen 4), but Q8_0 1 KB on AMD family 0x17 (measured on Zen 2: whole one-thread decode steps of the
+// 1B Q8_0, Gemma 3's and SmolLM2's Q8_0 heads 2-10% less CPU than at 8 KB, 2% less than none; the
+// other types there lose 6-10% without it; docs/measurements/2026-12-07-s24-prefetch.md).
+// TURNKV_KERNEL_PREFETCH_FUSED=<bytes> sets every type (A/B), set_prefetch_fused one type in
+// process (bench/decode_ab.py); where the prefetches go, never the bits.
+static int64_t default_prefetch_fused(int qt) {
+    return qt == Q8_0 && tkv_cpu::amd_family() == 0x17 ? 1024 : 8192;
+}
+int64_t g_prefetch_fused[PF_TYPES];
+[[maybe_unused]] static const bool g_prefetch_fused_set = [] {
     const char* e = std::getenv("TURNKV_KERNEL_PREFETCH_FUSED");
-    return e ? std::atoll(e) : 8192;
+    for (int qt = 0; qt < PF_TYPES; qt++) g_prefetch_fused[qt] = e && *e ? std::max(0LL, std::atoll(e)) : default_prefetch_fused(qt);
+    return true;
 }();
+static int64_t set_prefetch_fused(int64_t qt, int64_t bytes) {
+    TORCH_CHECK(qt >= 0 && qt < PF_TYPES && bytes >= 0, "set_prefetch_fused: a ggml type id and bytes >= 0");
+    const int64_t before = g_prefetch_fused[qt];
+    g_prefetch_fused[qt] = bytes;
+    return before;
+}
 
 // the paired fused path's row limit (common.h FUSED_MAX_ROWS; TURNKV_KERNEL_FUSED_ROWS=8..31 for A/B)
 int g_fused_rows = [] {
@@ -429,14 +447,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("n"), py::arg("k"), py::arg("isa"), py::call_guard<py::gil_scoped_release>());
     m.def("set_pair", &tkv::set_pair, "the fused path's paired 512-bit rows on (1) / off (0); returns the previous", py::arg("on"));
     m.def("set_fused_rows", &tkv::set_fused_rows, "the fused decode path's row limit (8..31; tests, A/B); returns the previous", py::arg("n"));
+    m.def("set_prefetch_fused", &tkv::set_prefetch_fused,
+          "the fused paths' prefetch distance (bytes ahead, 0 = off) of one ggml type id; returns the previous",
+          py::arg("qtype"), py::arg("bytes"));
     m.def("pair", [] { return (int64_t)tkv::g_pair; }, "1 when the fused path pairs rows in 512-bit vectors");
     m.def("set_vbmi", &tkv::set_vbmi, "IQ4_XS's vpermb lookup on (1, where the CPU has AVX-512 VBMI) / off (0); returns the previous", py::arg("on"));
     m.def("best_isa", &tkv::best_isa, "best ISA path: 0 scalar, 1 avx2, 2 avx512, 3 avx512vnni");
-    m.def("tile_gather", &tkv::tile_gather, "out[t, j] = rows[t, index[j]] per tile of 1- or 2-byte units (the load's repack)",
-          py::arg("src"), py::arg("index"), py::arg("out"), py::arg("unit_bytes"), py::arg("order") = py::none(),
+    m.def("tile_gather", &tkv::tile_gather,
+          "per job: out[t, j] = rows[t, index[j]] per tile of 1- or 2-byte units; every job in one parallel region (the load's repack)",
+          py::arg("src"), py::arg("index"), py::arg("out"), py::arg("unit_bytes"), py::arg("order"),
           py::arg("parallel") = true, py::call_guard<py::gil_scoped_release>());
     m.def("dequant_rows", &tkv::dequant_rows, "rows ids of a tiled Q4_K / Q5_K / Q6_K weight as float32 (gguf-py's bits)",
-          py::arg("w"), py::arg("qtype"), py::arg("ids"), py::arg("n"), py::arg("k"));
+          py::arg("w"), py::arg("qtype"), py::arg("ids"), py::arg("n"), py::arg("k"), py::call_guard<py::gil_scoped_release>());
     tkv::register_fused(m);
     tkv::register_moe(m);
     tkv::register_head(m);
