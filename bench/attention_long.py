@@ -3,8 +3,9 @@ shape (default Llama-3.2-1B: 32 query / 8 K/V heads of 64, 16 layers) written st
 buffers of each mode's storage, then one query row attends over all of them, layer after layer
 (each layer its own K/V, so a step reads them from memory as a real one does).
 
-Per mode and thread count: ms a layer (median of the rounds' per-layer means) and the K/V bytes
-read per second. One thread is timed in the calling thread's CPU time (steadier than wall time on
+Per mode and thread count: ms a layer (median of the rounds' per-layer means), the K/V bytes
+read per second and ns a key row (the K and V rows of one kv head, for all its query heads;
+times the clock in GHz: cycles a row). One thread is timed in the calling thread's CPU time (steadier than wall time on
 a shared machine); more threads in wall time. int4 is read from its packed rows by the kernel (which
 widens them to float32 itself); ``int4-copy`` times what a step paid before that: a float32 copy
 made in Python (``Int4Store.decode``), then the kernel on it.
@@ -99,8 +100,8 @@ def main() -> None:
     print(f"CPU: {cpu_model()}; attention path: {A.attention_info()}; load {os.getloadavg()[0]:.1f}; "
           f"{hq} q / {hk} kv heads x {d}, {a.keys} keys, {a.queries} queries a call, {a.layers} layers"
           + ("" if a.block_rows is None else f", block rows {a.block_rows}"))
-    print("| mode | threads | ms a layer | K/V MB a layer | GB/s |")
-    print("|---|---|---|---|---|")
+    print("| mode | threads | ms a layer | K/V MB a layer | GB/s | ns a key row |")
+    print("|---|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(hq, a.queries, d, generator=gen)
     for mode in a.modes:
@@ -109,7 +110,8 @@ def main() -> None:
         for th in a.threads:
             torch.set_num_threads(th)
             ms = measure(q, layers, a.keys, d ** -0.5, a.rounds, th)
-            print(f"| {mode} | {th} | {ms:.2f} | {mb:.1f} | {mb / ms:.1f} |", flush=True)
+            row_ns = ms * 1e6 / (hk * a.keys) * (th if th > 1 else 1)   # a thread's time a row
+            print(f"| {mode} | {th} | {ms:.2f} | {mb:.1f} | {mb / ms:.1f} | {row_ns:.2f} |", flush=True)
         del layers
     print(f"load after: {os.getloadavg()[0]:.1f}")
 
