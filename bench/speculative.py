@@ -1,4 +1,5 @@
-"""Speculative decoding off against on (docs/speculative.md), in process, on the bundled models:
+"""Speculative decoding off against on (``--mode``: ngram, cache or auto; docs/speculative.md), in
+process, on the bundled models:
 decode speed, acceptance, and a check that every run's token ids are the same both ways; beside
 it llama.cpp's llama-server on the same GGUF without and with each of its n-gram draft types.
 
@@ -12,13 +13,17 @@ Workloads (greedy, ``--max-tokens`` each):
 - ``regenerate``: a second turn asks for the previous answer again, that answer (the plain run's
   reply to the first turn) being in the conversation;
 - ``prose``: a short story, nothing to copy (the drafter's back-off is what is measured);
+- ``retry``: the first turn's question sent again, the same request a second time (a regenerate
+  button, a client's retry) on an engine with the prompt cache on, after the first request ran
+  (untimed): the ``cache`` drafter drafts the whole earlier reply (ngram: only what the reply
+  repeats of itself);
 - ``agent``: the steps of one recorded agent session (bench/agent_traces/small.jsonl, the OpenAI
   Agents SDK: forced tool calls whose arguments name files, then a text answer), each body as
   recorded (tools, tool_choice's grammar, max_tokens) under the shipped chatml-tools template,
   one after another on one engine with the prompt cache on, as the server would run them (the
   tokens the call's grammar forces are drafts too: their counts print apart).
 
-Each (model, workload) runs ``--rounds`` rounds, off and on alternating in order (off, on, on,
+Each (model, workload) runs ``--rounds`` rounds, off and on (``--mode``) alternating in order (off, on, on,
 off, ...), each run on a fresh engine (the model loaded once), so runs see the same prefill.
 Every run uses ``--threads`` compute threads (default 1: the machine is shared; a descheduled
 partner thread costs more than the second core gives). Prints the median decode tok/s of each
@@ -67,6 +72,7 @@ def chats(first_reply: str) -> dict[str, list[dict]]:
                        {"role": "user", "content": "Please give me exactly that answer again, word for word."}],
         "prose": [{"role": "user", "content": "Write a short story about a lighthouse keeper who finds a "
                    "message in a bottle."}],
+        "retry": [{"role": "user", "content": QUESTION}],
     }
 
 
@@ -105,7 +111,7 @@ class Bench:
         self.args = args
         self.agent = agent_bodies(Path(args.trace), args.session)
 
-    def engine(self, mode: str, tools: bool = False):
+    def engine(self, mode: str, tools: bool = False, cache: bool = False):
         from turnkv.engine.engine import Engine
         from turnkv.engine.speculative import DEFAULT_DRAFT_MAX
         from turnkv.prompt_cache.store import PromptCache
@@ -113,7 +119,7 @@ class Bench:
         lm = self.loaded
         return Engine(lm.net, self.tools_tokenizer if tools else lm.tokenizer, fingerprint=lm.fingerprint,
                       name=lm.name, weights=lm.weights, kv_mode=self.kv_mode, max_context=lm.max_context,
-                      prompt_cache=PromptCache(1 << 30 if tools else 0), speculative=mode,
+                      prompt_cache=PromptCache(1 << 30 if tools or cache else 0), speculative=mode,
                       draft_max=self.args.draft_max or DEFAULT_DRAFT_MAX)
 
     def requests(self, engine, name: str, messages: list[dict] | None) -> list:
@@ -133,8 +139,11 @@ class Bench:
     def run(self, name: str, messages: list[dict] | None, mode: str) -> dict:
         """One run of a workload: its token ids, decode tok/s over all its requests (wall and
         CPU time), drafts."""
-        engine = self.engine(mode, tools=name == "agent")
+        engine = self.engine(mode, tools=name == "agent", cache=name == "retry")
+        if name == "retry":      # the earlier request, which the timed one repeats
+            engine.generate(self.requests(engine, name, messages)[0])
         ids, decode_s, cpu_s, decoded, drafted, accepted, prompts, forced = [], 0.0, 0.0, 0, 0, 0, [], [0, 0]
+        kinds: dict[str, list[int]] = {}
         for req in self.requests(engine, name, messages):
             prompts.append((list(req.prompt_ids), req.params.max_tokens))
             result, cpu = decode_cpu(engine, req)
@@ -145,45 +154,49 @@ class Bench:
             drafted += result.stats.drafted
             accepted += result.stats.accepted
             forced = [forced[0] + result.stats.forced_drafted, forced[1] + result.stats.forced_accepted]
-        return {"ids": ids, "tok_s": decoded / decode_s if decode_s else 0.0, "cpu_tok_s": decoded / max(cpu_s, 1e-9),
+            for kind, got in result.stats.drafts.items():
+                kinds[kind] = [a + b for a, b in zip(kinds.get(kind, (0, 0)), (got["drafted"], got["accepted"]))]
+        return {"ids": ids, "kinds": kinds, "tok_s": decoded / decode_s if decode_s else 0.0,
+                "cpu_tok_s": decoded / max(cpu_s, 1e-9),
                 "drafted": drafted,
                 "accepted": accepted, "forced": forced, "tokens": sum(len(i) for i in ids), "prompts": prompts,
                 "costs": engine.spec.costs.as_dict()}
 
 
 def bench_workload(bench: Bench, name: str, messages, rounds: int) -> dict:
-    speeds = {(mode, clock): [] for mode in ("off", "ngram") for clock in ("tok_s", "cpu_tok_s")}
+    spec = bench.args.mode
+    speeds = {(mode, clock): [] for mode in ("off", spec) for clock in ("tok_s", "cpu_tok_s")}
     ratios, cpu_ratios, rate, per_pass, ids, same = [], [], [], [], {}, True
     for r in range(rounds):
         got = {}
-        for mode in (("off", "ngram") if r % 2 == 0 else ("ngram", "off")):
+        for mode in (("off", spec) if r % 2 == 0 else (spec, "off")):
             got[mode] = out = bench.run(name, messages, mode)
             for clock in ("tok_s", "cpu_tok_s"):
                 speeds[mode, clock].append(out[clock])
             ids.setdefault(mode, out["ids"])
             same &= out["ids"] == ids[mode] == ids.get("off", out["ids"])
-        on = got["ngram"]
+        on = got[spec]
         ratios.append(on["tok_s"] / max(got["off"]["tok_s"], 1e-9))
         cpu_ratios.append(on["cpu_tok_s"] / max(got["off"]["cpu_tok_s"], 1e-9))
         rate.append(on["accepted"] / on["drafted"] if on["drafted"] else 0.0)
         per_pass.append(on["tokens"] / max(1, on["tokens"] - on["accepted"]))
-    same &= ids["off"] == ids["ngram"]
+    same &= ids["off"] == ids[spec]
     med = {key: statistics.median(v) for key, v in speeds.items()}
-    row = {"tokens": sum(len(i) for i in ids["off"]), "off": med["off", "tok_s"], "ngram": med["ngram", "tok_s"],
-           "cpu_off": med["off", "cpu_tok_s"], "cpu_ngram": med["ngram", "cpu_tok_s"],
+    row = {"tokens": sum(len(i) for i in ids["off"]), "mode": spec, "off": med["off", "tok_s"],
+           "on": med[spec, "tok_s"],
+           "cpu_off": med["off", "cpu_tok_s"], "cpu_on": med[spec, "cpu_tok_s"],
            "speedup": statistics.median(ratios), "cpu_speedup": statistics.median(cpu_ratios),
            "acceptance": statistics.median(rate), "per_pass": statistics.median(per_pass), "same": same,
            "prompts": got["off"]["prompts"]}
-    print(f"  {name:<11} {row['tokens']:>4} tok  off {row['off']:6.1f} tok/s  ngram {row['ngram']:6.1f} tok/s  "
+    print(f"  {name:<11} {row['tokens']:>4} tok  off {row['off']:6.1f} tok/s  {spec} {row['on']:6.1f} tok/s  "
           f"speedup {row['speedup']:.2f}x  accepted {row['acceptance']:.0%} of drafts  {row['per_pass']:.2f} tok/pass  "
           f"{'same tokens' if same else 'TOKENS DIFFER'}  (load {os.getloadavg()[0]:.1f})", flush=True)
-    print(f"  {'':<11} by CPU time: off {row['cpu_off']:6.1f}  ngram {row['cpu_ngram']:6.1f} tok/s  speedup "
+    print(f"  {'':<11} by CPU time: off {row['cpu_off']:6.1f}  {spec} {row['cpu_on']:6.1f} tok/s  speedup "
           f"{row['cpu_speedup']:.2f}x (rounds {', '.join(f'{x:.2f}' for x in cpu_ratios)})", flush=True)
-    if on["forced"][0]:
-        print(f"  {'':<11} of the last on run's drafts, forced by the grammar: {on['forced'][1]} of {on['forced'][0]} "
-              f"accepted (the drafter's: {on['accepted'] - on['forced'][1]} of {on['drafted'] - on['forced'][0]})",
-              flush=True)
-    measured = dict(got["ngram"]["costs"])
+    if on["kinds"]:      # "forced": the tokens a grammar forced
+        print(f"  {'':<11} the last on run's drafts by kind, accepted of drafted: "
+              + ", ".join(f"{k} {a} of {d}" for k, (d, a) in sorted(on["kinds"].items())), flush=True)
+    measured = dict(on["costs"])
     head = "  ".join(f"{m} {c:.2f}" for m, c in measured.pop("head").items())
     costs = "  ".join(f"{m} rows {c:.2f}" for m, c in measured.items())
     print(f"  {'':<11} step costs at the end of the last on run (one row = 1): {costs}; head calls: {head}",
@@ -212,7 +225,9 @@ def bench_model(model: str, args) -> bool:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", nargs="+", default=["gemma3-270m", "smollm2-135m"])
-    p.add_argument("--workloads", nargs="+", default=["code_edit", "regenerate", "prose", "agent"])
+    p.add_argument("--workloads", nargs="+", default=["code_edit", "regenerate", "prose", "agent", "retry"])
+    p.add_argument("--mode", default="auto", choices=["ngram", "cache", "auto"],
+                   help="the speculative mode run against off (default auto, serve's default)")
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--draft-max", type=int, default=None, help="default: the engine's")
     p.add_argument("--rounds", type=int, default=2)

@@ -58,8 +58,8 @@ def compare(args, gguf: str, rows: dict) -> None:
         peers[spec_type] = run_type(args, gguf, spec_type, rows)
         print(f"  llama-server {spec_type} done (load {os.getloadavg()[0]:.1f})", flush=True)
     for name, row in rows.items():
-        print(f"  {name}: turnkv off {row['off']:.1f} / ngram {row['ngram']:.1f} tok/s ({row['tokens']} tok); "
-              f"by CPU time {row['cpu_off']:.1f} / {row['cpu_ngram']:.1f}")
+        print(f"  {name}: turnkv off {row['off']:.1f} / {row['mode']} {row['on']:.1f} tok/s ({row['tokens']} tok); "
+              f"by CPU time {row['cpu_off']:.1f} / {row['cpu_on']:.1f}")
         for spec_type, got in peers.items():
             g = got[name]
             rate = f", accepted {g['accepted']}/{g['drafted']}" if g["drafted"] else ""
@@ -71,5 +71,5 @@ def compare(args, gguf: str, rows: dict) -> None:
             best = peers[best_type][name]["tok_s"]
             cpu_type = max((t for t in peers if t != "none"), key=lambda t: peers[t][name]["cpu_tok_s"])
             cpu_best = peers[cpu_type][name]["cpu_tok_s"]
-            print(f"    turnkv ngram / llama-server's best ({best_type}): {row['ngram'] / max(best, 1e-9):.2f}x; "
-                  f"by CPU time ({cpu_type}): {row['cpu_ngram'] / max(cpu_best, 1e-9):.2f}x")
+            print(f"    turnkv {row['mode']} / llama-server's best ({best_type}): {row['on'] / max(best, 1e-9):.2f}x; "
+                  f"by CPU time ({cpu_type}): {row['cpu_on'] / max(cpu_best, 1e-9):.2f}x")

@@ -117,8 +117,9 @@ def test_help_defaults_match_the_engine():
     assert (cli.DEFAULT_MAX_SEQS, cli.DEFAULT_MAX_BATCH_TOKENS, cli.DEFAULT_MAX_QUEUE) == (
         scheduler.DEFAULT_MAX_SEQS, scheduler.DEFAULT_MAX_BATCH_TOKENS, scheduler.DEFAULT_MAX_QUEUE)
     assert set(cli.WEIGHT_FORMATS) == set(FORMATS)
-    from turnkv.engine import speculative
-    assert (cli.SPECULATIVE_MODES, cli.DEFAULT_DRAFT_MAX) == (speculative.MODES, speculative.DEFAULT_DRAFT_MAX)
+    from turnkv.engine import drafters, speculative
+    assert (cli.SPECULATIVE_MODES, cli.DEFAULT_DRAFT_MAX) == (drafters.MODES, speculative.DEFAULT_DRAFT_MAX)
+    assert cli.build_parser().parse_args(["serve"]).speculative == drafters.AUTO     # the default (docs/speculative.md)
     from turnkv import images
     assert (cli.DEFAULT_MAX_IMAGE_PIXELS, cli.DEFAULT_IMAGE_CACHE_MB) == (images.DEFAULT_MAX_IMAGE_PIXELS,
                                                                          images.DEFAULT_IMAGE_CACHE_MB)

@@ -20,8 +20,8 @@ from turnkv.cache import specs as cache_specs
 from turnkv.engine.engine import Engine
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.sequence import GenerationRequest
-from turnkv.engine.speculative import (CHUNK_COST, CLOCK, NGRAM, DraftLogits, NgramDrafter, Speculation,
-                                      StepCosts, head_blocks)
+from turnkv.engine.drafters import NGRAM, NgramDrafter
+from turnkv.engine.speculative import CHUNK_COST, CLOCK, FORCED, DraftLogits, Speculation, StepCosts, head_blocks
 from turnkv.loading.model import load_model
 from turnkv.models.batch import ALL, Batch
 from turnkv.prompt_cache.store import PromptCache
@@ -69,7 +69,7 @@ def make_engine(model, speculative="off", drafter=None, budget=1 << 30, tokenize
                  prompt_cache=PromptCache(budget), slack=4, prefill_chunk=16, max_context=4096,
                  speculative=speculative, draft_max=6, **kw)
     if drafter is not None:
-        eng.drafters[NGRAM] = drafter
+        eng.drafters[NGRAM] = lambda engine, seq: drafter()     # a factory without arguments
     if not measured:     # drafts as the prior costs choose them, whatever this machine's timing
         eng.spec.costs = StepCosts(window=0)
     return eng
@@ -529,9 +529,10 @@ def test_forced_tokens_draft_the_cheapest_split_and_count_as_their_own_kind():
     spec = Speculation(NGRAM, 7, Oracle([[1, 2, 3, 4, 5, 6]], wrong=1.0), prior)
     p, length = spec.token_acceptance(), spec.length
     assert spec.propose([1, 2], 7, Forcing([9, 8, 7, 6, 5, 4, 3, 2, 1])) == [9, 8, 7, 6, 5, 4, 3]
-    assert spec.record(7, 5) == (7, 5) and (spec.forced_drafted, spec.forced_accepted, spec.drafted) == (7, 5, 7)
+    assert spec.record(7, 5) == FORCED and (spec.forced_drafted, spec.forced_accepted, spec.drafted) == (7, 5, 7)
     assert (spec.token_acceptance(), spec.length, spec.forced) == (p, length, 0)
     assert spec.propose([1, 2], 3, Forcing([9, 8, 7, 6, 5])) == [9, 8, 7]    # the room left in the step
     spec.record(3, 3)
     assert spec.propose([1, 2], 7, Forcing([], valid=1)) == [4]          # the drafter's (wrong) draft, cut
-    assert spec.record(1, 0) == (0, 0) and spec.token_acceptance() < p and spec.forced_drafted == 10
+    assert spec.record(1, 0) == NGRAM and spec.token_acceptance() < p and spec.forced_drafted == 10
+    assert spec.kinds == {FORCED: [10, 8], NGRAM: [1, 0]}          # by kind: the grammar's, the drafter's

@@ -1,7 +1,8 @@
 """The chat page at `/` in a real headless Chromium (Debian's `chromium`, driven by Playwright):
 a 3-turn chat against a real `turnkv serve` with an API key. The page asks for the key, replies
-stream in (the reply's text changes several times before its stats appear), and turns 2 and 3 show
-cached tokens > 0. A screenshot is saved in the test's tmp dir.
+stream in (the reply's text changes several times before its stats appear), turns 2 and 3 show
+cached tokens > 0, and each reply's stats name the speculative mode and its tokens a decode step.
+A screenshot is saved in the test's tmp dir.
 
 Skips when no Chromium is installed (`.ci/run` installs Debian's package when it can).
 """
@@ -85,6 +86,9 @@ def test_three_turn_chat_in_a_real_browser(server, tmp_path):
                 found = re.search(r"cached (\d+) tok", stats)
                 assert found, stats
                 cached.append(int(found.group(1)))
+                # serve's default speculative mode and the reply's tokens a decode step (>= 1: drafts taken)
+                spec = re.search(r"speculative (auto|off \(auto_check_pending\)) (\d+\.\d+) tok/step", stats)
+                assert spec and float(spec.group(2)) >= 1.0, stats
             assert updates >= 3 * len(QUESTIONS), f"the replies did not stream: {updates} changes"
             assert cached[1] > 0 and cached[2] > cached[1], cached
             page.wait_for_selector("#cache-stats dt", timeout=30_000)           # the cache panel filled in

@@ -12,8 +12,8 @@ DEFAULT_MAX_SEQS, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_QUEUE = 8, 256, 64
 # server/context.py's defaults, for the same reason
 DEFAULT_MAX_MESSAGES, DEFAULT_MAX_CONNECTIONS = 2048, 1024
 DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_IMAGE_CACHE_MB = 4096 * 4096, 256.0     # = turnkv/images.py's
-# engine/speculative.py's MODES and DEFAULT_DRAFT_MAX, for the same reason
-SPECULATIVE_MODES, DEFAULT_DRAFT_MAX = ("off", "ngram"), 7
+# engine/drafters.py's MODES and engine/speculative.py's DEFAULT_DRAFT_MAX, for the same reason
+SPECULATIVE_MODES, DEFAULT_DRAFT_MAX = ("off", "ngram", "cache", "mtp", "auto"), 7
 # the names of turnkv.models.weights.FORMATS, listed here so `--help` does not import torch
 WEIGHT_FORMATS = ("native", "bf16", "int8", "int4x2", "int4", "auto", "gguf")
 # perplexity.py's DEFAULT_CTX and DEFAULT_BATCH, for the same reason
@@ -59,9 +59,10 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smol
     g.add_argument("--image-cache-mb", type=float, default=DEFAULT_IMAGE_CACHE_MB,
                    help="vision models: byte budget of cached image embeddings in MiB (default 256; docs/images.md)")
     d = p.add_argument_group("speculative decoding (docs/speculative.md)")
-    d.add_argument("--speculative", default="off", choices=list(SPECULATIVE_MODES),
-                   help="draft tokens and verify them in one forward, output unchanged: off, or ngram "
-                        "(prompt lookup in the sequence's own prompt and output; default off)")
+    d.add_argument("--speculative", default="auto", choices=list(SPECULATIVE_MODES),
+                   help="draft tokens verified in one forward, output unchanged: off, ngram (its own text), cache "
+                        "(an earlier request's continuation, same tenant), mtp (the checkpoint's MTP layers: Qwen 3.5) "
+                        "or auto (cache, else ngram, once a check in the engine's first idle moment passed; default)")
     d.add_argument("--draft-max", type=int, default=DEFAULT_DRAFT_MAX, metavar="K",
                    help=f"longest draft per step (1..64, default {DEFAULT_DRAFT_MAX})")
     c = p.add_argument_group("prompt cache")
@@ -176,6 +177,8 @@ def cmd_chat(args) -> int:
         sys.stdout.write("\n")
         print(result.stats.line(result.usage), file=sys.stderr)
         messages.append({"role": "assistant", "content": result.text})
+        if engine.idle_check:   # auto's check, while the reply is read (docs/speculative.md)
+            engine.speculation_blocked()
 
 
 def cmd_serve(args) -> int:

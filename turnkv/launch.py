@@ -322,6 +322,8 @@ def engine_from(args, progress: bool = True, huge_pages_now: bool = True):
                          **{k: getattr(args, k) for k in ("max_seqs", "max_batch_tokens", "max_queue",
                                                           "max_image_pixels", "image_cache_mb") if hasattr(args, k)})
     engine.weight_pages = weights_to_huge_pages(engine, start=huge_pages_now)
+    if args.speculative == "auto":      # its check runs when the engine is idle: no request waits for it
+        engine.idle_check = lambda: True
     if tiered:   # the lower tiers are named by the loaded model's fingerprint (prompt_cache/tiered.py)
         from .prompt_cache.tiered import build_tiers
         cache.attach(build_tiers(engine.fingerprint, args.cache_dir, args.disk_cache_mb, args.redis_url,
@@ -373,7 +375,10 @@ def print_banner(engine, budget_mb: float, enabled: bool) -> None:
     print(f"turnkv: KV mode {describe_modes(list(engine.modes), engine.specs)}; prompt cache "
           f"{'on, budget ' + format(budget_mb, 'g') + ' MiB' if enabled and budget_mb > 0 else 'off'}",
           file=sys.stderr)
-    if engine.speculative != "off":     # the probe runs here, on the thread that runs the engine
+    if engine.speculative == "auto":    # its check runs in the engine's first idle moment (Engine.run)
+        print(f"turnkv: speculative auto (the cache's drafts, else ngram's), drafts of up to {engine.draft_max} "
+              "tokens once a check on this model has passed", file=sys.stderr)
+    elif engine.speculative != "off":     # the probe runs here, on the thread that runs the engine
         blocked = engine.speculation_blocked()
         print(f"turnkv: speculative {engine.speculative}, drafts of up to {engine.draft_max} tokens"
               if not blocked else f"turnkv: speculative decoding off for this model ({blocked}; docs/speculative.md)",

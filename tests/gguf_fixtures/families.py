@@ -215,6 +215,46 @@ def make_qwen3_5():
     return perturb(Qwen3_5ForCausalLM(cfg)), ()
 
 
+def make_qwen3_5_mtp():
+    """Qwen 3.5 dense with the multi-token-prediction block a released checkpoint carries (``mtp.*``:
+    fc, the two pre-fc norms, one full-attention decoder layer, the final norm), which transformers
+    neither builds nor saves (``_keys_to_ignore_on_load_unexpected``): the folder gets them after
+    save_pretrained, random (the layer's from a second model's full-attention layer, every 1-D
+    weight perturbed), and llama.cpp's converter writes them as ``blk.4.*`` / ``blk.4.nextn.*``."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(0)
+    cfg = Qwen3_5TextConfig(intermediate_size=96, tie_word_embeddings=False, **_qwen3_5_common())
+    model = perturb(Qwen3_5ForCausalLM(cfg))
+    torch.manual_seed(7)
+    donor = perturb(Qwen3_5ForCausalLM(cfg), seed=8, scale=0.3)
+    g = torch.Generator().manual_seed(9)
+    hidden = cfg.hidden_size
+    mtp = {f"mtp.layers.0.{k}": v.detach().clone() for k, v in donor.model.layers[3].state_dict().items()}
+    mtp |= {"mtp.fc.weight": 0.1 * torch.randn(hidden, 2 * hidden, generator=g)}
+    mtp |= {f"mtp.{n}.weight": 0.3 * torch.randn(hidden, generator=g)
+            for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+    _add_on_save(model, mtp)
+    return model, ()
+
+
+def _add_on_save(model, extra: dict) -> None:
+    """After the model's save_pretrained, add ``extra`` tensors to its model.safetensors (weights a
+    released checkpoint holds that transformers' class does not)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    save = model.save_pretrained
+
+    def save_more(folder, *args, **kwargs):
+        save(folder, *args, **kwargs)
+        path = Path(folder) / "model.safetensors"
+        save_file(load_file(path) | {k: v.contiguous() for k, v in extra.items()}, path, metadata={"format": "pt"})
+
+    model.save_pretrained = save_more
+
+
 def make_qwen3_5_moe():
     # tied embeddings (as the small released models), shared expert gate on every layer. A vocabulary
     # padded past the tokenizer's (as the released 248320 is): transformers loads a qwen3_5_moe_text

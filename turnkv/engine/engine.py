@@ -3,8 +3,7 @@
 ``submit`` queues a request (thread-safe) and returns its Sequence; ``step`` admits waiting
 sequences into state slots, runs one batch of every decoding sequence's next token plus prefill
 chunks (engine/scheduler.py), samples, and sends each sequence its events. The server runs ``run``
-on one thread; the CLI and tests use ``stream`` and ``generate``, which drive ``step`` themselves
-(one thread at a time: the engine is not re-entrant).
+on one thread; the CLI and tests drive ``step`` through ``stream`` and ``generate`` (not re-entrant).
 
 Reuse has one owner, prompt_cache/plan.py: on admission ``Reuse.begin`` restores what the prompt
 cache holds and gives the sequence its ``SeqPlan``, which the step asks where a prefill chunk must
@@ -30,11 +29,12 @@ from ..images import DEFAULT_IMAGE_CACHE_MB, DEFAULT_MAX_IMAGE_PIXELS, EncoderCa
 from ..models.batch import Batch, split_logits
 from ..prompt_cache.plan import Reuse
 from ..prompt_cache.store import Namespace, PromptCache
-from .requests import ContextLengthError, Requests
+from .drafters import AUTO, AUTO_PENDING, DRAFTERS, OFF
+from .requests import ContextLengthError, Requests, check_speculative
 from .scheduler import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_QUEUE, DEFAULT_MAX_SEQS, QueueFull, Scheduler, Work
+from .mtp import feed_hidden, hidden_sink
 from .spec_probe import blocked_reason, keep_trails
-from .speculative import (CLOCK, DEFAULT_DRAFT_MAX, DRAFTERS, OFF, DraftLogits, SpecCounters, Speculation,
-                          check_mode, verify_draft)
+from .speculative import CLOCK, DEFAULT_DRAFT_MAX, DraftLogits, SpecCounters, Speculation, verify_draft
 from .sequence import (DECODE, FINISHED, PREFILL, Failure, GenerationRequest, Result, Sequence, Stats,
                        TokenEvent, Usage)
 
@@ -67,11 +67,12 @@ class Engine:
                  max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, max_queue: int = DEFAULT_MAX_QUEUE,
                  image_cache_mb: float = DEFAULT_IMAGE_CACHE_MB, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
                  speculative: str = OFF, draft_max: int = DEFAULT_DRAFT_MAX):
-        check_mode(speculative, draft_max)
+        check_speculative(model, speculative, draft_max)     # and mtp on a model without the block
         self.speculative, self.draft_max = speculative, draft_max   # defaults; a request may override
         self.spec = SpecCounters()
         self.drafters = dict(DRAFTERS)
         self._spec_block: str | None = None     # why no draft can be verified here ("" once probed fine)
+        self.idle_check = None      # auto (launch.py): when its check may run idle; plain decoding until it has
         self.model = model
         self.max_image_pixels = int(max_image_pixels)
         # vision families: image embeddings by content hash (docs/images.md); None for text-only models
@@ -179,7 +180,6 @@ class Engine:
         with self._lock:
             return len(self._inbox) + len(self.scheduler.waiting) + len(self.scheduler.running)
 
-    # --- driving it -----------------------------------------------------------------------------
     def stream(self, req: GenerationRequest) -> Iterator[TokenEvent]:
         """Yield a TokenEvent per generated token; the generator's return value is the Result.
         Closing the generator early cancels the request (its state is stored as usual). One choice
@@ -238,10 +238,11 @@ class Engine:
         return [results[i] for i in range(req.params.n)]
 
     def run(self, stop: threading.Event, also: threading.Event | None = None) -> None:
-        """The server's engine loop: step while there is work, sleep until a submit otherwise;
-        returns once ``stop`` (or ``also``) is set."""
+        """The server's engine loop: step while there is work, else sleep until a submit; until ``stop`` / ``also``."""
         while not stop.is_set() and not (also is not None and also.is_set()):
             if not self.step():
+                if self.idle_check and self.idle_check():     # auto's check, in an idle moment
+                    self.speculation_blocked()
                 self._wake.wait(0.05)
                 self._wake.clear()
 
@@ -296,8 +297,10 @@ class Engine:
                     keep_trails(w.seq.state.caches)
             # with a draft in the step the head waits: verification asks for the rows it needs
             batch = Batch.build([(w.tokens, w.seq.state.caches, w.logits) for w in work], self.device, images,
-                                head=not any(w.draft for w in work))
-            return self.model.forward(batch)
+                                head=not any(w.draft for w in work), hidden=hidden_sink(self, work))
+            out = self.model.forward(batch)
+            feed_hidden(self, work, batch)       # the MTP drafters' input (engine/mtp.py)
+            return out
 
     def _logits_of(self, work: list[Work], out: torch.Tensor | None) -> list:
         """Each work's logits from the forward's rows. When the step deferred the head (a draft
@@ -401,18 +404,19 @@ class Engine:
         mode = seq.params.speculative or self.speculative
         if mode == OFF:
             return None
-        blocked = self.speculation_blocked()
+        blocked = (AUTO_PENDING if mode == AUTO and self.idle_check and self._spec_block is None   # no wait for it
+                   else self.speculation_blocked())
         if blocked:
             seq.stats.speculative = f"off ({blocked})"
             self.spec.off[blocked] = self.spec.off.get(blocked, 0) + 1
             return None
         seq.stats.speculative = mode
-        return Speculation(mode, seq.params.draft_max or self.draft_max, self.drafters[mode](), self.spec.costs)
+        return Speculation(mode, seq.params.draft_max or self.draft_max, self.drafters[mode](self, seq),
+                           self.spec.costs)
 
     def speculation_blocked(self) -> str:
-        """Why no draft can be verified exactly on this model ("" when drafts can be): its state
-        cannot be cut back, or the probe found its forward not chunk-invariant (computed once, on
-        the engine's thread: the first request that asks, or the banner)."""
+        """Why no draft can be verified exactly here ("" when drafts can be): a state that cannot be cut back,
+        or a forward the probe found not chunk-invariant (once, on the engine's thread; ``idle_check``: idle)."""
         if self._spec_block is None:
             self._spec_block = blocked_reason(self.model, self.specs, self.dtype, self.device, self.modes, self.slack)
             if self._spec_block:

@@ -6,14 +6,26 @@ from __future__ import annotations
 import time
 
 from ..images import decode_image, is_key, parse_data_url, split_key, whole_images
-from .sampling import SamplingParams
+from .mtp import MTP
+from .sampling import ParamError, SamplingParams
 from .sequence import GenerationRequest
+from .speculative import check_mode
 
 BOUNDARY_MESSAGES = 16       # message ends found per chat request (tokenizer.render_chat)
 
 
 class ContextLengthError(ValueError):
     """The prompt does not fit the model's context."""
+
+
+def check_speculative(model, mode: str | None, draft_max: int | None = None) -> None:
+    """``check_mode``, and a ValueError (``ParamError``) for ``mtp`` on a model without an MTP block
+    (engine/mtp.py): at start (the CLI's error) and per request (a 400 naming ``speculative``)."""
+    check_mode(mode, draft_max)
+    if mode == MTP and getattr(model, "mtp", None) is None:
+        raise ParamError(f"speculative 'mtp' needs a checkpoint with multi-token-prediction layers (Qwen 3.5's "
+                         f"mtp.* / a GGUF's blk.N.nextn.*); model {getattr(model, 'family', '?')} has none "
+                         f"(docs/speculative.md)", "speculative")
 
 
 class Requests:
@@ -89,6 +101,7 @@ class Requests:
 
     def check(self, req: GenerationRequest) -> None:
         req.params.validate(self.model.vocab_size)
+        check_speculative(self.model, req.params.speculative)
         n = len(req.prompt_ids)
         if n == 0:
             raise ValueError("the prompt is empty")

@@ -76,7 +76,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None        # None: off; k: the sampled token's logprob and the top k
     n: int = 1                         # choices sharing one prefill of the prompt
-    speculative: str | None = None     # "off" | "ngram"; None: the engine's --speculative
+    speculative: str | None = None     # a mode of drafters.MODES; None: the engine's --speculative
     draft_max: int | None = None       # longest draft; None: the engine's --draft-max
     skip_special_tokens: bool = True   # False: the text shows special tokens (EOS never: it ends the text)
 

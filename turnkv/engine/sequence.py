@@ -20,7 +20,7 @@ from ..cache.slots import SeqState
 from ..images import model_ids
 from ..prompt_cache.plan import Restored, SeqPlan
 from ..prompt_cache.store import Namespace
-from .speculative import Speculation
+from .speculative import Speculation, kinds_dict
 from .sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
 from .text import StopMatcher
 
@@ -76,11 +76,12 @@ class Stats:
     accepted: int = 0            # of them, those plain decoding produced too
     forced_drafted: int = 0      # of the drafted, those the grammar forced (their own kind) ...
     forced_accepted: int = 0     # ... and of those the accepted
+    drafts: dict = field(default_factory=dict)   # by kind ("ngram", "cache", "forced"): drafted, accepted, rate
 
     def line(self, usage: Usage) -> str:
         drafts = f" | drafts: {self.accepted} of {self.drafted} tok accepted" if self.drafted else ""
-        if self.forced_drafted:
-            drafts += f" ({self.forced_accepted} of {self.forced_drafted} forced by the grammar)"
+        if len(self.drafts) > 1 or self.forced_drafted:
+            drafts += " (" + ", ".join(f"{k} {c['accepted']} of {c['drafted']}" for k, c in self.drafts.items()) + ")"
         return (f"[prompt {usage.prompt_tokens} tok, cached {usage.cached_tokens}, prefilled {self.prefilled_tokens} | "
                 f"TTFT {self.ttft_ms:.0f} ms | {usage.completion_tokens} tok at {self.decode_tokens_per_s:.1f} tok/s"
                 f"{drafts}]")
@@ -140,6 +141,7 @@ class Sequence:
         self.plan: SeqPlan | None = None      # its reuse (prompt_cache/plan.py), from admission on
         self.next_token: int | None = None    # sampled, not yet fed
         self.spec: Speculation | None = None   # drafts after next_token (engine.py _speculation)
+        self.drafter = None      # an mtp drafter, fed the sequence's hidden states from its prefill on (engine/mtp.py)
         self.generated: list[int] = []
         self.last_logits: torch.Tensor | None = None   # logits of the state's last token
         self.first_logits: torch.Tensor | None = None
@@ -246,6 +248,7 @@ class Sequence:
         if self.spec is not None:
             s.drafted, s.accepted = self.spec.drafted, self.spec.accepted
             s.forced_drafted, s.forced_accepted = self.spec.forced_drafted, self.spec.forced_accepted
+            s.drafts = kinds_dict(self.spec.kinds)
         self.usage.completion_tokens = len(self.generated)
         s.total_ms = (t_end - self.t_submit) * 1000
         s.decode_ms = (t_end - (self.t_first or t_end)) * 1000

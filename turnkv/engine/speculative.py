@@ -1,6 +1,6 @@
-"""Speculative decoding whose output is plain decoding's (docs/speculative.md): the drafters (the
-sequence's own text; the tokens its grammar forces), a sequence's draft state and counts, and the
-step costs drafts are priced by. The verification itself is the engine's step (engine.py
+"""Speculative decoding whose output is plain decoding's (docs/speculative.md): a sequence's draft
+state and counts (the tokens its grammar forces are drafted here; the drafters proper are
+drafters.py's), and the step costs drafts are priced by. The verification itself is the engine's step (engine.py
 ``_advance``, ``verify_draft``): the sequence's own ``take`` on each logits row of the draft's
 chunk. The probe that decides whether the loaded model's forward is chunk-invariant, which
 exactness rests on, is spec_probe.py."""
@@ -14,14 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..images import is_key
+from .drafters import MODES
 
-OFF, NGRAM = "off", "ngram"
-MODES = (OFF, NGRAM)
 DEFAULT_DRAFT_MAX = 7
+FORCED = "forced"                # the kind of a draft of the tokens a grammar forces
 MAX_DRAFT = 64
-NGRAM_MAX, NGRAM_MIN = 4, 2      # suffix lengths prompt lookup tries, longest first
-FOLLOW_SPAN = 16                 # tokens a followed copy's match is checked over (NgramDrafter.followed)
 # A draft is proposed only when its expected tokens per unit of step time beat plain decoding's
 # by this much: below it what a draft could win is within the error of the acceptance estimate
 # (which never falls below 1/7) and of the measured costs, and a draft that does not win loses.
@@ -203,58 +200,6 @@ def check_mode(mode: str | None, draft_max: int | None) -> None:
         raise ValueError(f"draft_max must be an integer in 1..{MAX_DRAFT}, got {draft_max!r}")
 
 
-class NgramDrafter:
-    """Prompt lookup over one sequence's tokens: ``index[n]`` maps every n-gram to the position
-    right after its latest occurrence, for occurrences ending before the newest token (the
-    newest suffix must match something earlier, not itself). A copy the last draft came from is
-    followed on while it matches longer than any lookup checks (``followed``)."""
-
-    def __init__(self):
-        self.index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(NGRAM_MIN, NGRAM_MAX + 1)}
-        self.upto = 0          # n-grams ending before this position are indexed
-        self.src, self.seen = -1, 0    # the last draft: history[src] guessed to follow history[:seen]
-
-    def draft(self, history: list[int], k: int) -> list[int]:
-        end = len(history)
-        for e in range(max(self.upto, NGRAM_MIN), end):
-            for n, table in self.index.items():
-                if e >= n:
-                    table[tuple(history[e - n:e])] = e
-        self.upto = max(self.upto, end)
-        at = self.followed(history, end)
-        for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
-            if at is not None or end < n:
-                continue
-            at = self.index[n].get(tuple(history[end - n:]))
-        self.src, self.seen = (at, end) if at is not None else (-1, 0)
-        if at is None:
-            return []
-        out = history[at:at + k]
-        cut = next((i for i, t in enumerate(out) if is_key(t)), len(out))
-        return out[:cut]
-
-    def followed(self, history: list[int], end: int) -> int | None:
-        """The last draft's source, moved on with the history, while the tokens before it match
-        the newest ones for more than ``NGRAM_MAX`` (up to ``FOLLOW_SPAN`` are compared): the
-        longest match wins, and the index knows only the latest occurrence of the last 4 tokens.
-        A copy of a text whose phrases repeat (an answer given again) jumped to the phrase's
-        later occurrence there and lost the draft (SmolLM2's regenerate: 7 tokens drafted, 0
-        taken, docs/measurements/2026-12-07-s23-spec.md)."""
-        at = self.src + end - self.seen
-        if self.src < 0 or at >= end:
-            return None
-        n = min(FOLLOW_SPAN, at)
-        matched = 0
-        while matched < n and history[at - 1 - matched] == history[end - 1 - matched]:
-            matched += 1
-        return at if matched > NGRAM_MAX else None
-
-
-# mode -> a new drafter for one sequence: an object whose ``draft(history, k)`` returns at most
-# ``k`` tokens guessed to follow ``history``. An engine copies this table (``Engine.drafters``).
-DRAFTERS = {NGRAM: NgramDrafter}
-
-
 @dataclass
 class Speculation:
     """One sequence's speculation: the drafter, the adaptive draft length (0: backed off) and its
@@ -270,6 +215,8 @@ class Speculation:
     forced_drafted: int = 0        # of them, the tokens the grammar forced (``propose``) ...
     forced_accepted: int = 0       # ... and of those the ones taken
     forced: int = 0                # the draft in flight: its forced tokens (0: the drafter's)
+    kind: str = ""                 # the draft in flight's kind (the drafter's ``kind``, else the mode)
+    kinds: dict[str, list[int]] = field(default_factory=dict)   # kind -> [drafted, accepted]
     # draft tokens accepted and drafts that ended in a rejected token, recent ones weighing more;
     # they start at one of each (a guess to be proven), which weighs less at every draft too
     recent_accepted: float = 1.0
@@ -279,6 +226,7 @@ class Speculation:
 
     def __post_init__(self):
         self.length = self.best_length()
+        self.kind = self.kind or self.mode
 
     def propose(self, history: list[int], room: int, grammar=None) -> list[int]:
         """A draft of at most ``room`` tokens to follow ``history``. Where ``grammar`` (the
@@ -298,6 +246,7 @@ class Speculation:
             return []
         k = min(self.length, room)
         draft = self.drafter.draft(history, k) if k > 0 else []
+        self.kind = getattr(self.drafter, "kind", None) or self.mode
         return draft[:grammar.valid(draft)] if grammar is not None and draft else draft
 
     def watch(self, history: list[int]) -> int:
@@ -328,24 +277,26 @@ class Speculation:
         a single lucky guess in prose then paid for a draft by the prior's costs)."""
         return self.recent_accepted / (self.recent_accepted + self.recent_rejected)
 
-    def record(self, drafted: int, accepted: int) -> tuple[int, int]:
-        """Counts, and the next draft's length: ``best_length`` for the recent acceptance, and
-        after a draft taken whole at least ``climb``'s (copying runs long); 0 backs off. A forced
-        draft counts as its own kind and changes neither. Returns the forced tokens drafted and
-        accepted."""
+    def record(self, drafted: int, accepted: int) -> str:
+        """Counts (in all and by the draft's kind), and the next draft's length: ``best_length``
+        for the recent acceptance, and after a draft taken whole at least ``climb``'s (copying
+        runs long); 0 backs off. A forced draft counts as its own kind and changes neither.
+        Returns the draft's kind."""
         self.drafted += drafted
         self.accepted += accepted
+        kind = FORCED if self.forced else self.kind
+        count_kind(self.kinds, kind, drafted, accepted)
         if self.forced:
             self.forced = 0
             self.forced_drafted += drafted
             self.forced_accepted += accepted
-            return drafted, accepted
+            return kind
         self.recent_accepted = RECENT * self.recent_accepted + accepted
         self.recent_rejected = RECENT * self.recent_rejected + (accepted < drafted)
         self.length = self.best_length()
         if accepted == drafted:
             self.length = max(self.length, self.climb(drafted))
-        return 0, 0
+        return kind
 
     def climb(self, drafted: int) -> int:
         """After a draft of ``drafted`` taken whole: the next rung up (copies run long) if, taken
@@ -384,21 +335,36 @@ class SpecCounters:
     forced_drafted: int = 0      # of them, the tokens a grammar forced ...
     forced_accepted: int = 0     # ... and of those the ones taken
     off: dict[str, int] = field(default_factory=dict)     # requests that asked, by why it was off
+    kinds: dict[str, list[int]] = field(default_factory=dict)   # kind -> [drafted, accepted]
     costs: StepCosts = field(default_factory=StepCosts)   # the step costs every sequence's drafts go by
 
-    def count(self, drafted: int, accepted: int, forced: tuple[int, int] = (0, 0)) -> None:
+    def count(self, kind: str, drafted: int, accepted: int) -> None:
         self.drafted += drafted
         self.accepted += accepted
         self.verify_steps += 1
-        self.forced_drafted += forced[0]
-        self.forced_accepted += forced[1]
+        count_kind(self.kinds, kind, drafted, accepted)
+        if kind == FORCED:
+            self.forced_drafted += drafted
+            self.forced_accepted += accepted
 
     def as_dict(self) -> dict:
         rate = self.accepted / self.drafted if self.drafted else 0.0
         return {"drafted": self.drafted, "accepted": self.accepted, "acceptance_rate": round(rate, 4),
                 "verify_steps": self.verify_steps,
                 "forced": {"drafted": self.forced_drafted, "accepted": self.forced_accepted},
-                "off": dict(self.off), "step_costs": self.costs.as_dict()}
+                "kinds": kinds_dict(self.kinds), "off": dict(self.off), "step_costs": self.costs.as_dict()}
+
+
+def count_kind(kinds: dict[str, list[int]], kind: str, drafted: int, accepted: int) -> None:
+    got = kinds.setdefault(kind, [0, 0])
+    got[0] += drafted
+    got[1] += accepted
+
+
+def kinds_dict(kinds: dict[str, list[int]]) -> dict[str, dict]:
+    """Draft counts by kind (the drafter's, or ``forced``), as stats and /metrics report them."""
+    return {k: {"drafted": d, "accepted": a, "acceptance_rate": round(a / d, 4) if d else 0.0}
+            for k, (d, a) in sorted(kinds.items())}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -467,5 +433,5 @@ def verify_draft(seq, tokens: list[int], rows, counters: SpecCounters) -> bool:
         if finished:
             break
     seq.state.truncate(base + taken)      # also ends the recurrent layers' trails
-    counters.count(len(draft), matched, seq.spec.record(len(draft), matched))
+    counters.count(seq.spec.record(len(draft), matched), len(draft), matched)
     return finished

@@ -120,7 +120,10 @@ class Model(nn.Module, ABC):
 
     def final_logits(self, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
         """``head`` on the rows of ``x`` that want logits (None: none); the rows themselves when
-        the batch defers the head (``Batch.head`` False: a verified draft's rows, docs/speculative.md)."""
+        the batch defers the head (``Batch.head`` False: a verified draft's rows, docs/speculative.md).
+        Every row's ``x`` goes to ``Batch.hidden`` where the batch keeps them (the MTP drafter)."""
+        if batch.hidden is not None:
+            batch.hidden.append(x)
         x = select_rows(x, batch)
         if x is None or not batch.head:
             return x

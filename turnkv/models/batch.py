@@ -64,10 +64,13 @@ class Batch:
     # False: ``forward`` returns the final hidden states of the rows that want logits, for the
     # caller to run ``Model.head`` on (as few rows as it needs: speculative verification)
     head: bool = True
+    # a list the forward appends its final hidden states to, every row's, before the final norm
+    # (the MTP drafter's input: engine/mtp.py); None: not kept
+    hidden: list | None = None
 
     @classmethod
     def build(cls, parts: Sequence[tuple[Sequence[int] | torch.Tensor, Sequence, str]], device="cpu",
-              images: dict | None = None, head: bool = True) -> "Batch":
+              images: dict | None = None, head: bool = True, hidden: list | None = None) -> "Batch":
         """``parts``: (tokens, caches, logits) per sequence, in the order their logits come back."""
         spans, pieces, row = [], [], 0
         for tokens, caches, logits in parts:
@@ -82,7 +85,7 @@ class Batch:
         if not spans:
             raise ValueError("an empty batch")
         tokens = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        return cls(tokens.to(device=device, dtype=torch.long), tuple(spans), images or None, head)
+        return cls(tokens.to(device=device, dtype=torch.long), tuple(spans), images or None, head, hidden)
 
     def logit_rows(self) -> torch.Tensor | slice | None:
         """Rows of the final hidden states whose logits are wanted: None (no row), a slice (a

@@ -14,11 +14,16 @@
 
 The released checkpoints are vision-language folders (``model_type`` ``qwen3_5`` / ``qwen3_5_moe``,
 ``text_config``, the decoder under ``model.language_model.``): their text decoder loads from those
-too, the vision tower and the MTP head are ignored."""
+too, the vision tower is ignored. The MTP block (``mtp.*``), where the checkpoint has one, is
+loaded as ``model.mtp`` (models/mtp.py): the ``--speculative mtp`` drafter."""
 
 from __future__ import annotations
 
+import torch
+
 from . import qwen3_next
+from .mtp import PREFIX as MTP_PREFIX
+from .mtp import MtpHead, has_mtp
 from .tensors import stored
 
 VLM_TEXT_PREFIX = "model.language_model."
@@ -46,7 +51,7 @@ def text_part(config: dict, tensors: dict) -> tuple[dict, dict]:
     for name, t in tensors.items():
         if name.startswith(VLM_TEXT_PREFIX):
             renamed["model." + name[len(VLM_TEXT_PREFIX):]] = t
-        elif name == "lm_head.weight":
+        elif name == "lm_head.weight" or name.startswith(MTP_PREFIX):
             renamed[name] = t
     return text, renamed
 
@@ -56,10 +61,14 @@ class Qwen3_5Model(qwen3_next.Qwen3NextModel):
     block = Block
     # the delta-net's fused input and output projections, the attention's q|k|v|gate and output,
     # the dense MLP and the shared expert (models/weights.py); the stacked routed experts, the
-    # router and the shared-expert gate stay native
-    packable_weights = ("w_in", "w_out", "wqkvg", "wo", "wgu", "wdown")
+    # router and the shared-expert gate stay native; the MTP block's (models/mtp.py) too, and its eh_proj
+    packable_weights = ("w_in", "w_out", "wqkvg", "wo", "wgu", "wdown", "eh_proj")
     head_weights = ("lm_head",)
     embedding_weights = ("embed",)
+
+    def __init__(self, args, config: dict, tensors: dict, dtype: torch.dtype):
+        super().__init__(args, config, tensors, dtype)
+        self.mtp = MtpHead(self, tensors, dtype, self.block, qwen3_next.FULL) if has_mtp(tensors) else None
 
     @classmethod
     def from_checkpoint(cls, config, tensors, dtype):

@@ -147,6 +147,7 @@ class PromptCache:
         self._refusals: Counter[str] = Counter()
         self._events = None        # a kv_events.BlockIndex when KV events are published (--kv-events)
         self._sessions = SessionLedger()
+        self._stored_in: Counter[Namespace] = Counter()     # entries stored so far, by namespace (``version``)
 
     def _count(self, owner: str, name: str, n: int = 1) -> None:
         self._counts.setdefault(owner, Counter())[name] += n
@@ -197,6 +198,20 @@ class PromptCache:
             self._touch(e)
             return Hit(snapshot=e.snap, usable=choice.usable, entry_length=e.length,
                        use_logits=choice.use_logits, origin=e.origin)
+
+    def version(self, ns: Namespace) -> int:
+        """How many entries ``ns`` has had stored: while it stands, nothing new extends anything
+        (a cache draft's lookup that found nothing need not be made again: engine/drafters.py)."""
+        return self._stored_in[ns]
+
+    def continuation(self, ns: Namespace, tokens: list[int]) -> tuple[int, ...] | None:
+        """The tokens of the newest entry of ``ns`` (in memory) that extends ``tokens`` past their
+        end, or None: what followed them in an earlier request of the namespace's tenant, which
+        speculative decoding drafts from (engine/drafters.py ``CacheDrafter``). Not a use."""
+        with self._lock:
+            trie = self._tries.get(ns) if self.enabled else None
+            longer = [e for e in trie.extensions(tokens) if e.length > len(tokens)] if trie is not None else []
+            return max(longer, key=lambda e: e.seq).tokens if longer else None
 
     def _other_modes_match_longer(self, ns: Namespace, tokens: tuple[int, ...], usable: int) -> bool:
         return any(best_match(trie, tokens).usable > usable
@@ -281,6 +296,7 @@ class PromptCache:
 
     def _add(self, entry: _Entry) -> None:
         owner = entry.ns.owner
+        self._stored_in[entry.ns] += 1
         self._tries.setdefault(entry.ns, RadixTrie()).insert(entry.tokens, entry)
         self._lru[entry.seq] = entry
         self._owner_lru.setdefault(owner, OrderedDict())[entry.seq] = entry

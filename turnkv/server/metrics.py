@@ -91,12 +91,9 @@ class ServerMetrics:
             self.cache_hits.inc(usage.cached_tokens)
             self.prefix_tokens = [self.prefix_tokens[0] + usage.prompt_tokens,
                                   self.prefix_tokens[1] + usage.cached_tokens]
-        if stats.drafted > stats.forced_drafted:      # the drafter's, under the mode
-            self.drafted.labels(kind=stats.speculative).inc(stats.drafted - stats.forced_drafted)
-            self.accepted.labels(kind=stats.speculative).inc(stats.accepted - stats.forced_accepted)
-        if stats.forced_drafted:                      # the tokens a grammar forced
-            self.drafted.labels(kind="forced").inc(stats.forced_drafted)
-            self.accepted.labels(kind="forced").inc(stats.forced_accepted)
+        for kind, got in stats.drafts.items():      # by the drafter that drafted them, or "forced" (a grammar's)
+            self.drafted.labels(kind=kind).inc(got["drafted"])
+            self.accepted.labels(kind=kind).inc(got["accepted"])
         self.ttft.observe(done.queue_s + stats.ttft_ms / 1000)
         self.e2e.observe(done.total_s)
 

@@ -143,7 +143,7 @@ class _Sampling(_Strict):
     min_p: float | None = Field(None, ge=0.0, le=1.0)          # vLLM's extension; 0 = off
     logit_bias: dict[str, float] | None = None                  # token id (a string) -> bias in [-100, 100]
     stop_token_ids: list[StrictInt] | None = None              # vLLM's extension
-    speculative: Literal["off", "ngram"] | None = None          # turnkv's: docs/speculative.md
+    speculative: Literal["off", "ngram", "cache", "mtp", "auto"] | None = None   # drafters.MODES: docs/speculative.md
     draft_max: StrictInt | None = Field(None, ge=1, le=64)
     # SGLang's fields, which sglang-router adds to every body it forwards (docs/scale-out.md)
     skip_special_tokens: StrictBool = True
@@ -399,6 +399,7 @@ def timings_json(stats, queue_ms: float) -> dict:
         "accepted_tokens": stats.accepted,
         "forced_drafted_tokens": stats.forced_drafted,     # of them, what the grammar forced (docs/speculative.md)
         "forced_accepted_tokens": stats.forced_accepted,
+        "drafts": stats.drafts,          # by kind: "ngram", "cache", "forced" (drafted, accepted, acceptance_rate)
     }
 
 

@@ -237,6 +237,8 @@ def run(app, server, sock: socket.socket, keys: KeyRing) -> None:
     once_answering(lambda: server.started, stop, huge_pages(app.state.engine), name="turnkv-weights-to-huge-pages")
     once_answering(lambda: server.started, stop, torch_meta_kernels(), name="turnkv-torch-meta-kernels")
     grammar_warm_up_thread(app.state.engine, lambda: server.started, stop)
+    if app.state.engine.idle_check:     # auto's check (docs/speculative.md): idle, once the server answers
+        app.state.engine.idle_check = lambda: server.started
     app.state.worker.run(stop)
     server.should_exit = True
     thread.join(10)

@@ -146,6 +146,13 @@ function showStats(div, usage, timings, clientTtft) {
     items.push(["prefill", timings.prefill_ms.toFixed(0) + " ms (" + timings.prefilled_tokens + " tok)"]);
     items.push(["TTFT", timings.ttft_ms.toFixed(0) + " ms"]);
     items.push(["decode", timings.decode_tokens_per_s.toFixed(1) + " tok/s"]);
+    // tokens a decode step: each step samples one token and keeps the draft tokens it verified
+    // (docs/speculative.md); the first token comes from the prefill
+    const decoded = usage ? usage.completion_tokens - 1 : 0, accepted = timings.accepted_tokens || 0;
+    if (decoded > 0 && decoded > accepted) {
+      const drafts = timings.drafted_tokens ? ", drafts " + accepted + "/" + timings.drafted_tokens + " taken" : "";
+      items.push(["speculative " + timings.speculative, (decoded / (decoded - accepted)).toFixed(2) + " tok/step" + drafts]);
+    }
   } else if (clientTtft != null) {
     items.push(["TTFT (client)", clientTtft.toFixed(0) + " ms"]);
   }

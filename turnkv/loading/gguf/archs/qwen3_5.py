@@ -4,9 +4,11 @@ Qwen3NextModel), read back as src/models/qwen35.cpp / qwen35moe.cpp read them.
 
 What the converter does and how it is undone here:
 
-- the trunk is ``block_count - nextn_predict_layers`` blocks: the MTP block(s) the converter counts
-  in ``block_count`` (``blk.{n}.nextn.*`` and a full-attention block) are not loaded; an MTP-only
-  file (no ``blk.0.attn_norm``) is refused;
+- the trunk is ``block_count - nextn_predict_layers`` blocks; one MTP block after it (the converter
+  counts it in ``block_count``: a full-attention block ``blk.{n}.*`` and ``blk.{n}.nextn.*``: ``fc`` is
+  ``eh_proj``, ``pre_fc_norm_embedding`` / ``pre_fc_norm_hidden`` / ``norm`` are ``enorm`` / ``hnorm``
+  / ``shared_head_norm``) is read back under transformers' ``mtp.*`` names (models/mtp.py, the
+  ``--speculative mtp`` drafter); an MTP-only file (no ``blk.0.attn_norm``) is refused;
 - layer kinds: ``attention.recurrent_layers`` (an array, true on the gated delta-net layers), else
   every ``full_attention_interval``-th layer (4 when absent) is full attention, as llama.cpp's loader;
 - every RMSNorm weight but the delta-net's output norm (``ssm_norm``) is stored as ``1 + w``
@@ -50,7 +52,12 @@ DEFAULT_FULL_ATTENTION_INTERVAL = 4   # llama.cpp's default when the file has ne
 # transformers names whose GGUF values are stored as (1 + w)
 _NORM_SUFFIXES = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".self_attn.q_norm.weight",
                   ".self_attn.k_norm.weight")
-_FUSED_QKV = ".self_attn.qkv_proj.weight"   # a --fuse-qkv file's full-attention attn_qkv (split in finish)
+_FUSED_QKV = ".self_attn.qkv_proj.weight"
+MTP_LAYER = "mtp.layers.0"
+# the MTP block's own tensors (llama.cpp's converter: fc -> eh_proj, pre_fc_norm_embedding -> enorm,
+# pre_fc_norm_hidden -> hnorm, norm -> shared_head.norm); its norms are stored as (1 + w) too
+_NEXTN = {"eh_proj": "fc", "enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden",
+          "shared_head_norm": "norm"}   # a --fuse-qkv file's full-attention attn_qkv (split in finish)
 
 
 def _layer_types(h: GGUFHeader, a: str, n: int) -> list[str]:
@@ -104,6 +111,8 @@ def _config(h: GGUFHeader, moe: bool) -> dict:
         "rms_norm_eps": f32(scalar(h, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_parameters": rope,
         "tie_word_embeddings": "output.weight" not in h.tensors,
+        # one MTP block with its tensors (a --no-mtp file counts it but has none): loaded as the drafter
+        "mtp_num_hidden_layers": int(total - n == 1 and f"blk.{n}.nextn.eh_proj.weight" in h.tensors),
         **token_ids(h),
     }
     if moe:
@@ -123,50 +132,62 @@ def _config(h: GGUFHeader, moe: bool) -> dict:
 
 def _tensor_names(h: GGUFHeader, config: dict) -> dict[str, str]:
     names = global_names(h)
-    moe = config["model_type"] == "qwen3_5_moe_text"
     for i, kind in enumerate(config["layer_types"]):
-        b, p = f"blk.{i}", f"model.layers.{i}"
-        names |= {f"{b}.attn_norm.weight": f"{p}.input_layernorm.weight",
-                  f"{b}.post_attention_norm.weight": f"{p}.post_attention_layernorm.weight"}
-        if kind == LINEAR:
-            la = f"{p}.linear_attn"
-            names |= {f"{b}.attn_qkv.weight": f"{la}.in_proj_qkv.weight",
-                      f"{b}.attn_gate.weight": f"{la}.in_proj_z.weight",
-                      f"{b}.ssm_beta.weight": f"{la}.in_proj_b.weight",
-                      f"{b}.ssm_alpha.weight": f"{la}.in_proj_a.weight",
-                      f"{b}.ssm_conv1d.weight": f"{la}.conv1d.weight", f"{b}.ssm_a": f"{la}.A_log",
-                      f"{b}.ssm_dt.bias": f"{la}.dt_bias", f"{b}.ssm_norm.weight": f"{la}.norm.weight",
-                      f"{b}.ssm_out.weight": f"{la}.out_proj.weight"}
-        else:
-            sa = f"{p}.self_attn"
-            names |= {f"{b}.attn_output.weight": f"{sa}.o_proj.weight",
-                      f"{b}.attn_q_norm.weight": f"{sa}.q_norm.weight",
-                      f"{b}.attn_k_norm.weight": f"{sa}.k_norm.weight"}
-            parts = ("q", "k", "v") if f"{b}.attn_q.weight" in h.tensors else ("qkv",)
-            for x in parts:
-                names[f"{b}.attn_{x}.weight"] = f"{sa}.{x}_proj.weight"
-                if config["attention_bias"]:
-                    names[f"{b}.attn_{x}.bias"] = f"{sa}.{x}_proj.bias"
-            if config["attention_bias"]:
-                names[f"{b}.attn_output.bias"] = f"{sa}.o_proj.bias"
-        m = f"{p}.mlp"
-        if moe:
-            names |= {f"{b}.ffn_gate_inp.weight": f"{m}.gate.weight",
-                      f"{b}.ffn_down_exps.weight": f"{m}.experts.down_proj",
-                      f"{b}.ffn_gate_inp_shexp.weight": f"{m}.shared_expert_gate.weight"}
-            if f"{b}.ffn_gate_up_exps.weight" in h.tensors:
-                names[f"{b}.ffn_gate_up_exps.weight"] = f"{m}.experts.gate_up_proj"
-            else:
-                names |= {f"{b}.ffn_gate_exps.weight": f"{m}.experts.gate_exps",
-                          f"{b}.ffn_up_exps.weight": f"{m}.experts.up_exps"}
-            names |= {f"{b}.ffn_{x}_shexp.weight": f"{m}.shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")}
-        else:
-            names |= layer_weights(b, p, GATED_MLP_TENSORS)
+        names |= _layer_names(h, config, f"blk.{i}", f"model.layers.{i}", kind)
+    if config.get("mtp_num_hidden_layers"):     # the MTP block after the trunk (models/mtp.py)
+        b = f"blk.{config['num_hidden_layers']}"
+        names |= _layer_names(h, config, b, MTP_LAYER, FULL)
+        names |= {f"{b}.nextn.{g}.weight": f"mtp.{t}.weight" for g, t in _NEXTN.items()}
     return names
 
 
+def _layer_names(h: GGUFHeader, config: dict, b: str, p: str, kind: str) -> dict[str, str]:
+    """GGUF -> transformers names of one decoder layer (GGUF prefix ``b``, transformers ``p``)."""
+    moe = config["model_type"] == "qwen3_5_moe_text"
+    names = {f"{b}.attn_norm.weight": f"{p}.input_layernorm.weight",
+             f"{b}.post_attention_norm.weight": f"{p}.post_attention_layernorm.weight"}
+    if kind == LINEAR:
+        la = f"{p}.linear_attn"
+        names |= {f"{b}.attn_qkv.weight": f"{la}.in_proj_qkv.weight",
+                  f"{b}.attn_gate.weight": f"{la}.in_proj_z.weight",
+                  f"{b}.ssm_beta.weight": f"{la}.in_proj_b.weight",
+                  f"{b}.ssm_alpha.weight": f"{la}.in_proj_a.weight",
+                  f"{b}.ssm_conv1d.weight": f"{la}.conv1d.weight", f"{b}.ssm_a": f"{la}.A_log",
+                  f"{b}.ssm_dt.bias": f"{la}.dt_bias", f"{b}.ssm_norm.weight": f"{la}.norm.weight",
+                  f"{b}.ssm_out.weight": f"{la}.out_proj.weight"}
+    else:
+        sa = f"{p}.self_attn"
+        names |= {f"{b}.attn_output.weight": f"{sa}.o_proj.weight",
+                  f"{b}.attn_q_norm.weight": f"{sa}.q_norm.weight",
+                  f"{b}.attn_k_norm.weight": f"{sa}.k_norm.weight"}
+        parts = ("q", "k", "v") if f"{b}.attn_q.weight" in h.tensors else ("qkv",)
+        for x in parts:
+            names[f"{b}.attn_{x}.weight"] = f"{sa}.{x}_proj.weight"
+            if config["attention_bias"]:
+                names[f"{b}.attn_{x}.bias"] = f"{sa}.{x}_proj.bias"
+        if config["attention_bias"]:
+            names[f"{b}.attn_output.bias"] = f"{sa}.o_proj.bias"
+    m = f"{p}.mlp"
+    if moe:
+        names |= {f"{b}.ffn_gate_inp.weight": f"{m}.gate.weight",
+                  f"{b}.ffn_down_exps.weight": f"{m}.experts.down_proj",
+                  f"{b}.ffn_gate_inp_shexp.weight": f"{m}.shared_expert_gate.weight"}
+        if f"{b}.ffn_gate_up_exps.weight" in h.tensors:
+            names[f"{b}.ffn_gate_up_exps.weight"] = f"{m}.experts.gate_up_proj"
+        else:
+            names |= {f"{b}.ffn_gate_exps.weight": f"{m}.experts.gate_exps",
+                      f"{b}.ffn_up_exps.weight": f"{m}.experts.up_exps"}
+        names |= {f"{b}.ffn_{x}_shexp.weight": f"{m}.shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")}
+    else:
+        names |= layer_weights(b, p, GATED_MLP_TENSORS)
+    return names
+
+
+_TOP_NORMS = {"model.norm.weight", "mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight"}
+
+
 def _is_norm(name: str) -> bool:
-    return name == "model.norm.weight" or name.endswith(_NORM_SUFFIXES)
+    return name in _TOP_NORMS or name.endswith(_NORM_SUFFIXES)
 
 
 def _needs_transform(name: str) -> bool:
