@@ -1,4 +1,5 @@
-// One thread's decode matmul (M activation rows) of a k-quant weight on the avx2 path, against a
+// One thread's decode matmul (M activation rows) of a k-quant weight on the avx2 path (or, built
+// with -DKD_AVX512VNNI, the avx512vnni_t8 path), against a
 // plain read of the same bytes: bench/kdecode.py builds it from a csrc/ folder (this checkout's or
 // another's, for A/B) and runs it. simd_body.inc's avx2 namespace is compiled alone, with the
 // extension's flags, so the kernel is the one the extension runs on an AVX2 CPU (its inlining
@@ -27,7 +28,7 @@
 
 namespace tkv {
 int64_t g_prefetch = 0;
-int64_t g_prefetch_fused = 8192;
+int64_t g_prefetch_fused[PF_TYPES];   // one distance for every type: PF below
 int g_fused_rows = 8;
 int g_fused = 1;
 int g_pair = 0;
@@ -38,11 +39,23 @@ __attribute__((noinline)) Scratch& thread_scratch() {
 }
 }  // namespace tkv
 
+// -DKD_AVX512VNNI: the avx512vnni_t8 namespace instead (what an AVX-512 VNNI CPU runs below 16 rows)
+#ifdef KD_AVX512VNNI
+#define TKV_NS avx512vnni_t8
+#define TKV_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+#define TKV_VNNI 1
+#define TKV_TILE 8
+#define TKV_ZMM 1
+#include "simd_body.inc"
+namespace kd = avx512vnni_t8;
+#else
 #define TKV_NS avx2
 #define TKV_TARGET __attribute__((target("avx2,fma,f16c")))
 #define TKV_VNNI 0
 #define TKV_TILE 8
 #include "simd_body.inc"
+namespace kd = avx2;
+#endif
 
 using namespace tkv;
 
@@ -123,7 +136,7 @@ int main(int argc, char** argv) {
     }
     const int qt = std::atoi(argv[1]), N = std::atoi(argv[2]), K = std::atoi(argv[3]), M = std::atoi(argv[4]);
     const int copies = std::atoi(argv[5]), reps = std::atoi(argv[6]);
-    g_prefetch_fused = std::atoll(argv[7]);
+    for (int64_t& d : g_prefetch_fused) d = std::atoll(argv[7]);
     const int64_t row_bytes = (int64_t)K / block_elems(qt) * block_bytes(qt);
     const int64_t wbytes = tiled_rows(N) * row_bytes, stride = (wbytes + 4095) / 4096 * 4096;
     uint8_t* w = huge_alloc(stride * copies);
@@ -145,14 +158,14 @@ int main(int argc, char** argv) {
     a.bs32 = (int32_t*)take((size_t)M * (K / 32) * 4);
     a.fb32 = (float*)take((size_t)M * (K / 32) * 4);
     a.bp16 = (int32_t*)take((size_t)M * (K / 32) * 4);
-    avx2::quantize(X.data(), a, 0, M);
+    kd::quantize(X.data(), a, 0, M);
 
     std::vector<float> Y((size_t)M * N * copies);
     const int64_t ntiles = tiled_rows(N) / 8;
     auto pass = [&]() {
         for (int c = 0; c < copies; c++) {
             Args g{w + c * stride, row_bytes, N, K, M, qt, &a, Y.data() + (size_t)c * M * N, N, nullptr};
-            avx2::run_tiles(g, 0, ntiles);
+            kd::run_tiles(g, 0, ntiles);
         }
     };
     const double hz = ghz();
@@ -165,7 +178,7 @@ int main(int argc, char** argv) {
         pass();
         kbest = std::min(kbest, thread_ns() - t0);
         t0 = thread_ns();
-        sink ^= read_pass(w, stride * copies, g_prefetch_fused);
+        sink ^= read_pass(w, stride * copies, g_prefetch_fused[0]);
         rbest = std::min(rbest, thread_ns() - t0);
     }
     uint64_t h = 1469598103934665603ull;

@@ -1,7 +1,7 @@
 """One thread's k-quant decode matmul against a plain read of the same bytes (bench/kdecode.cpp).
 
     flock /tmp/turnkv-bench.lock .venv/bin/python bench/kdecode.py [--csrc DIR ...] [--types Q4_K,Q5_K,Q6_K]
-        [--shapes 9728x2560,2560x9728] [--m 1] [--rounds 3] [--pf 8192] [--l2]
+        [--shapes 9728x2560,2560x9728] [--m 1] [--rounds 3] [--pf 8192] [--l2] [--isa avx2|avx512vnni]
 
 Builds bench/kdecode.cpp against each csrc/ folder given (default: this checkout's; give two for
 an A/B, e.g. another worktree's), the extension's flags, then runs every (type, shape) for each
@@ -32,14 +32,16 @@ QTYPES = {"Q4_K": (12, 144), "Q5_K": (13, 176), "Q6_K": (14, 210), "IQ4_XS": (23
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-std=c++17"]
 
 
-def build(csrc: Path, out: Path) -> Path:
-    """bench/kdecode.cpp compiled against ``csrc`` (its lowbit_grids.h written as the build does)."""
+def build(csrc: Path, out: Path, isa: str = "avx2") -> Path:
+    """bench/kdecode.cpp compiled against ``csrc`` (its lowbit_grids.h written as the build does) for
+    ``isa``: avx2, or avx512vnni (the avx512vnni_t8 namespace an AVX-512 VNNI CPU decodes with)."""
     from turnkv.kernels.build import grids_header
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "lowbit_grids.h").write_text(grids_header())
     exe = out / "kdecode"
-    subprocess.run(["g++", *FLAGS, "-I", str(csrc), "-I", str(out), "-o", str(exe), str(HERE / "kdecode.cpp")],
+    extra = ["-DKD_AVX512VNNI"] if isa == "avx512vnni" else []
+    subprocess.run(["g++", *FLAGS, *extra, "-I", str(csrc), "-I", str(out), "-o", str(exe), str(HERE / "kdecode.cpp")],
                    check=True)
     return exe
 
@@ -65,13 +67,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--pf", type=int, default=8192, help="the fused path's prefetch distance (bytes; 0 off)")
     ap.add_argument("--l2", action="store_true", help="one small weight from L2 instead of DRAM")
+    ap.add_argument("--isa", choices=("avx2", "avx512vnni"), default="avx2",
+                    help="the kernels' path (avx512vnni: what a Zen 4 / Ice Lake+ CPU decodes with)")
     args = ap.parse_args()
     folders = args.csrc or [HERE.parent / "turnkv" / "kernels" / "csrc"]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     print(f"CPU: {cpu_model()}, load average {os.getloadavg()[0]:.1f}, M = {args.m}, "
-          f"{'L2' if args.l2 else 'DRAM'}, prefetch {args.pf}")
+          f"{'L2' if args.l2 else 'DRAM'}, prefetch {args.pf}, {args.isa}")
     with tempfile.TemporaryDirectory() as tmp:
-        exes = [build(f, Path(tmp) / str(i)) for i, f in enumerate(folders)]
+        exes = [build(f, Path(tmp) / str(i), args.isa) for i, f in enumerate(folders)]
         print("round variant type shape ghz kernel_cyc read_cyc share hash load")
         for r in range(args.rounds):
             for i, exe in enumerate(exes):
