@@ -158,6 +158,10 @@ def make(preset: str, types=DEFAULT_TYPES, cache: Path = CACHE) -> dict[str, Pat
             _step("llama-imatrix on turnkv/data text", imatrix, lambda: _imatrix(bf16, imatrix))
             args = ["--imatrix", str(imatrix)]
         out = folder / f"{preset}-{qtype}.gguf"
+        for tool in [quantize] + ([LLAMA_CPP / "build" / "bin" / "llama-imatrix"] if args else []):
+            if not out.exists() and not tool.exists():
+                raise SystemExit(f"{tool} is missing: build it with `cmake --build build --target {tool.name}` in "
+                                 f"{LLAMA_CPP} (../shared/peers/build-llama-server.sh makes that folder)")
 
         def run(out=out, qtype=qtype, args=args):
             with tempfile.TemporaryDirectory(dir=folder) as tmp:
