@@ -6,15 +6,47 @@ import subprocess
 
 
 def cpu_model() -> str:
-    """``lscpu``'s "Model name" (e.g. "AMD EPYC"), or "unknown CPU"."""
+    """``lscpu``'s "Model name" with /proc/cpuinfo's family and model beside it, and for AMD the core
+    they name (cloud VMs report only "AMD EPYC" for Zen 2 and Zen 4 alike, whose kernel paths differ):
+    e.g. "AMD EPYC (family 25 model 17, Zen 4)"; "unknown CPU" when lscpu says nothing."""
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
-        return "unknown CPU"
-    for line in out.splitlines():
-        if line.startswith("Model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
+        out = ""
+    name = next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")),
+                "unknown CPU")
+    fam, model = _cpuinfo_family_model()
+    if fam is None:
+        return name
+    core = _amd_core(fam, model) if "AMD" in name.upper() else ""
+    return f"{name} (family {fam} model {model}{', ' + core if core else ''})"
+
+
+def _cpuinfo_family_model() -> tuple[int | None, int | None]:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return None, None
+    got = {}
+    for line in text.splitlines():
+        key, _, val = line.partition(":")
+        key = key.strip()
+        if key in ("cpu family", "model") and key not in got and val.strip().isdigit():
+            got[key] = int(val)
+        if len(got) == 2:
+            return got["cpu family"], got["model"]
+    return None, None
+
+
+def _amd_core(family: int, model: int) -> str:
+    """The Zen generation of an AMD family / model (AMD's published model ranges), or ""."""
+    if family == 0x17:
+        return "Zen 2" if model >= 0x30 else "Zen / Zen+"
+    if family == 0x19:
+        return "Zen 4" if 0x10 <= model <= 0x1F or 0x60 <= model <= 0xAF else "Zen 3"
+    if family == 0x1A:
+        return "Zen 5"
+    return ""
 
 
 # --- what the kernel did during a timed step (a load: issue 45's 7.4-7.9 s loads of files that load
