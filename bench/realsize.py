@@ -2,7 +2,7 @@
 llama.cpp (and ik_llama.cpp where built) on the same files.
 
     .venv/bin/python bench/realsize.py make [--preset llama-3.2-1b ...] [--types Q4_K_M Q8_0 IQ4_XS]
-    .venv/bin/python bench/realsize.py run  [--preset llama-3.2-1b] [--types ...] [--threads 2]
+    .venv/bin/python bench/realsize.py run  [--preset llama-3.2-1b] [--types ...] [--threads 2] [--rounds 3]
     .venv/bin/python bench/realsize.py long [--preset llama-3.2-1b] [--types Q4_K_M] [--lengths 1024 8192 32768]
     .venv/bin/python bench/realsize.py exact [--preset llama-3.2-1b gemma-3-1b ...] [--types Q4_K_M]
 
@@ -11,7 +11,8 @@ llama.cpp (and ik_llama.cpp where built) on the same files.
 load, prefill of a 512-token prompt, decode of 128 tokens), llama.cpp's ``llama-bench -p 512 -n
 128`` and ik_llama.cpp's with ``-rtr 1``; then prints turnkv / peer ratios, the CPU model and a
 read-bandwidth probe before and after each turnkv run, so decode reads as a share of what the
-machine can stream. ``long`` times long prompts and decode at long contexts
+machine can stream; ``--rounds N`` runs every engine N times, alternating their order, and
+prints medians (the ratios: medians of each round's). ``long`` times long prompts and decode at long contexts
 (bench/realsize_long.py); ``exact`` checks reuse == cold, chunk 64 == 512 and batched == alone
 bit for bit on the files (bench/realsize_exact.py).
 
@@ -37,6 +38,8 @@ def main() -> None:
     ap.add_argument("--preset", nargs="+", default=["llama-3.2-1b"], choices=list(PRESETS))
     ap.add_argument("--types", nargs="+", default=list(DEFAULT_TYPES))
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run: each file this many times on each engine, alternated; medians (a VM's memory speed moves)")
     ap.add_argument("--lengths", nargs="+", type=int, default=[1024, 8192, 32768], help="long: prompt lengths")
     ap.add_argument("--ik-lengths", nargs="+", type=int, default=[1024, 32768],
                     help="long: contexts ik_llama.cpp decodes at (each prefills its prompt first)")
@@ -46,7 +49,7 @@ def main() -> None:
         files = make(preset, args.types)
         if args.command == "run":
             from bench.realsize_run import run_all
-            run_all(preset, {t: files[t.upper()] for t in args.types}, args.threads)
+            run_all(preset, {t: files[t.upper()] for t in args.types}, args.threads, args.rounds)
         elif args.command == "long":
             from bench.realsize_long import run_long
             for t in args.types:

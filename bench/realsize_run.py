@@ -9,6 +9,7 @@ cache (docs/measurements/2026-12-07-decode-zen2.md)."""
 from __future__ import annotations
 
 import json
+import statistics
 import os
 import subprocess
 import sys
@@ -126,8 +127,18 @@ def _ratio(a, b) -> str:
     return f"{a / b:.2f}x" if a and b else "-"
 
 
-def run_all(preset: str, files: dict[str, Path], threads: int) -> None:
-    """Times each file on each engine and prints one table."""
+def _mratio(tks: list[dict], peers: list[dict], key: str) -> str:
+    """The median over rounds of turnkv's ``key`` over the peer's in the same round."""
+    got = [t[key] / p[key] for t, p in zip(tks, peers) if t.get(key) and p.get(key)]
+    return f"{statistics.median(got):.2f}x" if got else "-"
+
+
+def run_all(preset: str, files: dict[str, Path], threads: int, rounds: int = 1) -> None:
+    """Times each file on each engine, ``rounds`` times (each round's engines in the reverse order
+    of the last's: turnkv, llama.cpp, ik_llama.cpp, then ik_llama.cpp, llama.cpp, turnkv), and prints
+    one table of medians: each ratio the median of the rounds' ratios. A VM's memory speed can move
+    1.5x between minutes (docs/measurements/2026-12-07-session25.md), so one round's ratio is only as
+    good as the minutes its engines shared; more rounds, alternated, take that out."""
     print(f"CPU: {cpu_model()}, {threads} threads; load average {os.getloadavg()[0]:.1f}", flush=True)
     llama_bench = LLAMA_CPP / "build" / "bin" / "llama-bench"
     if not IK_BENCH.exists():
@@ -135,23 +146,31 @@ def run_all(preset: str, files: dict[str, Path], threads: int) -> None:
     rows = []
     for qtype, path in files.items():
         size = path.stat().st_size
-        print(f"{path.name} ({size / 1e6:.0f} MB): read once in {warm(path):.1f} s; turnkv ...", flush=True)
-        # the machine's memory speed moves by a third within half an hour (a VM): a probe right
-        # before and right after turnkv's run, the decode's share taken against their mean
-        before = bandwidth_probe(threads)
-        tk = run_turnkv(path, threads)
-        after = bandwidth_probe(threads)
-        tk["probe_gbs"] = (before + after) / 2e9
-        print(f"  read bandwidth probe (torch sum, {threads} threads) before / after turnkv: "
-              f"{before / 1e9:.1f} / {after / 1e9:.1f} GB/s", flush=True)
-        print(f"  turnkv {tk}\n  llama.cpp ...", flush=True)
-        lc = run_llama_bench(llama_bench, path, threads)
-        print(f"  llama.cpp {lc}", flush=True)
-        ik = run_llama_bench(IK_BENCH, path, threads, ("-rtr", "1")) if IK_BENCH.exists() else {}
-        if ik:
-            print(f"  ik_llama.cpp {ik}", flush=True)
-        rows.append((qtype, size, tk, lc, ik, path))
-    _table(preset, rows)
+        print(f"{path.name} ({size / 1e6:.0f} MB): read once in {warm(path):.1f} s", flush=True)
+        tks, lcs, iks = [], [], []
+        for r in range(rounds):
+            engines = ["turnkv", "llama.cpp", "ik_llama.cpp"][::-1 if r % 2 else 1]
+            for engine in engines:
+                print(f"  round {r + 1}/{rounds}: {engine} ...", flush=True)
+                if engine == "turnkv":
+                    # the machine's memory speed moves between minutes (a VM): a probe right before
+                    # and right after turnkv's run, the decode's share taken against their mean
+                    before = bandwidth_probe(threads)
+                    tk = run_turnkv(path, threads)
+                    after = bandwidth_probe(threads)
+                    tk["probe_gbs"] = (before + after) / 2e9
+                    print(f"  read bandwidth probe (torch sum, {threads} threads) before / after turnkv: "
+                          f"{before / 1e9:.1f} / {after / 1e9:.1f} GB/s\n  turnkv {tk}", flush=True)
+                    tks.append(tk)
+                elif engine == "llama.cpp":
+                    lcs.append(run_llama_bench(llama_bench, path, threads))
+                    print(f"  llama.cpp {lcs[-1]}", flush=True)
+                else:
+                    iks.append(run_llama_bench(IK_BENCH, path, threads, ("-rtr", "1")) if IK_BENCH.exists() else {})
+                    if iks[-1]:
+                        print(f"  ik_llama.cpp {iks[-1]}", flush=True)
+        rows.append((qtype, size, tks, lcs, iks, path))
+    _table(preset, rows, rounds)
 
 
 def _experts(path: Path) -> int:
@@ -163,8 +182,17 @@ def _experts(path: Path) -> int:
     return 0
 
 
-def _table(preset: str, rows) -> None:
-    print(f"\n{preset}: {PROMPT}-token prefill, {DECODE} decoded tokens (tok/s)")
+def _median_run(tks: list[dict]) -> dict:
+    """The round whose decode rate is the median (its other figures with it); an error if any failed."""
+    bad = [t for t in tks if "error" in t]
+    if bad:
+        return bad[0]
+    return sorted(tks, key=lambda t: t["decode_tps"])[(len(tks) - 1) // 2]
+
+
+def _table(preset: str, rows, rounds: int = 1) -> None:
+    print(f"\n{preset}: {PROMPT}-token prefill, {DECODE} decoded tokens (tok/s)"
+          + (f"; medians of {rounds} rounds (ratios: the median of the rounds' ratios)" if rounds > 1 else ""))
     # RSS: the process after the load; "load" what the load added to the process (torch's own
     # libraries are resident before it). Load: wall seconds (the process's CPU seconds); a wall far
     # above the CPU waited on something, which the kernel's counters below each table name
@@ -172,7 +200,8 @@ def _table(preset: str, rows) -> None:
           "| RSS (load) / file MB | decode GB/s, weights + K/V (share of the probes' mean) |")
     print("|---|---|---|---|---|---|---|---|")
     moe = any(_experts(path) for _, _, _, _, _, path in rows)
-    for qtype, size, tk, lc, ik, _ in rows:
+    for qtype, size, tks, lcs, iks, _ in rows:
+        tk = _median_run(tks)
         if "error" in tk:
             print(f"| {qtype} | turnkv failed: {tk['error']} |")
             continue
@@ -182,13 +211,17 @@ def _table(preset: str, rows) -> None:
         gbs = (size + tk.get("kv_step_bytes", 0)) * tk["decode_tps"] / 1e9
         bw = tk["probe_gbs"]
         share = "- (MoE: a token reads its experts only)" if moe else f"{gbs:.1f} ({gbs / bw:.0%} of {bw:.1f})"
-        print(f"| {qtype} | {tk['prefill_tps']:.1f} | {tk['decode_tps']:.1f} "
-              f"| {_ratio(tk['prefill_tps'], lc.get('prefill_tps'))} / {_ratio(tk['decode_tps'], lc.get('decode_tps'))} "
-              f"| {_ratio(tk['prefill_tps'], ik.get('prefill_tps'))} / {_ratio(tk['decode_tps'], ik.get('decode_tps'))} "
+        prefill = statistics.median(t["prefill_tps"] for t in tks)
+        print(f"| {qtype} | {prefill:.1f} | {tk['decode_tps']:.1f} "
+              f"| {_mratio(tks, lcs, 'prefill_tps')} / {_mratio(tks, lcs, 'decode_tps')} "
+              f"| {_mratio(tks, iks, 'prefill_tps')} / {_mratio(tks, iks, 'decode_tps')} "
               f"| {tk['load_s']:.1f} ({tk['load_kernel'].get('cpu_s', 0):.1f}) "
               f"| {tk['rss'] / 1e6:.0f} ({tk['rss_load'] / 1e6:.0f}) / {size / 1e6:.0f} "
               f"| {share} |")
-    for qtype, size, tk, lc, ik, _ in rows:
-        print(f"{qtype}: llama.cpp {lc}; ik_llama.cpp {ik or 'not built'}")
-        if "load_kernel" in tk:
-            print(f"{qtype}: during turnkv's load: {describe_kernel(tk['load_kernel'])}")
+    for qtype, size, tks, lcs, iks, _ in rows:
+        for r, (tk, lc, ik) in enumerate(zip(tks, lcs, iks)):
+            tag = f"{qtype}" + (f" round {r + 1}" if rounds > 1 else "")
+            print(f"{tag}: turnkv prefill / decode {tk.get('prefill_tps', 0):.1f} / {tk.get('decode_tps', 0):.1f}; "
+                  f"llama.cpp {lc}; ik_llama.cpp {ik or 'not built'}")
+            if "load_kernel" in tk:
+                print(f"{tag}: during turnkv's load: {describe_kernel(tk['load_kernel'])}")
