@@ -9,8 +9,8 @@ cache (docs/measurements/2026-12-07-decode-zen2.md)."""
 from __future__ import annotations
 
 import json
-import statistics
 import os
+import statistics
 import subprocess
 import sys
 import time
