@@ -123,10 +123,6 @@ def bandwidth_probe(threads: int, mb: int = 512) -> float:
     return src.numel() * 4 / best
 
 
-def _ratio(a, b) -> str:
-    return f"{a / b:.2f}x" if a and b else "-"
-
-
 def _mratio(tks: list[dict], peers: list[dict], key: str) -> str:
     """The median over rounds of turnkv's ``key`` over the peer's in the same round."""
     got = [t[key] / p[key] for t, p in zip(tks, peers) if t.get(key) and p.get(key)]
