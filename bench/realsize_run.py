@@ -217,7 +217,9 @@ def _table(preset: str, rows, rounds: int = 1) -> None:
     for qtype, size, tks, lcs, iks, _ in rows:
         for r, (tk, lc, ik) in enumerate(zip(tks, lcs, iks)):
             tag = f"{qtype}" + (f" round {r + 1}" if rounds > 1 else "")
-            print(f"{tag}: turnkv prefill / decode {tk.get('prefill_tps', 0):.1f} / {tk.get('decode_tps', 0):.1f}; "
+            mine = (f"turnkv failed: {tk['error']}" if "error" in tk
+                    else f"turnkv prefill / decode {tk['prefill_tps']:.1f} / {tk['decode_tps']:.1f}")
+            print(f"{tag}: {mine}; "
                   f"llama.cpp {lc}; ik_llama.cpp {ik or 'not built'}")
             if "load_kernel" in tk:
                 print(f"{tag}: during turnkv's load: {describe_kernel(tk['load_kernel'])}")
