@@ -31,6 +31,17 @@ def _count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {n}")
     return n
 
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    d = p.add_argument_group("speculative decoding (docs/speculative.md)")
+    d.add_argument("--speculative", default="auto", choices=list(SPECULATIVE_MODES),
+                   help="draft tokens verified in one forward, output unchanged: off, ngram (its own text), cache "
+                        "(an earlier request's continuation, same tenant), mtp (the checkpoint's MTP layers: Qwen 3.5) "
+                        "or auto (cache, else ngram, once a check in the engine's first idle moment passed; default)")
+    d.add_argument("--draft-max", type=int, default=DEFAULT_DRAFT_MAX, metavar="K",
+                   help=f"longest draft per step (1..64, default {DEFAULT_DRAFT_MAX})")
+
+
 def add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smollm2-135m") -> None:
     g = p.add_argument_group("model")
     g.add_argument("-m", "--model", default=default_model,
@@ -48,6 +59,8 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smol
                         "native otherwise; see docs/weights.md")
     g.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     g.add_argument("--threads", type=int, default=None, help="CPU compute threads (default: one per core)")
+    g.add_argument("--adaptive-threads", default="on", choices=["on", "off"], help="GGUF models: fewer threads "
+                   "while that is faster (a core busy elsewhere), same outputs (default on; docs/threads.md)")
     g.add_argument("--max-context", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill chunk (default 512)")
     g.add_argument("--chat-template", default=None,
@@ -58,13 +71,7 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smol
                    help=f"vision models: refuse images with more pixels than this (default {DEFAULT_MAX_IMAGE_PIXELS})")
     g.add_argument("--image-cache-mb", type=float, default=DEFAULT_IMAGE_CACHE_MB,
                    help="vision models: byte budget of cached image embeddings in MiB (default 256; docs/images.md)")
-    d = p.add_argument_group("speculative decoding (docs/speculative.md)")
-    d.add_argument("--speculative", default="auto", choices=list(SPECULATIVE_MODES),
-                   help="draft tokens verified in one forward, output unchanged: off, ngram (its own text), cache "
-                        "(an earlier request's continuation, same tenant), mtp (the checkpoint's MTP layers: Qwen 3.5) "
-                        "or auto (cache, else ngram, once a check in the engine's first idle moment passed; default)")
-    d.add_argument("--draft-max", type=int, default=DEFAULT_DRAFT_MAX, metavar="K",
-                   help=f"longest draft per step (1..64, default {DEFAULT_DRAFT_MAX})")
+    add_speculative_args(p)
     c = p.add_argument_group("prompt cache")
     c.add_argument("--prompt-cache", dest="prompt_cache", action="store_true", default=True,
                    help="reuse model state across requests (default on)")

@@ -319,6 +319,7 @@ def engine_from(args, progress: bool = True, huge_pages_now: bool = True):
                          kv_mode=args.kv_cache_mode, kv_boundary_layers=args.kv_boundary_layers,
                          prefill_chunk=args.prefill_chunk, max_context=args.max_context,
                          speculative=args.speculative, draft_max=args.draft_max,
+                         adaptive_threads=getattr(args, "adaptive_threads", "off") == "on",
                          **{k: getattr(args, k) for k in ("max_seqs", "max_batch_tokens", "max_queue",
                                                           "max_image_pixels", "image_cache_mb") if hasattr(args, k)})
     engine.weight_pages = weights_to_huge_pages(engine, start=huge_pages_now)
@@ -355,6 +356,14 @@ def weights_to_huge_pages(engine, environ=None, start: bool = True) -> str:
     return "moving to 2 MiB pages in the background (MADV_COLLAPSE, Linux 6.1+)"
 
 
+def thread_note(engine) -> str:
+    """The banner's words on the thread count: adaptive (engine/threads.py) or not."""
+    governor = getattr(engine, "threads", None)
+    if governor is None:
+        return ""
+    return " (fewer while that is faster: --adaptive-threads, docs/threads.md)"
+
+
 def print_banner(engine, budget_mb: float, enabled: bool) -> None:
     import torch
 
@@ -362,7 +371,7 @@ def print_banner(engine, budget_mb: float, enabled: bool) -> None:
     print(f"turnkv: {engine.name} ({engine.family}, {len(engine.specs)} layers: {engine.describe_layers()})",
           file=sys.stderr)
     print(f"turnkv: weights {engine.weights}, compute dtype {str(engine.dtype).removeprefix('torch.')}, "
-          f"{torch.get_num_threads()} threads, {hugepages_state()}", file=sys.stderr)
+          f"{torch.get_num_threads()} threads{thread_note(engine)}, {hugepages_state()}", file=sys.stderr)
     if engine.weights == "gguf":    # per type: the kernel that runs it, or that it is a float copy
         from .kernels import kernel_info
         print(f"turnkv: GGUF kernels: {getattr(engine.model, 'gguf_types', None) or kernel_info()}", file=sys.stderr)

@@ -29,12 +29,13 @@ from ..images import DEFAULT_IMAGE_CACHE_MB, DEFAULT_MAX_IMAGE_PIXELS, EncoderCa
 from ..models.batch import Batch, split_logits
 from ..prompt_cache.plan import Reuse
 from ..prompt_cache.store import Namespace, PromptCache
-from .drafters import AUTO, AUTO_PENDING, DRAFTERS, OFF
+from .drafters import DRAFTERS, OFF
 from .requests import ContextLengthError, Requests, check_speculative
 from .scheduler import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_QUEUE, DEFAULT_MAX_SEQS, QueueFull, Scheduler, Work
 from .mtp import feed_hidden, hidden_sink
 from .spec_probe import blocked_reason, keep_trails
-from .speculative import CLOCK, DEFAULT_DRAFT_MAX, DraftLogits, SpecCounters, Speculation, verify_draft
+from .threads import engine_governor
+from .speculative import CLOCK, DEFAULT_DRAFT_MAX, DraftLogits, SpecCounters, speculation_for, verify_draft
 from .sequence import (DECODE, FINISHED, PREFILL, Failure, GenerationRequest, Result, Sequence, Stats,
                        TokenEvent, Usage)
 
@@ -66,7 +67,7 @@ class Engine:
                  weights: str = "native", max_seqs: int = DEFAULT_MAX_SEQS,
                  max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, max_queue: int = DEFAULT_MAX_QUEUE,
                  image_cache_mb: float = DEFAULT_IMAGE_CACHE_MB, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-                 speculative: str = OFF, draft_max: int = DEFAULT_DRAFT_MAX):
+                 speculative: str = OFF, draft_max: int = DEFAULT_DRAFT_MAX, adaptive_threads: bool = False):
         check_speculative(model, speculative, draft_max)     # and mtp on a model without the block
         self.speculative, self.draft_max = speculative, draft_max   # defaults; a request may override
         self.spec = SpecCounters()
@@ -100,6 +101,7 @@ class Engine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self.steps = 0
+        self.threads = engine_governor(self, adaptive_threads)   # the thread count following the load, or None
 
     def _state_pool(self, max_seqs: int) -> StatePool:
         """The live state's slots, their block pools' address space sized for ``max_seqs``
@@ -243,6 +245,8 @@ class Engine:
             if not self.step():
                 if self.idle_check and self.idle_check():     # auto's check, in an idle moment
                     self.speculation_blocked()
+                if self.threads is not None:      # the next thread count's probe, in an idle moment
+                    self.threads.idle()
                 self._wake.wait(0.05)
                 self._wake.clear()
 
@@ -254,6 +258,7 @@ class Engine:
         if not work:
             return acted
         self.steps += 1
+        w0 = self.threads.before_step() if self.threads is not None else 0.0
         t0 = CLOCK()       # the step costs drafts go by: CPU time, a busy core's waits left out
         try:
             logits = self._forward(work)
@@ -264,13 +269,15 @@ class Engine:
             return True
         outs = self._logits_of(work, logits)
         model_s = CLOCK() - t0
+        on_trial = self.threads is not None and self.threads.after_step(work, w0, self.spec.costs)
         for w, out in zip(work, outs):
             try:
                 self._advance(w, out)
             except Exception as err:  # noqa: BLE001
                 log.exception("a sequence failed after its step")
                 self._fail(w.seq, err)
-        self.spec.costs.observe_step(work, outs, model_s)      # what drafts cost here (docs/speculative.md)
+        if not on_trial:
+            self.spec.costs.observe_step(work, outs, model_s)      # what drafts cost here (docs/speculative.md)
         return True
 
     def _admit_waiting(self) -> bool:
@@ -374,7 +381,7 @@ class Engine:
         """The state holds the prompt. n > 1: the other choices start from its snapshot and these
         logits (the prompt is prefilled once); they go to the front of the queue."""
         seq.status = DECODE
-        seq.spec = self._speculation(seq)
+        seq.spec = speculation_for(self, seq)
         seq.stats.prefilled_tokens = len(seq.prompt) - seq.usage.cached_tokens
         seq.stats.prefill_ms = (time.perf_counter() - seq.t_admit) * 1000
         seq.plan.prompt_done(computed)
@@ -398,21 +405,6 @@ class Engine:
         seq.plan.after_token(seq.state, seq.first_logits)   # after the first token is out, so not in TTFT
         if finished:
             self._finish(seq)
-
-    def _speculation(self, seq: Sequence) -> Speculation | None:
-        """The sequence's drafts, or None (its stats say why) when it decodes plainly."""
-        mode = seq.params.speculative or self.speculative
-        if mode == OFF:
-            return None
-        blocked = (AUTO_PENDING if mode == AUTO and self.idle_check and self._spec_block is None   # no wait for it
-                   else self.speculation_blocked())
-        if blocked:
-            seq.stats.speculative = f"off ({blocked})"
-            self.spec.off[blocked] = self.spec.off.get(blocked, 0) + 1
-            return None
-        seq.stats.speculative = mode
-        return Speculation(mode, seq.params.draft_max or self.draft_max, self.drafters[mode](self, seq),
-                           self.spec.costs)
 
     def speculation_blocked(self) -> str:
         """Why no draft can be verified exactly here ("" when drafts can be): a state that cannot be cut back,

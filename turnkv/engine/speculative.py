@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .drafters import MODES
+from .drafters import AUTO, AUTO_PENDING, MODES, OFF
 
 DEFAULT_DRAFT_MAX = 7
 FORCED = "forced"                # the kind of a draft of the tokens a grammar forces
@@ -74,6 +74,13 @@ class StepCosts:
         self.since_one = 0     # multi-row decode steps since the last one-row step
         self._chunks: dict[int, float] | None = None            # ``cost``'s table, None: out of date
         self._heads: tuple[tuple[int, float], ...] | None = None  # ``head_costs``, None: out of date
+
+    def reset(self) -> None:
+        """Forget every time measured (the engine's thread count changed: engine/threads.py)."""
+        for got in (*self.times.values(), *self.head_times.values()):
+            got.clear()
+        self.since_one = 0
+        self._chunks = self._heads = None
 
     def observe_head(self, rows: int, seconds: float) -> None:
         """A head call of ``rows`` rows that verification made (``DraftLogits``)."""
@@ -435,3 +442,19 @@ def verify_draft(seq, tokens: list[int], rows, counters: SpecCounters) -> bool:
     seq.state.truncate(base + taken)      # also ends the recurrent layers' trails
     counters.count(seq.spec.record(len(draft), matched), len(draft), matched)
     return finished
+
+
+def speculation_for(engine, seq) -> Speculation | None:
+    """The sequence's drafts on ``engine``, or None (its stats say why) when it decodes plainly."""
+    mode = seq.params.speculative or engine.speculative
+    if mode == OFF:
+        return None
+    blocked = (AUTO_PENDING if mode == AUTO and engine.idle_check and engine._spec_block is None   # no wait for it
+               else engine.speculation_blocked())
+    if blocked:
+        seq.stats.speculative = f"off ({blocked})"
+        engine.spec.off[blocked] = engine.spec.off.get(blocked, 0) + 1
+        return None
+    seq.stats.speculative = mode
+    return Speculation(mode, seq.params.draft_max or engine.draft_max, engine.drafters[mode](engine, seq),
+                       engine.spec.costs)

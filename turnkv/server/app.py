@@ -35,6 +35,7 @@ from .http_app import App
 from .metrics import ServerMetrics
 from .routes import register_all
 from .schemas import NOT_FOUND, SERVER_ERROR, RequestError
+from ..engine.threads import threads_dict
 from .stats import gateway_load, memory_stats, store_stats
 from .streaming import CHAT, COMPLETIONS, RESPONSES
 from .worker import EngineWorker
@@ -59,7 +60,7 @@ def create_app(engine, config: ServerConfig | None = None, engine_thread: bool =
     worker = EngineWorker(engine, on_done=metrics.observe, own_thread=engine_thread)
     metrics.bind(worker.pending, lambda: store_stats(engine),
                  lambda: memory_stats(engine, store_stats(engine).get("bytes", 0)), lambda: worker.restarts,
-                 lambda: gateway_load(engine))
+                 lambda: gateway_load(engine), threads=lambda: threads_dict(engine.threads)["current"])
     ctx = ServerContext(engine, config, worker, metrics, cache_enabled, started=int(time.time()),
                         token_names=lp_format.TokenText(engine.tokenizer))
 

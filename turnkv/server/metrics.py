@@ -53,7 +53,7 @@ class ServerMetrics:
 
     def bind(self, pending: Callable[[], int], cache_stats: Callable[[], dict],
              memory: Callable[[], dict] | None = None, restarts: Callable[[], int] | None = None,
-             gateway: Callable[[], dict] | None = None) -> None:
+             gateway: Callable[[], dict] | None = None, threads: Callable[[], int] | None = None) -> None:
         """Gauges read at scrape time from the worker's published state; ``gateway``: the load
         under the names gateways read (gateway_metrics.py)."""
         self.queue.set_function(pending)
@@ -69,6 +69,9 @@ class ServerMetrics:
         if restarts is not None:
             Gauge("turnkv_engine_restarts", "Times the engine loop died and was restarted",
                   registry=self.registry).set_function(lambda: float(restarts()))
+        if threads is not None:
+            Gauge("turnkv_compute_threads", "Compute threads the engine's steps run on now (docs/threads.md)",
+                  registry=self.registry).set_function(lambda: float(threads()))
         from .tier_metrics import SessionCollector, TierCollector
         self.registry.register(TierCollector(cache_stats))    # disk / Redis tiers, when configured
         self.registry.register(SessionCollector(cache_stats))

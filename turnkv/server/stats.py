@@ -3,6 +3,8 @@ modes each layer really uses, the engine's load and where the process's memory g
 
 from __future__ import annotations
 
+from ..engine.threads import threads_dict
+
 
 def store_stats(engine, owner: str | None = None) -> dict:
     # PromptCache.stats() takes the store's lock, so it is safe beside the engine thread
@@ -57,6 +59,8 @@ def cache_stats_json(engine, stats: dict, enabled: bool, global_view: bool = Tru
             "engine_restarts": worker.restarts if worker is not None else 0,
             # drafted / accepted tokens, verify steps, requests whose speculation was off and why
             "speculative": {"default": engine.speculative, "draft_max": engine.draft_max, **engine.spec.as_dict()},
+            # compute threads: fixed, or adapting to the load (engine/threads.py)
+            "threads": threads_dict(engine.threads),
         }
     return {
         **stats,
