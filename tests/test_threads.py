@@ -37,7 +37,7 @@ def drive(gov: T.ThreadGovernor, step_time, steps: int, rows: int = 1) -> list[i
 
 
 def test_a_quiet_machine_keeps_every_thread_and_tries_fewer_ever_more_rarely():
-    gov = T.ThreadGovernor(2, set_threads=Recorder())
+    gov = T.ThreadGovernor(2, set_threads=Recorder(), others=lambda: None)
     used = drive(gov, lambda n: 1.0 if n == 2 else 1.3, 4000)
     assert gov.current == 2 and gov.switches == 0
     assert used[:T.FIRST] == [2] * T.FIRST and used[T.FIRST] == 1      # the first trial after FIRST steps
@@ -48,7 +48,7 @@ def test_a_quiet_machine_keeps_every_thread_and_tries_fewer_ever_more_rarely():
 
 def test_a_busy_core_moves_to_fewer_threads_and_back_when_it_frees():
     rec = Recorder()
-    gov = T.ThreadGovernor(2, set_threads=rec)
+    gov = T.ThreadGovernor(2, set_threads=rec, others=lambda: None)
     busy = {2: 2.2, 1: 1.0}
     quiet = {2: 1.0, 1: 1.3}
     drive(gov, quiet.get, 300)
@@ -64,7 +64,7 @@ def test_a_busy_core_moves_to_fewer_threads_and_back_when_it_frees():
 
 
 def test_a_trial_compares_steps_of_its_own_row_count_only():
-    gov = T.ThreadGovernor(2, set_threads=Recorder())
+    gov = T.ThreadGovernor(2, set_threads=Recorder(), others=lambda: None)
     for _ in range(T.FIRST):                     # 1-row steps at 1.0, then a trial on 1-row steps ...
         gov.before_step()
         gov.observe(1, 1.0 if gov.applied == 2 else 0.5)
@@ -80,15 +80,34 @@ def test_a_trial_compares_steps_of_its_own_row_count_only():
 def test_a_model_whose_bits_move_with_the_thread_count_keeps_its_threads():
     asked = []
     rec = Recorder()
-    gov = T.ThreadGovernor(4, probe=lambda n: asked.append(n) or False, set_threads=rec)
+    gov = T.ThreadGovernor(4, probe=lambda n: asked.append(n) or False, set_threads=rec, others=lambda: None)
     drive(gov, lambda n: 1.0 / n if n > 2 else 5.0, 500)
     assert asked == [3] and gov.blocked == T.NOT_INVARIANT and rec.calls == [] and gov.current == 4
     assert gov.as_dict()["adaptive"] == f"off ({T.NOT_INVARIANT})"
 
 
+def test_below_most_the_end_of_the_other_work_brings_a_trial_within_freed_steps():
+    others = [1]                               # one busy process beside the engine, then none
+    gov = T.ThreadGovernor(2, set_threads=Recorder(), others=lambda: others[0])
+    busy, quiet = {2: 2.2, 1: 1.0}, {2: 1.0, 1: 1.3}
+    drive(gov, busy.get, 700)
+    assert gov.current == 1 and gov.wait == T.LONGEST_BELOW
+    others[0] = 0
+    used = drive(gov, quiet.get, T.FREED + 2 * T.TRIAL + 1)
+    assert gov.current == 2 and used[-1] == 2
+
+
+def test_others_running_reads_the_machines_runnable_tasks(tmp_path):
+    f = tmp_path / "loadavg"
+    f.write_text("1.27 1.37 1.55 3/110 2028\n")
+    assert T.others_running(str(f)) == 2
+    assert T.others_running(str(tmp_path / "none")) is None
+    assert T.others_running() is None or T.others_running() >= 0
+
+
 def test_an_idle_moment_probes_the_next_count_and_never_most():
     asked = []
-    gov = T.ThreadGovernor(2, probe=lambda n: asked.append(n) or True, set_threads=Recorder())
+    gov = T.ThreadGovernor(2, probe=lambda n: asked.append(n) or True, set_threads=Recorder(), others=lambda: None)
     gov.idle()
     gov.idle()
     assert asked == [1]                       # once a count; 2 (most) is never asked
@@ -97,7 +116,7 @@ def test_an_idle_moment_probes_the_next_count_and_never_most():
 
 
 def test_more_than_two_threads_climb_one_at_a_time():
-    gov = T.ThreadGovernor(4, set_threads=Recorder())
+    gov = T.ThreadGovernor(4, set_threads=Recorder(), others=lambda: None)
     best = {4: 3.0, 3: 1.0, 2: 1.5, 1: 2.0}     # one busy core of four: 3 threads fastest
     drive(gov, best.get, 3000)
     assert gov.current == 3

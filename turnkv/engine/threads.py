@@ -14,7 +14,8 @@ thread fewer or more (a *trial*); when the trial's median step beats the steps j
 ``MARGIN`` it keeps that count. A failed trial doubles the wait before the next (``FIRST`` steps up
 to ``LONGEST``; ``LONGEST_BELOW`` below ``most``, where a failed trial costs less than cores left
 idle), so a quiet machine pays a few slower steps in a thousand; a jump of the step time
-(``JUMP``: another process took a core) starts one at once. The count changes nothing but the
+(``JUMP``: another process took a core) starts one at once, and below ``most`` so does a machine
+whose other work has gone (``others_running``). The count changes nothing but the
 speed: the engine's kernels give the same bits at any thread count (docs/kernels.md), and before
 its first trial the governor checks that on the loaded model (``thread_probe``: the same tokens'
 logits at both counts, bit for bit); where they differ it stays off."""
@@ -38,6 +39,18 @@ TRIAL = 4                   # steps of one row count a trial runs at the other t
 WINDOW = 8                  # recent step times kept per row count at the current count
 MARGIN = 1.15               # a trial's median step must be this much faster than the steps before it
 JUMP = 1.5                  # steps this much slower than the best since the last switch: a trial now
+FREED = 16                  # below ``most``: every this many steps, a trial now if a core looks idle
+
+
+def others_running(path: str = "/proc/loadavg") -> int | None:
+    """Tasks running or runnable on the machine right now besides the caller (``/proc/loadavg``'s
+    fourth field counts the reader); None where it cannot be read. A hint only: in a container it
+    may count the host's tasks, and then it never hints."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[3].split("/")[0]) - 1
+    except (OSError, ValueError, IndexError):
+        return None
 NOT_INVARIANT = "not_thread_invariant"
 
 
@@ -54,9 +67,9 @@ class ThreadGovernor:
     ``n`` threads gives the bits it gives at ``most`` (asked once per count, before its first
     trial); None: not asked."""
 
-    def __init__(self, most: int, probe=None, set_threads=torch.set_num_threads):
+    def __init__(self, most: int, probe=None, set_threads=torch.set_num_threads, others=others_running):
         self.most = self.current = self.applied = max(1, int(most))
-        self.probe, self.set_threads = probe, set_threads
+        self.probe, self.set_threads, self.others = probe, set_threads, others
         self.probed: dict[int, bool] = {self.most: True}
         self.blocked = ""                     # why it stays at ``most`` ("" while it adapts)
         self.times: dict[int, deque] = {}     # row count -> recent step times at ``current``
@@ -108,6 +121,10 @@ class ThreadGovernor:
             self.best[rows] = now
         elif now > JUMP * best:       # another process took a core (or left one): look now
             self.since = max(self.since, self.wait)
+        if self.current < self.most and self.since % FREED == 0 and self.since < self.wait:
+            busy = self.others()      # the other work gone (fewer tasks than idle cores): look now
+            if busy is not None and busy + self.current < self.most:
+                self.since = self.wait
         if self.since >= self.wait:
             self._start_trial(rows)
 
