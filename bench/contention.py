@@ -34,6 +34,7 @@ import json, subprocess, sys, time
 import torch
 torch.set_num_threads({threads})
 from turnkv.engine.engine import AUTO_KV, Engine
+from turnkv.engine.threads import threads_dict
 from turnkv.engine.sequence import GenerationRequest
 from turnkv.engine.sampling import SamplingParams
 eng = Engine.load({model!r}, weights=None, progress=False, kv_mode=AUTO_KV, max_context=4096,
@@ -55,7 +56,7 @@ for phase, n in zip({phases!r}, ({requests}, {requests}, {requests})):
             h.kill()
             h.wait()
         time.sleep(0.5)
-    print(json.dumps(dict(phase=phase, tok_s=got, threads=eng.threads_dict())), flush=True)
+    print(json.dumps(dict(phase=phase, tok_s=got, threads=threads_dict(eng.threads))), flush=True)
 '''
 
 
@@ -90,7 +91,8 @@ def main() -> int:
                 ended[adaptive].setdefault(phase, []).append(rows[phase]["threads"]["current"])
             print(f"  round {r + 1} adaptive {'on ' if adaptive else 'off'}: "
                   + "; ".join(f"{ph} {' '.join(f'{x:.1f}' for x in rows[ph]['tok_s'])} tok/s "
-                              f"(threads {rows[ph]['threads']['current']})" for ph in PHASES), flush=True)
+                              f"(threads {rows[ph]['threads']['current']}, trials {rows[ph]['threads'].get('trials', 0)})"
+                              for ph in PHASES), flush=True)
     print("\n| phase | off tok/s | on tok/s | on / off | threads at the phase's end (on) |")
     print("|---|---|---|---|---|")
     for phase in PHASES:

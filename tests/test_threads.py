@@ -63,6 +63,16 @@ def test_a_busy_core_moves_to_fewer_threads_and_back_when_it_frees():
     assert rec.calls[0] == 1 and all(a != b for a, b in zip(rec.calls, rec.calls[1:]))   # set only on a change
 
 
+def test_a_machine_slower_for_every_count_brings_one_trial_not_one_a_step():
+    """Memory slower by 2x for a while (no thread count helps): one trial at the jump, then the
+    slower steps are the level to jump from."""
+    gov = T.ThreadGovernor(2, set_threads=Recorder(), others=lambda: None)
+    drive(gov, {2: 1.0, 1: 1.3}.get, 300)
+    before = gov.trials
+    drive(gov, {2: 2.0, 1: 2.6}.get, 300)
+    assert gov.trials - before <= 2 and gov.current == 2
+
+
 def test_a_trial_compares_steps_of_its_own_row_count_only():
     gov = T.ThreadGovernor(2, set_threads=Recorder(), others=lambda: None)
     for _ in range(T.FIRST):                     # 1-row steps at 1.0, then a trial on 1-row steps ...

@@ -38,7 +38,7 @@ LONGEST_BELOW = 256         # ... and below ``most`` threads, so that freed core
 TRIAL = 4                   # steps of one row count a trial runs at the other thread count
 WINDOW = 8                  # recent step times kept per row count at the current count
 MARGIN = 1.15               # a trial's median step must be this much faster than the steps before it
-JUMP = 1.5                  # steps this much slower than the best since the last switch: a trial now
+JUMP = 1.5                  # steps this much slower than the best since the last trial: a trial now
 FREED = 16                  # below ``most``: every this many steps, a trial now if a core looks idle
 
 
@@ -165,7 +165,8 @@ class ThreadGovernor:
             self.best.clear()
             self.wait = FIRST
             self.switches += 1
-        else:
+        else:       # the steps' time now is the one to jump from (a slower machine that no count helps)
+            self.best.pop(rows, None)
             self.wait = min(2 * self.wait, LONGEST if self.current == self.most else LONGEST_BELOW)
             if 1 < self.current < self.most:
                 self.down = not self.down
