@@ -40,6 +40,7 @@ WINDOW = 8                  # recent step times kept per row count at the curren
 MARGIN = 1.15               # a trial's median step must be this much faster than the steps before it
 JUMP = 1.5                  # steps this much slower than the best since the last trial: a trial now
 FREED = 16                  # below ``most``: every this many steps, a trial now if a core looks idle
+NOT_INVARIANT = "not_thread_invariant"
 
 
 def others_running(path: str = "/proc/loadavg") -> int | None:
@@ -51,7 +52,6 @@ def others_running(path: str = "/proc/loadavg") -> int | None:
             return int(f.read().split()[3].split("/")[0]) - 1
     except (OSError, ValueError, IndexError):
         return None
-NOT_INVARIANT = "not_thread_invariant"
 
 
 def median(xs) -> float:
@@ -65,7 +65,8 @@ class ThreadGovernor:
     gives each step its count (``set_threads``, torch's by default, called only on a change);
     ``observe`` takes a decode step's wall time. ``probe(n)`` says whether the model's forward at
     ``n`` threads gives the bits it gives at ``most`` (asked once per count, before its first
-    trial); None: not asked."""
+    trial); None: not asked. torch's thread count is the process's: one governor a process (the
+    engine of ``turnkv serve``, ``chat`` or ``generate``)."""
 
     def __init__(self, most: int, probe=None, set_threads=torch.set_num_threads, others=others_running):
         self.most = self.current = self.applied = max(1, int(most))
@@ -73,7 +74,7 @@ class ThreadGovernor:
         self.probed: dict[int, bool] = {self.most: True}
         self.blocked = ""                     # why it stays at ``most`` ("" while it adapts)
         self.times: dict[int, deque] = {}     # row count -> recent step times at ``current``
-        self.best: dict[int, float] = {}      # row count -> the lowest median of TRIAL steps since the last switch
+        self.best: dict[int, float] = {}      # row count -> the lowest median of TRIAL steps since the last switch or failed trial
         self.trial: tuple[int, int, list[float]] | None = None   # (threads, row count, its step times)
         self.wait, self.since, self.down = FIRST, 0, True
         self.trials = self.switches = 0
