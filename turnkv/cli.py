@@ -186,6 +186,8 @@ def cmd_chat(args) -> int:
         messages.append({"role": "assistant", "content": result.text})
         if engine.idle_check:   # auto's check, while the reply is read (docs/speculative.md)
             engine.speculation_blocked()
+        if engine.threads is not None:   # the next thread count's probe, too (docs/threads.md)
+            engine.threads.idle()
 
 
 def cmd_serve(args) -> int:

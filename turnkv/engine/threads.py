@@ -179,13 +179,13 @@ class ThreadGovernor:
 
 @torch.inference_mode()
 def thread_probe(model, specs, dtype, device, modes, slack: int, most: int, n: int) -> bool:
-    """Whether the model's logits at ``n`` threads are those at ``most``, bit for bit: a 100-token
+    """Whether the model's logits at ``n`` threads are those at ``most``, bit for bit: a 65-token
     prefill (2 attention blocks: decode attention splits its key blocks between the threads), a
     17-row chunk (past the kernels' 16-row tiles) and 2 one-token steps, on scratch caches with
     the engine's KV modes."""
     rng = random.Random(4321)
     vocab = int(model.vocab_size)
-    prefix = torch.tensor([rng.randrange(vocab) for _ in range(100)])
+    prefix = torch.tensor([rng.randrange(vocab) for _ in range(65)])
     chunk = torch.tensor([rng.randrange(vocab) for _ in range(17)])
     steps = torch.tensor([rng.randrange(vocab) for _ in range(2)])
 
