@@ -287,6 +287,9 @@ def test_cache_stats_show_hits_and_kv_modes(cached, cold, conversation):
     # --kv-cache-mode auto: float16 KV under the gguf weights, the compute dtype otherwise
     assert stats["kv_cache_mode_effective"] == ["fp16" if gguf else "native"] * 30
     assert stats["namespaces"] >= 2          # the tenants above
+    threads = stats["threads"]               # --adaptive-threads on by default: gguf weights, 2+ threads
+    assert threads["adaptive"] == ("on" if gguf and threads["most"] > 1 else "off")
+    assert 1 <= threads["current"] <= threads["most"]
     off = cold.get("/v1/cache/stats").json()
     assert off["prompt_cache_enabled"] is False and off["hits"] == 0 and off["entries"] == 0
 
@@ -303,6 +306,7 @@ def test_metrics_parse_and_count(cached, conversation):
         assert samples[hist + "_count"][0].value >= 8
         assert samples[hist + "_sum"][0].value > 0
     assert "turnkv_prompt_cache_bytes" in samples and "turnkv_requests_pending" in samples
+    assert samples["turnkv_compute_threads"][0].value >= 1
 
 
 def test_models_and_health(cached):
