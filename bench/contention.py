@@ -45,17 +45,18 @@ def one(seed):
     r = eng.generate(GenerationRequest(ids, SamplingParams(max_tokens={tokens}, ignore_eos=True)))
     return r.stats.decode_tokens_per_s
 one(0)      # warm
-hogs = []
 for phase, n in zip({phases!r}, ({requests}, {requests}, {requests})):
-    if phase == "busy":
-        hogs = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range({hogs})]
-        time.sleep(0.5)
-    got = [one(i + 1) for i in range(n)]
-    if phase == "busy":
+    # the busy processes end with the phase, or after 15 minutes whatever happens to this one
+    hogs = ([subprocess.Popen(["timeout", "900", "sh", "-c", "while :; do :; done"]) for _ in range({hogs})]
+            if phase == "busy" else [])
+    try:
+        time.sleep(0.5 if hogs else 0)
+        got = [one(i + 1) for i in range(n)]
+    finally:
         for h in hogs:
-            h.kill()
+            h.terminate()       # timeout passes it on to its loop
             h.wait()
-        time.sleep(0.5)
+    time.sleep(0.5 if hogs else 0)
     print(json.dumps(dict(phase=phase, tok_s=got, threads=threads_dict(eng.threads))), flush=True)
 '''
 
