@@ -30,6 +30,7 @@ import torch
 
 from ..cache.specs import make_caches
 from ..models.batch import ALL, LAST, Batch
+from .speculative import median
 
 CLOCK = time.perf_counter   # a step's wall time: under contention the waits for a core are the cost
 FIRST = 64                  # decode steps before the first trial, and after a switch
@@ -52,12 +53,6 @@ def others_running(path: str = "/proc/loadavg") -> int | None:
             return int(f.read().split()[3].split("/")[0]) - 1
     except (OSError, ValueError, IndexError):
         return None
-
-
-def median(xs) -> float:
-    s = sorted(xs)
-    n = len(s)
-    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
 class ThreadGovernor:
